@@ -1,0 +1,6 @@
+import sys
+
+from flowrl.cli import main
+
+
+sys.exit(main())

@@ -1,0 +1,83 @@
+"""The shared ratio-normalisation-and-clipping core: pure tensor functions over masked `[B, K]` tensors."""
+
+from flowrl.core.advantages import (
+    ADVANTAGES,
+    PerPromptStatTracker,
+    gae,
+    group_advantages,
+    group_index,
+    leave_one_out_advantages,
+    normalize,
+)
+from flowrl.core.aggregation import AGGREGATIONS, aggregate, masked_mean, masked_std
+from flowrl.core.kl import (
+    KL_ESTIMATORS,
+    diag_gaussian_kl,
+    gaussian_mean_kl,
+    kl_estimate,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    velocity_mse,
+)
+from flowrl.core.objectives import (
+    OBJECTIVES,
+    Objective,
+    Surrogate,
+    compute_policy_loss,
+    get_objective,
+    list_objectives,
+    register_objective,
+)
+from flowrl.core.ratios import (
+    gaussian_log_prob,
+    grpo_guard_log_ratio,
+    ratio_norm_grpo_guard,
+    sequence_log_ratio,
+)
+from flowrl.core.steps import (
+    STEP_SELECTIONS,
+    STEP_WEIGHTINGS,
+    select_steps,
+    step_weights,
+    steps_to_mask,
+)
+
+
+__all__ = [
+    "ADVANTAGES",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "OBJECTIVES",
+    "STEP_SELECTIONS",
+    "STEP_WEIGHTINGS",
+    "Objective",
+    "PerPromptStatTracker",
+    "Surrogate",
+    "aggregate",
+    "compute_policy_loss",
+    "diag_gaussian_kl",
+    "gae",
+    "gaussian_log_prob",
+    "gaussian_mean_kl",
+    "get_objective",
+    "group_advantages",
+    "group_index",
+    "grpo_guard_log_ratio",
+    "kl_estimate",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "leave_one_out_advantages",
+    "list_objectives",
+    "masked_mean",
+    "masked_std",
+    "normalize",
+    "ratio_norm_grpo_guard",
+    "register_objective",
+    "select_steps",
+    "sequence_log_ratio",
+    "step_weights",
+    "steps_to_mask",
+    "velocity_mse",
+]

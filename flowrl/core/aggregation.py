@@ -1,0 +1,67 @@
+"""Masked reductions of a per-element loss `[B, K]` to a scalar.
+
+How the per-element loss is reduced is what separates GRPO, DAPO and Dr.GRPO; it is a separate axis
+from the objective, as in verl's `agg_loss`. K is tokens for text and denoising steps for images.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowrl.registry import unknown_name_error
+
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, agg: str = "token_mean", *, norm_len: float | None = None):
+    """Reduce a masked per-element loss to a scalar.
+
+    With `m` the mask, `n_i = sum_t m[i, t]` and `B'` the number of rows with `n_i > 0`:
+
+    - `token_mean`: `sum m*l / sum m` (DAPO, arXiv:2503.14476 sec. 3.3; every valid element counts once),
+    - `seq_mean_token_mean`: `(1/B') sum_i (sum_t m*l) / n_i` (GRPO, arXiv:2402.03300 eq. 3),
+    - `seq_mean_token_sum`: `(1/B') sum_i sum_t m*l`,
+    - `seq_mean_token_sum_norm`: `sum m*l / (B' * L)` with a constant `L` = `norm_len`
+      (Dr.GRPO, arXiv:2503.20783 sec. 3; default `L` = K, the padded length).
+
+    Args:
+        loss (`torch.Tensor`): per-element loss `[B, K]`.
+        mask (`torch.Tensor`): `[B, K]`, 1 where the element counts (bool or float).
+        agg (`str`, defaults to `"token_mean"`): one of `AGGREGATIONS`.
+        norm_len (`float`, *optional*): the constant `L` of `seq_mean_token_sum_norm`.
+
+    An all-masked batch gives a loss of 0 (not NaN) that still carries a (zero) gradient.
+    """
+    mask = mask.to(loss.dtype)
+    masked = loss * mask  # [B, K]
+    if agg == "token_mean":
+        # clamp: an all-masked batch divides 0 by 1 instead of 0 by 0
+        return masked.sum() / mask.sum().clamp_min(1.0)
+    n_i = mask.sum(-1)  # [B]
+    num_seqs = (n_i > 0).sum().clamp_min(1)  # B'; clamp for an all-masked batch
+    row_sum = masked.sum(-1)  # [B]
+    if agg == "seq_mean_token_mean":
+        return (row_sum / n_i.clamp_min(1.0)).sum() / num_seqs
+    if agg == "seq_mean_token_sum":
+        return row_sum.sum() / num_seqs
+    if agg == "seq_mean_token_sum_norm":
+        length = float(loss.shape[-1] if norm_len is None else norm_len)
+        if length <= 0:
+            raise ValueError(f"norm_len must be positive, got {norm_len}")
+        return row_sum.sum() / (num_seqs * length)
+    raise unknown_name_error("aggregation", agg, list(AGGREGATIONS))
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of `x` over the elements where `mask` is set (0 where nothing is set)."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp_min(1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
+
+
+def masked_std(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Population standard deviation of `x` over the elements where `mask` is set."""
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask).sqrt()

@@ -1,0 +1,500 @@
+"""Policy objectives over masked `[B, K]` log-probs: one core for image denoising steps and text tokens.
+
+Every objective is a pair of pure tensor functions:
+
+1. a **log-ratio estimator** `x[B, K]` (differentiable): the token/step ratio `logp - old_logp`, the GSPO
+   sequence ratio, or the GRPO-Guard normalised ratio;
+2. a **surrogate** that, given `r = exp(x)` and the advantages, returns the per-element loss value `v` and
+   its derivative `g = dv/dx` (the "value / gradient-weight" form, `reference/algorithms-llm.md` sec. 4.1).
+
+`compute_policy_loss` assembles `l = v + g * (x - sg(x))`, which has value `v` and gradient `g * grad(x)`
+exactly, so the trust-region logic runs once, without autograd, in fp32, and is the same code for every
+modality. Each surrogate's docstring gives the published loss; the test-suite checks value and gradient
+against a direct autograd implementation of that formula.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from flowrl.core.aggregation import AGGREGATIONS, aggregate
+from flowrl.core.ratios import LOG_RATIO_CLAMP, compute_dtype, grpo_guard_log_ratio, sequence_log_ratio
+from flowrl.registry import Registry, first_line, unknown_name_error
+
+
+PER_STEP_METRICS_MAX_K = 64
+"""Per-step ratio/clip metrics are returned when K is at most this (denoising steps, not tokens)."""
+
+COMMON_HPARAMS = ("agg", "weights", "norm_len")
+
+
+class Surrogate(NamedTuple):
+    """Per-element output of a surrogate.
+
+    Attributes:
+        value (`torch.Tensor`): loss value `v[B, K]` (to be minimised).
+        coef (`torch.Tensor`): `dv/dx[B, K]`, the derivative with respect to the log-ratio.
+        clipped_high (`torch.Tensor`): bool `[B, K]`, the upper trust-region bound is binding.
+        clipped_low (`torch.Tensor`): bool `[B, K]`, the lower trust-region bound is binding (disjoint from
+            `clipped_high`, so that `clipfrac = clipfrac_high + clipfrac_low`).
+    """
+
+    value: torch.Tensor
+    coef: torch.Tensor
+    clipped_high: torch.Tensor
+    clipped_low: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A registered objective: log-ratio estimator + surrogate + default aggregation and hyper-parameters."""
+
+    name: str
+    surrogate: Callable[..., Surrogate]
+    log_ratio: Callable[..., torch.Tensor]
+    agg: str
+    description: str
+    hparams: dict[str, Any] = field(default_factory=dict)
+    """Hyper-parameter defaults (from the surrogate's and estimator's keyword-only parameters)."""
+    required: tuple[str, ...] = ()
+    """Hyper-parameters without a default that the caller must pass."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Defaults this preset changes relative to its surrogate's own defaults."""
+    ratio_params: tuple[str, ...] = ()
+    """Hyper-parameters the log-ratio estimator takes (cached at registration)."""
+    surrogate_params: tuple[str, ...] = ()
+    """Hyper-parameters the surrogate takes (cached at registration)."""
+    needs_logp: bool = False
+    """Whether the surrogate's value depends on `log pi_theta` itself (CISPO), not only on the ratio."""
+
+
+OBJECTIVES: Registry[Objective] = Registry("objective")
+
+
+def _keyword_params(fn: Callable) -> dict[str, Any]:
+    """Keyword-only parameters of `fn` -> default (`inspect.Parameter.empty` when required)."""
+    return {n: p.default for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def register_objective(
+    name: str,
+    surrogate: Callable[..., Surrogate],
+    *,
+    log_ratio: Callable[..., torch.Tensor] | None = None,
+    agg: str = "token_mean",
+    description: str | None = None,
+    **overrides: Any,
+) -> Objective:
+    """Register an objective under `name`.
+
+    Args:
+        name (`str`): registry name; a duplicate raises `ValueError`.
+        surrogate (`Callable`): `fn(ratio, adv, *, logp, **hparams) -> Surrogate`; its keyword-only
+            parameters (other than `logp`) are the objective's hyper-parameters.
+        log_ratio (`Callable`, *optional*): `fn(log_ratio, mask, *, **hparams) -> [B, K]` mapping the masked
+            element log-ratio `logp - old_logp` to the one the surrogate uses; defaults to the identity.
+        agg (`str`, defaults to `"token_mean"`): default aggregation (see `flowrl.core.aggregation`).
+        description (`str`, *optional*): one line for `flowrl list`; defaults to the surrogate's docstring.
+        **overrides: hyper-parameter defaults that differ from the surrogate's (presets such as `dapo`).
+    """
+    if agg not in AGGREGATIONS:
+        raise unknown_name_error("aggregation", agg, list(AGGREGATIONS))
+    log_ratio = log_ratio or element_log_ratio
+    surrogate_params = _keyword_params(surrogate)
+    needs_logp = surrogate_params.pop("logp", None) is not None
+    ratio_params = _keyword_params(log_ratio)
+    params = {**surrogate_params, **ratio_params}
+    for key in overrides:
+        if key not in params:
+            raise unknown_name_error("hyper-parameter", key, list(params), where=f"for objective {name!r}")
+    params.update(overrides)
+    required = tuple(k for k, v in params.items() if v is inspect.Parameter.empty)
+    defaults = {k: v for k, v in params.items() if v is not inspect.Parameter.empty}
+    objective = Objective(
+        name=name,
+        surrogate=surrogate,
+        log_ratio=log_ratio,
+        agg=agg,
+        description=description or first_line(surrogate.__doc__),
+        hparams=defaults,
+        required=required,
+        overrides=dict(overrides),
+        ratio_params=tuple(ratio_params),
+        surrogate_params=tuple(surrogate_params),
+        needs_logp=needs_logp,
+    )
+    OBJECTIVES.register(name, objective, description=objective.description)
+    return objective
+
+
+def list_objectives() -> list[str]:
+    """Names of the registered objectives."""
+    return OBJECTIVES.names()
+
+
+def get_objective(name: str) -> Objective:
+    """The registered `Objective` called `name` (raises `ValueError` listing the valid names)."""
+    return OBJECTIVES.get(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# log-ratio estimators: (masked element log-ratio, mask) -> x[B, K], differentiable through logp
+# ----------------------------------------------------------------------------------------------
+
+
+def element_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token / per-step log-ratio `log pi_theta - log pi_old` (the identity)."""
+    return log_ratio
+
+
+def gspo_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO sequence log-ratio (geometric mean over the valid elements), broadcast to `[B, K]`."""
+    return sequence_log_ratio(log_ratio, mask)
+
+
+def guard_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, *, std, mean_diff_sq) -> torch.Tensor:
+    """GRPO-Guard normalised per-step log-ratio `s * (l + ||dmu||^2 / (2 s^2))`."""
+    dtype, device = log_ratio.dtype, log_ratio.device
+    std = torch.as_tensor(std, dtype=dtype, device=device).expand_as(log_ratio)
+    mean_diff_sq = torch.as_tensor(mean_diff_sq, device=device).to(dtype).expand_as(log_ratio)
+    # untrained steps may be deterministic (std 0): give them std 1 so no 0/0 reaches the gradient
+    std = torch.where(mask, std, 1.0)
+    mean_diff_sq = torch.where(mask, mean_diff_sq, 0.0)
+    return grpo_guard_log_ratio(log_ratio, std, mean_diff_sq)
+
+
+# ----------------------------------------------------------------------------------------------
+# surrogates: (ratio, adv) -> Surrogate(value, d value / d log_ratio, clipped_high, clipped_low)
+# ----------------------------------------------------------------------------------------------
+
+
+def _dual_clip(value, coef, adv, dual_clip_c):
+    """Dual clip (Ye et al. 2020, arXiv:1912.09729): for A < 0, `l = min(l, -A * c)`, gradient 0 there."""
+    if dual_clip_c is None:
+        return value, coef, torch.zeros_like(value, dtype=torch.bool)
+    if dual_clip_c <= 1:
+        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+    capped = (adv < 0) & (value > -adv * dual_clip_c)  # [B, K]
+    value = torch.where(capped, -adv * dual_clip_c, value)
+    coef = torch.where(capped, 0.0, coef)
+    return value, coef, capped
+
+
+def _bounds(clip_eps_low: float, clip_eps_high: float | None) -> tuple[float, float]:
+    high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    if clip_eps_low < 0 or high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got clip_eps_low={clip_eps_low}, clip_eps_high={high}")
+    return 1.0 - clip_eps_low, 1.0 + high
+
+
+def ppo_clip(ratio, adv, *, clip_eps_low: float = 0.2, clip_eps_high: float | None = None, dual_clip_c=None):
+    """PPO-clip, asymmetric bounds, optional dual clip (Schulman et al. 2017, arXiv:1707.06347 eq. 7).
+
+    `l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`; `clip_eps_high` defaults to `clip_eps_low`
+    (clip-higher: DAPO, arXiv:2503.14476 sec. 3.1); with `dual_clip_c` = c, `l = min(l, -A c)` for A < 0.
+    Gradient `dl/dlog r = -A r` where the unclipped branch is active, 0 where a bound binds.
+    """
+    low, high = _bounds(clip_eps_low, clip_eps_high)
+    unclipped = -adv * ratio  # [B, K]
+    # a bound binds where the clipped branch is strictly the max: A > 0 above 1+eps_h, A < 0 below 1-eps_l
+    # (at the bound itself the branches tie and the gradient is kept, as autograd does)
+    clipped_high = (ratio > high) & (adv > 0)
+    clipped_low = (ratio < low) & (adv < 0)
+    binding = clipped_high | clipped_low
+    value = torch.where(binding, -adv * ratio.clamp(low, high), unclipped)
+    coef = torch.where(binding, 0.0, unclipped)  # dl/dlog r = -A r on the unclipped branch
+    value, coef, dual = _dual_clip(value, coef, adv, dual_clip_c)
+    return Surrogate(value, coef, clipped_high, clipped_low | dual)
+
+
+def gppo(
+    ratio,
+    adv,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = 0.28,
+    beta_low: float = 1.0,
+    beta_high: float = 1.0,
+    dual_clip_c=None,
+):
+    """Gradient-preserving clip: PPO's value, bounded gradient when clipped (GPPO arXiv:2508.07629, CE-GPPO).
+
+    `l = max(-A r, -A clip(r, (1-eps_l) r/sg(r), (1+eps_h) r/sg(r)))`; in the two clipped regions the
+    value is `-beta_l (1-eps_l) A` (A<0, r<1-eps_l) or `-beta_h (1+eps_h) A` (A>0, r>1+eps_h) and the
+    gradient is that same number (CE-GPPO, arXiv:2509.20712). With beta = 1 the value equals
+    clip-higher PPO on every input; elsewhere the gradient equals PPO's.
+    """
+    low, high = _bounds(clip_eps_low, clip_eps_high)
+    unclipped = -adv * ratio  # [B, K]
+    clipped_high = (adv > 0) & (ratio > high)
+    clipped_low = (adv < 0) & (ratio < low)
+    preserved_high = -beta_high * high * adv  # value and d/dlog r of -beta_h (1+eps_h) A r/sg(r)
+    preserved_low = -beta_low * low * adv
+    value = torch.where(clipped_high, preserved_high, torch.where(clipped_low, preserved_low, unclipped))
+    coef = value.clone()  # in every region the value is linear in r / sg(r), so d/dlog r = value
+    value, coef, dual = _dual_clip(value, coef, adv, dual_clip_c)
+    return Surrogate(value, coef, clipped_high, clipped_low | dual)
+
+
+def clamp(ratio, adv, *, eps: float = 1e-4):
+    """Clamp-only ratio (DPOK arXiv:2305.16381 as released; FIND arXiv:2407.19453): `l = -A clamp(r, 1-eps, 1+eps)`.
+
+    Stricter than PPO: the gradient `-A r` flows only while `1-eps < r < 1+eps`, for both signs of A.
+    """
+    low, high = _bounds(eps, eps)
+    value = -adv * ratio.clamp(low, high)  # [B, K]
+    above, below = ratio > high, ratio < low
+    coef = torch.where(above | below, 0.0, -adv * ratio)
+    return Surrogate(value, coef, above, below)
+
+
+def reinforce(ratio, adv):
+    """Unclipped importance-weighted policy gradient `l = -A r` (REINFORCE / A2C as PPO, arXiv:2205.09123).
+
+    At `r = 1` (one update per rollout) the gradient is exactly `-A grad(log pi)`.
+    """
+    value = -adv * ratio  # [B, K]
+    none = torch.zeros_like(value, dtype=torch.bool)
+    return Surrogate(value, value, none, none)
+
+
+def spo(ratio, adv, *, eps: float = 0.2):
+    """Quadratic-penalty surrogate (SPO, Xie et al. 2025, arXiv:2401.16025).
+
+    `l = -(A r - |A| (r - 1)^2 / (2 eps))`, maximised at `r* = 1 + sign(A) eps`; the gradient
+    `dl/dlog r = (-A + |A| (r - 1) / eps) r` is never zeroed, it pulls r back inside the trust region.
+    """
+    if eps <= 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    value = -(adv * ratio - adv.abs() * (ratio - 1) ** 2 / (2 * eps))  # [B, K]
+    coef = (-adv + adv.abs() * (ratio - 1) / eps) * ratio
+    # report where PPO's bound would bind, for comparability of the clip-fraction metric
+    beyond_high, beyond_low = (adv > 0) & (ratio > 1 + eps), (adv < 0) & (ratio < 1 - eps)
+    return Surrogate(value, coef, beyond_high, beyond_low)
+
+
+def sapo(ratio, adv, *, tau_pos: float = 1.0, tau_neg: float = 1.05):
+    """Soft adaptive gate instead of a clip (SAPO, arXiv:2511.20347).
+
+    `l = -A (4/tau) sigmoid(tau (r - 1))` with `tau = tau_pos` for A > 0 and `tau_neg` otherwise;
+    gradient `dl/dlog r = -A 4 sigma (1 - sigma) r`, which equals `-A` at r = 1 and decays smoothly.
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
+    tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))  # [B, K]
+    gate = torch.sigmoid(tau * (ratio - 1))
+    value = -adv * 4 / tau * gate
+    coef = -adv * 4 * gate * (1 - gate) * ratio
+    none = torch.zeros_like(value, dtype=torch.bool)
+    return Surrogate(value, coef, none, none)
+
+
+def cispo(ratio, adv, *, logp, clip_eps_low: float | None = None, clip_eps_high: float = 4.0):
+    """Clipped IS-weight REINFORCE (CISPO, MiniMax-M1, arXiv:2506.13585 sec. 3.1).
+
+    `l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta`: the truncated weight is a constant, so
+    clipped elements still get gradient `-A w`. `clip_eps_high` means `1 + eps` (verl's convention; trl's
+    `epsilon_high` is the absolute cap `1 + eps`); the default cap 5 is the one trl's docs recommend
+    (ScaleRL, arXiv:2510.13786). No lower bound unless `clip_eps_low` is given. The value depends on
+    `log pi_theta` itself, not only on the ratio.
+    """
+    low = 0.0 if clip_eps_low is None else 1.0 - clip_eps_low
+    high = 1.0 + clip_eps_high
+    weight = ratio.clamp(low, high)  # [B, K]
+    coef = -adv * weight  # dl/dlogp = -A w: the weight is a constant
+    value = coef * logp  # -sg(w) A log pi_theta
+    return Surrogate(value, coef, ratio > high, ratio < low)
+
+
+# ----------------------------------------------------------------------------------------------
+# the registry: presets pin the published defaults
+# ----------------------------------------------------------------------------------------------
+
+register_objective("ppo", ppo_clip, agg="token_mean")
+register_objective(
+    "grpo",
+    ppo_clip,
+    agg="seq_mean_token_mean",
+    description="GRPO: PPO-clip (eps 0.2) averaged per sequence then over sequences (arXiv:2402.03300 eq. 3)",
+)
+register_objective(
+    "dapo",
+    ppo_clip,
+    agg="token_mean",
+    clip_eps_high=0.28,
+    description="DAPO: clip-higher PPO (eps 0.2 / 0.28) with token-mean aggregation (arXiv:2503.14476 sec. 3.1, 3.3)",
+)
+register_objective(
+    "dr_grpo",
+    ppo_clip,
+    agg="seq_mean_token_sum_norm",
+    description="Dr.GRPO: PPO-clip summed per sequence over a constant length L (arXiv:2503.20783 sec. 3)",
+)
+register_objective(
+    "gspo",
+    ppo_clip,
+    log_ratio=gspo_log_ratio,
+    agg="seq_mean_token_mean",
+    clip_eps_low=3e-4,
+    clip_eps_high=4e-4,
+    description="GSPO: PPO-clip on the sequence geometric-mean ratio (images: over trained steps) (arXiv:2507.18071)",
+)
+register_objective("sapo", sapo, agg="seq_mean_token_mean")
+register_objective("cispo", cispo, agg="token_mean")
+register_objective("spo", spo, agg="token_mean")
+register_objective("gppo", gppo, agg="token_mean")
+register_objective("clamp", clamp, agg="token_mean")
+register_objective("reinforce", reinforce, agg="token_mean")
+register_objective(
+    "grpo_guard",
+    ppo_clip,
+    log_ratio=guard_log_ratio,
+    agg="token_mean",
+    clip_eps_low=2e-6,
+    description="GRPO-Guard: PPO-clip (eps 2e-6) on the RatioNorm-ed per-step log-ratio (arXiv:2510.22319 sec. 3)",
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: torch.Size) -> None:
+    if t.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)} (like logp), got {tuple(t.shape)}")
+
+
+def compute_policy_loss(
+    name: str,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    **hparams: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and diagnostics of the objective `name` on masked `[B, K]` log-probs.
+
+    Args:
+        name (`str`): a registered objective (`list_objectives()`); unknown names raise `ValueError`.
+        logp (`torch.Tensor`): `[B, K]` log-probs under the current policy (carries the gradient). For an
+            image policy K is denoising steps; for text, tokens. Any log-likelihood proxy works (FPO passes
+            minus its flow-matching loss).
+        old_logp (`torch.Tensor`): `[B, K]` behaviour-policy log-probs (no gradient).
+        advantages (`torch.Tensor`): `[B]` (broadcast over K) or `[B, K]`.
+        mask (`torch.Tensor`, *optional*): `[B, K]`, 1 where the element is trained; padding may hold
+            any value, even NaN/inf, and never reaches the loss or the gradient.
+        **hparams: the objective's hyper-parameters (see `get_objective(name).hparams`) and
+            - `agg` (`str`): aggregation, defaults to the objective's (see `flowrl.core.aggregation`),
+            - `weights` (`torch.Tensor`): per-element weights broadcastable to `[B, K]` (timestep weighting),
+              multiplied onto the per-element loss (no gradient),
+            - `norm_len` (`float`): the constant `L` of `seq_mean_token_sum_norm` (defaults to K).
+
+    Returns:
+        `(loss, metrics)`: a scalar loss (fp32, or fp64 for fp64 inputs) and detached tensors:
+        `clipfrac`, `clipfrac_high`, `clipfrac_low`, `ratio_mean`, `ratio_std`, `ratio_min`, `ratio_max`,
+        `approx_kl_k3` (k3 estimate of KL(pi_old || pi_theta) from the element log-ratios) and, when
+        K <= 64, `ratio_mean_per_step` and `clipfrac_per_step` (`[K]`).
+    """
+    objective = get_objective(name)
+    agg = hparams.pop("agg", objective.agg)
+    weights = hparams.pop("weights", None)
+    norm_len = hparams.pop("norm_len", None)
+    for key in hparams:
+        if key not in objective.hparams and key not in objective.required:
+            valid = sorted([*objective.hparams, *objective.required, *COMMON_HPARAMS])
+            raise unknown_name_error("hyper-parameter", key, valid, where=f"for objective {name!r}")
+    missing = [k for k in objective.required if k not in hparams]
+    if missing:
+        raise ValueError(f"objective {name!r} needs hyper-parameter(s) {', '.join(missing)}")
+    hp = {**objective.hparams, **hparams}
+
+    if logp.ndim != 2:
+        raise ValueError(f"logp must be [B, K], got shape {tuple(logp.shape)}")
+    shape = logp.shape
+    _check_shape("old_logp", old_logp, shape)
+    mask = torch.ones(shape, dtype=torch.bool, device=logp.device) if mask is None else mask
+    _check_shape("mask", mask, shape)
+    if advantages.ndim == 1:
+        if advantages.shape[0] != shape[0]:
+            raise ValueError(f"advantages [B] must have B={shape[0]} entries, got {advantages.shape[0]}")
+        advantages = advantages.unsqueeze(-1)
+    elif advantages.shape != shape:
+        raise ValueError(f"advantages must be [B] or [B, K]={tuple(shape)}, got {tuple(advantages.shape)}")
+
+    dtype = compute_dtype(logp, old_logp)
+    mask = mask.bool()
+    # padding may hold NaN/inf: select it away before any arithmetic so it cannot reach the loss or grads
+    log_ratio = torch.where(mask, logp.to(dtype) - old_logp.detach().to(dtype), 0.0)  # [B, K]
+    adv = advantages.detach().to(dtype)  # [B, 1] or [B, K]
+    if adv.shape == shape:
+        adv = torch.where(mask, adv, 0.0)
+
+    x = objective.log_ratio(log_ratio, mask, **{k: hp[k] for k in objective.ratio_params})  # [B, K]
+    fmask = mask.to(dtype)
+    with torch.no_grad():
+        ratio = torch.exp(x.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, K]
+        kwargs = {k: hp[k] for k in objective.surrogate_params}
+        if objective.needs_logp:
+            kwargs["logp"] = torch.where(mask, logp.detach().to(dtype), 0.0)
+        terms = objective.surrogate(ratio, adv, **kwargs)
+        metrics = _metrics(ratio, terms, log_ratio.detach(), mask, fmask)
+
+    # value v, gradient g * grad(x): (x - sg(x)) is exactly 0 in the forward pass
+    per_element = torch.addcmul(terms.value, terms.coef, x - x.detach())  # [B, K] = v + g * (x - sg(x))
+    if weights is not None:
+        weights = torch.as_tensor(weights, dtype=dtype, device=logp.device).detach().expand(shape)
+        per_element = per_element * torch.where(mask, weights, 0.0)
+    loss = aggregate(per_element, fmask, agg, norm_len=norm_len)
+    return loss, metrics
+
+
+def _metrics(ratio, terms: Surrogate, log_ratio, mask, fmask) -> dict[str, torch.Tensor]:
+    """Diagnostics as masked sums of a few per-element rows.
+
+    Short sequences (denoising steps) reduce a stacked `[5, B, K]` tensor once, which also gives the
+    per-step rows; long ones (tokens) use one fused dot product per row instead of building the stack.
+    """
+    dtype = ratio.dtype
+    shifted = ratio - 1  # around 1, E[(r-1)^2] - (E[r]-1)^2 keeps its digits in fp32
+    lr = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    rows = [
+        terms.clipped_high.to(dtype),
+        terms.clipped_low.to(dtype),
+        shifted,
+        shifted * shifted,
+        # k3 = (rho - 1) - log rho with rho = pi_theta / pi_old on samples from pi_old (Schulman 2020)
+        torch.expm1(lr) - lr,
+    ]
+    per_step_wanted = ratio.shape[-1] <= PER_STEP_METRICS_MAX_K
+    if per_step_wanted:
+        per_step = (torch.stack(rows) * fmask).sum(1)  # [5, K]: masked sums over the batch
+        count_per_step = fmask.sum(0)  # [K]
+        sums, count = per_step.sum(1), count_per_step.sum()
+    else:
+        flat = fmask.flatten()
+        sums, count = torch.stack([torch.dot(row.flatten(), flat) for row in rows]), flat.sum()
+    # clamp: an all-masked batch reports zeros, not NaN
+    clip_high, clip_low, mean_shift, mean_sq, k3 = (sums / count.clamp_min(1.0)).unbind()
+    ratio_mean = mean_shift + 1
+    lo_hi = torch.aminmax(torch.where(mask, ratio, ratio_mean))  # padding takes the mean: between min and max
+    metrics = {
+        "clipfrac": clip_high + clip_low,
+        "clipfrac_high": clip_high,
+        "clipfrac_low": clip_low,
+        "ratio_mean": ratio_mean,
+        "ratio_std": torch.addcmul(mean_sq, mean_shift, mean_shift, value=-1).clamp_min(0.0).sqrt(),
+        "ratio_min": lo_hi.min,
+        "ratio_max": lo_hi.max,
+        "approx_kl_k3": k3,
+    }
+    if per_step_wanted:
+        per_step = per_step[:3] / count_per_step.clamp_min(1.0)  # [3, K]: high, low, ratio - 1
+        metrics["clipfrac_per_step"] = per_step[0] + per_step[1]
+        metrics["ratio_mean_per_step"] = per_step[2] + 1
+    return metrics

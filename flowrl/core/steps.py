@@ -1,0 +1,141 @@
+"""Which denoising steps are trained, and how much each one weighs: the axis users ablate.
+
+A **step selection** returns step indices `[B, k]` (sorted; the same count k for every sample, so the
+trainer can batch one step across samples). A **step weighting** maps the sampler's noise levels
+`sigmas[T + 1]` (flow-matching convention: 1 = pure noise, `x_s = (1 - s) x0 + s eps`) to per-step
+weights `[T]`, which `compute_policy_loss(..., weights=...)` multiplies onto the per-step loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from flowrl.registry import Registry, check_kwargs
+
+
+STEP_SELECTIONS: Registry = Registry("step selection")
+STEP_WEIGHTINGS: Registry = Registry("step weighting")
+
+
+def _rows(steps: torch.Tensor, batch_size: int) -> torch.Tensor:
+    return steps.unsqueeze(0).expand(batch_size, -1).clone()
+
+
+@STEP_SELECTIONS.register("all")
+def select_all(num_steps: int, batch_size: int) -> torch.Tensor:
+    """Every step."""
+    return _rows(torch.arange(num_steps), batch_size)
+
+
+@STEP_SELECTIONS.register("first_fraction")
+def select_first_fraction(num_steps: int, batch_size: int, *, fraction: float = 0.99) -> torch.Tensor:
+    """The first `int(T * fraction)` steps (Flow-GRPO's `timestep_fraction`: 0.99 of 10 -> 9)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    count = max(1, int(num_steps * fraction))
+    return _rows(torch.arange(count), batch_size)
+
+
+@STEP_SELECTIONS.register("window")
+def select_window(num_steps: int, batch_size: int, *, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """Steps `start <= t < end` (an SDE window, MixGRPO / Flow-GRPO-Fast)."""
+    end = num_steps if end is None else end
+    if not 0 <= start < end <= num_steps:
+        raise ValueError(f"window must satisfy 0 <= start < end <= {num_steps}, got start={start}, end={end}")
+    return _rows(torch.arange(start, end), batch_size)
+
+
+@STEP_SELECTIONS.register("random")
+def select_random(
+    num_steps: int, batch_size: int, *, k: int = 1, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """`k` distinct random steps per sample, seeded by `generator` (DDPO's per-sample permutation)."""
+    if not 1 <= k <= num_steps:
+        raise ValueError(f"k must be in [1, {num_steps}], got {k}")
+    keys = torch.rand(batch_size, num_steps, generator=generator)
+    return keys.argsort(dim=-1)[:, :k].sort(dim=-1).values
+
+
+def select_steps(name: str, num_steps: int, batch_size: int, **kwargs) -> torch.Tensor:
+    """Step indices `[B, k]` from the selection `name` (`all`, `first_fraction`, `window`, `random`)."""
+    fn = STEP_SELECTIONS.get(name)
+    check_kwargs("step selection", name, kwargs, fn)
+    if num_steps < 1 or batch_size < 0:
+        raise ValueError(f"need num_steps >= 1 and batch_size >= 0, got {num_steps}, {batch_size}")
+    return fn(num_steps, batch_size, **kwargs)
+
+
+def steps_to_mask(indices: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """Boolean `[B, T]` mask with the selected steps set."""
+    mask = torch.zeros(indices.shape[0], num_steps, dtype=torch.bool, device=indices.device)
+    return mask.scatter_(1, indices, True)
+
+
+def _dt(sigmas: torch.Tensor) -> torch.Tensor:
+    return (sigmas[..., 1:] - sigmas[..., :-1]).abs()
+
+
+@STEP_WEIGHTINGS.register("uniform")
+def weight_uniform(sigmas: torch.Tensor) -> torch.Tensor:
+    """Every step weighs 1 (Flow-GRPO, DDPO)."""
+    return torch.ones_like(sigmas[..., :-1])
+
+
+@STEP_WEIGHTINGS.register("inv_dt")
+def weight_inv_dt(sigmas: torch.Tensor) -> torch.Tensor:
+    """1 / |dt|, removing the step-size factor from the step's gradient (GRPO-Guard, arXiv:2510.22319 sec. 3.2)."""
+    dt = _dt(sigmas)
+    if (dt == 0).any():
+        raise ValueError("inv_dt weighting needs strictly monotone sigmas (a step has dt = 0)")
+    return 1.0 / dt
+
+
+@STEP_WEIGHTINGS.register("min_snr")
+def weight_min_snr(sigmas: torch.Tensor, *, gamma: float = 5.0) -> torch.Tensor:
+    """min(SNR, gamma) / gamma with SNR = ((1 - s) / s)^2 at the step's start (Min-SNR, arXiv:2303.09556)."""
+    s = sigmas[..., :-1].clamp(1e-6, 1.0)  # clamp: s = 0 has infinite SNR; min(., gamma) caps it anyway
+    snr = ((1 - s) / s) ** 2
+    return snr.clamp(max=gamma) / gamma
+
+
+@STEP_WEIGHTINGS.register("sigma")
+def weight_sigma(sigmas: torch.Tensor) -> torch.Tensor:
+    """The step's starting noise level s: emphasises early, high-noise steps."""
+    return sigmas[..., :-1].clone()
+
+
+def step_weights(
+    name: str | Callable[[torch.Tensor], torch.Tensor],
+    sigmas: torch.Tensor,
+    *,
+    normalize: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Per-step weights `[T]` (or `[B, T]` for per-sample `sigmas[B, T + 1]`).
+
+    Args:
+        name (`str` or `Callable`): a registered weighting (`uniform`, `inv_dt`, `min_snr`, `sigma`) or a
+            function `sigmas -> weights[T]`.
+        sigmas (`torch.Tensor`): the sampler's noise levels `[T + 1]`, from 1 (noise) towards 0.
+        normalize (`bool`, defaults to `False`): rescale to mean 1 over the steps, so switching weightings
+            does not change the effective learning rate.
+    """
+    sigmas = sigmas.to(torch.float64 if sigmas.dtype == torch.float64 else torch.float32)
+    if sigmas.shape[-1] < 2:
+        raise ValueError(f"sigmas needs T + 1 >= 2 entries, got shape {tuple(sigmas.shape)}")
+    if callable(name):
+        weights = torch.as_tensor(name(sigmas, **kwargs), dtype=sigmas.dtype)
+        label = getattr(name, "__name__", "user weighting")
+    else:
+        fn = STEP_WEIGHTINGS.get(name)
+        check_kwargs("step weighting", name, kwargs, fn)
+        weights, label = fn(sigmas, **kwargs), name
+    if weights.shape != sigmas[..., :-1].shape:
+        raise ValueError(f"{label} returned shape {tuple(weights.shape)}, expected {tuple(sigmas[..., :-1].shape)}")
+    if not torch.isfinite(weights).all() or (weights < 0).any():
+        raise ValueError(f"{label} returned negative or non-finite weights: {weights.tolist()}")
+    if normalize:
+        weights = weights / weights.mean(dim=-1, keepdim=True).clamp_min(1e-12)
+    return weights

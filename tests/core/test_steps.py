@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from flowrl.core import STEP_SELECTIONS, STEP_WEIGHTINGS, select_steps, step_weights, steps_to_mask
+
+
+def test_selections():
+    assert select_steps("all", 4, 2).tolist() == [[0, 1, 2, 3]] * 2
+    assert select_steps("first_fraction", 10, 1, fraction=0.99).tolist() == [list(range(9))]  # Flow-GRPO 9/10
+    assert select_steps("window", 10, 1, start=2, end=5).tolist() == [[2, 3, 4]]
+    a = select_steps("random", 10, 5, k=3, generator=torch.Generator().manual_seed(0))
+    b = select_steps("random", 10, 5, k=3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a, b) and a.shape == (5, 3)
+    assert all(len(set(row)) == 3 and row == sorted(row) for row in a.tolist())
+    assert len({tuple(r) for r in a.tolist()}) > 1  # differs per sample
+    mask = steps_to_mask(torch.tensor([[0, 2], [1, 3]]), 4)
+    assert mask.tolist() == [[True, False, True, False], [False, True, False, True]]
+
+
+def test_selection_errors():
+    with pytest.raises(ValueError, match="unknown step selection 'last'"):
+        select_steps("last", 4, 1)
+    with pytest.raises(ValueError, match="unknown hyper-parameter 'frac' for step selection 'first_fraction'"):
+        select_steps("first_fraction", 4, 1, frac=0.5)
+    with pytest.raises(ValueError, match="window must satisfy"):
+        select_steps("window", 4, 1, start=3, end=2)
+    with pytest.raises(ValueError, match="k must be in"):
+        select_steps("random", 4, 1, k=5)
+
+
+def test_weightings():
+    sigmas = torch.tensor([1.0, 0.75, 0.25, 0.0])
+    assert step_weights("uniform", sigmas).tolist() == [1.0, 1.0, 1.0]
+    assert step_weights("inv_dt", sigmas).tolist() == pytest.approx([4.0, 2.0, 4.0])
+    w = step_weights("inv_dt", sigmas, normalize=True)
+    assert w.mean().item() == pytest.approx(1.0) and w.tolist() == pytest.approx([1.2, 0.6, 1.2])
+    # SNR((1-s)/s)^2 at s = 1, 0.75, 0.25: 0, 1/9, 9 -> min(., 5) / 5
+    assert step_weights("min_snr", sigmas).tolist() == pytest.approx([0.0, 1 / 45, 1.0])
+    assert step_weights("sigma", sigmas).tolist() == [1.0, 0.75, 0.25]
+    assert step_weights(lambda s: s[1:] + 1, sigmas).tolist() == [1.75, 1.25, 1.0]
+    # per-sample sigmas
+    assert step_weights("inv_dt", sigmas.repeat(2, 1)).shape == (2, 3)
+
+
+def test_weighting_errors():
+    with pytest.raises(ValueError, match="dt = 0"):
+        step_weights("inv_dt", torch.tensor([1.0, 1.0, 0.0]))
+    with pytest.raises(ValueError, match="returned shape"):
+        step_weights(lambda s: s, torch.tensor([1.0, 0.5, 0.0]))
+    with pytest.raises(ValueError, match="negative or non-finite"):
+        step_weights(lambda s: -s[1:], torch.tensor([1.0, 0.5, 0.0]))
+    with pytest.raises(ValueError, match="unknown step weighting"):
+        step_weights("snr", torch.tensor([1.0, 0.0]))
+
+
+def test_registries_have_descriptions():
+    for reg in (STEP_SELECTIONS, STEP_WEIGHTINGS):
+        assert all(reg.describe().values())

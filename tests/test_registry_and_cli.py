@@ -1,0 +1,63 @@
+import subprocess
+import sys
+
+import pytest
+
+import rewards
+from flowrl.cli import main
+from flowrl.core import list_objectives
+from flowrl.registry import Registry
+
+
+def test_registry_semantics():
+    reg = Registry("widget")
+
+    @reg.register("alpha")
+    def alpha():
+        """An alpha widget.
+
+        More text."""
+
+    reg.register("beta", object(), description="a beta")
+    assert reg.names() == ["alpha", "beta"] and "alpha" in reg and len(reg) == 2
+    assert reg.describe() == {"alpha": "An alpha widget.", "beta": "a beta"}
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("alpha", object())
+    with pytest.raises(ValueError, match="unknown widget 'alpah'. Did you mean 'alpha'.*Valid choices: alpha, beta"):
+        reg.get("alpah")
+    reg.unregister("beta")
+    assert reg.names() == ["alpha"]
+
+
+def test_rewards_registry_api():
+    @rewards.register("constant_test_reward")
+    def constant(value=1.0):
+        """A constant reward (test)."""
+        return lambda images, prompts, **_: [value] * len(prompts)
+
+    try:
+        assert "constant_test_reward" in rewards.list_rewards()
+        assert rewards.get("constant_test_reward", value=2.0)(None, ["a", "b"]) == [2.0, 2.0]
+    finally:
+        rewards.REWARDS.unregister("constant_test_reward")
+    with pytest.raises(ValueError, match="unknown reward"):
+        rewards.get("nope")
+
+
+def test_flowrl_list_prints_every_section(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for section in ["objectives:", "advantage estimators:", "KL estimators:", "step selections:", "step weightings:"]:
+        assert section in out
+    for name in list_objectives():
+        assert f"  {name} " in out
+    assert main(["list", "objectives"]) == 0
+    out = capsys.readouterr().out
+    assert "grpo_guard" in out and "advantage estimators" not in out
+    assert main(["list", "nonsense"]) == 2
+
+
+def test_console_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "flowrl", "list", "objectives"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "ppo" in out.stdout

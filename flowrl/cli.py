@@ -10,6 +10,7 @@ def _catalog() -> dict[str, dict[str, str]]:
     """Section title -> {name: one-line description} for every registry."""
     import rewards
     from flowrl import core
+    from flowrl.policies import SAMPLERS
 
     return {
         "objectives": core.OBJECTIVES.describe(),
@@ -17,6 +18,7 @@ def _catalog() -> dict[str, dict[str, str]]:
         "KL estimators": core.KL_ESTIMATORS.describe(),
         "step selections": core.STEP_SELECTIONS.describe(),
         "step weightings": core.STEP_WEIGHTINGS.describe(),
+        "samplers": SAMPLERS.describe(),
         "rewards": rewards.REWARDS.describe(),
     }
 

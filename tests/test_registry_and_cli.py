@@ -47,7 +47,14 @@ def test_rewards_registry_api():
 def test_flowrl_list_prints_every_section(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    for section in ["objectives:", "advantage estimators:", "KL estimators:", "step selections:", "step weightings:"]:
+    for section in [
+        "objectives:",
+        "advantage estimators:",
+        "KL estimators:",
+        "step selections:",
+        "step weightings:",
+        "samplers:",
+    ]:
         assert section in out
     for name in list_objectives():
         assert f"  {name} " in out

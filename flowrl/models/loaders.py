@@ -1,0 +1,98 @@
+"""Load SD3/3.5, Flux.1 and SD1.x/2.x pipelines from a hub id or a local folder.
+
+Weights are never fetched behind the user's back: a local path that does not exist is an error that names
+it, and a hub id that cannot be resolved (offline machine, missing login for gated models) is an error that
+says how to provide the files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+FAMILIES = {
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+    "unet": "StableDiffusionPipeline",
+}
+"""flowrl family -> diffusers pipeline class."""
+
+_CLASS_TO_FAMILY = {cls: family for family, cls in FAMILIES.items()}
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") != 1
+
+
+def detect_family(path: str | Path) -> str:
+    """The family of a local pipeline folder, from its `model_index.json`."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"{path} is not a diffusers pipeline folder: no model_index.json in it")
+    name = json.loads(index.read_text()).get("_class_name", "")
+    if name not in _CLASS_TO_FAMILY:
+        raise ValueError(
+            f"{index} describes a {name or 'unknown'} pipeline; flowrl supports {', '.join(FAMILIES.values())}"
+        )
+    return _CLASS_TO_FAMILY[name]
+
+
+def load_pipeline(
+    name_or_path: str | Path,
+    *,
+    family: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    **kwargs,
+):
+    """A diffusers pipeline (components in eval mode) from a hub id or a local folder.
+
+    Args:
+        name_or_path: a hub id (`stabilityai/stable-diffusion-3.5-medium`, `black-forest-labs/FLUX.1-dev`,
+            `stable-diffusion-v1-5/stable-diffusion-v1-5`) or a folder written by `save_pretrained`.
+        family (`str`, *optional*): `sd3`, `flux` or `unet`; detected from `model_index.json` when omitted.
+        dtype (`torch.dtype`, defaults to fp32): the components' dtype (bf16 on GPU for the large models).
+        device: where to put the components.
+        **kwargs: passed to `from_pretrained` (`revision`, `variant`, ...).
+    """
+    import diffusers
+
+    name = str(name_or_path)
+    local = _looks_local(name)
+    if local:
+        path = Path(name).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"model folder {path} does not exist (pass a hub id or a save_pretrained folder)")
+        family = family or detect_family(path)
+        name = str(path)
+    if family is None:
+        pipeline_cls = diffusers.DiffusionPipeline
+    elif family in FAMILIES:
+        pipeline_cls = getattr(diffusers, FAMILIES[family])
+    else:
+        raise ValueError(f"unknown model family {family!r}; choose from {', '.join(FAMILIES)}")
+    from packaging.version import Version
+
+    # diffusers 0.42 renamed `torch_dtype` to `dtype`
+    dtype_key = "dtype" if Version(diffusers.__version__) >= Version("0.42") else "torch_dtype"
+    try:
+        pipe = pipeline_cls.from_pretrained(name, **{dtype_key: dtype}, **kwargs)
+    except (OSError, ValueError) as err:
+        if local:
+            raise
+        raise OSError(
+            f"could not load {name!r} from the Hugging Face hub ({type(err).__name__}: {err}). On a machine without "
+            "hub access, download the model elsewhere (`huggingface-cli download {name} --local-dir DIR`) and pass "
+            "DIR instead; gated models (SD3.5, FLUX.1-dev) also need `huggingface-cli login`."
+        ) from err
+    if type(pipe).__name__ not in _CLASS_TO_FAMILY:
+        raise ValueError(f"{name} is a {type(pipe).__name__}; flowrl supports {', '.join(FAMILIES.values())}")
+    pipe.to(device)
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -1,0 +1,573 @@
+"""`DiffusionPolicy`: a diffusers model as a policy with per-step log-probabilities.
+
+`rollout(prompts, ...)` samples images and records every denoising transition with its log-probability;
+`score(rollout, steps)` re-scores stored transitions under the current weights (or the reference's) with the
+same guidance, which is what every trainer differentiates.
+
+Exactness: a network's output for one sample can differ in the last bits with the batch it is computed in
+(different GEMM shapes pick different kernels; the anchors' most reported "ratio != 1" bug). The policy
+therefore runs every forward and step kernel on chunks of exactly `forward_batch_size` rows, padding the
+last chunk; a sample's numbers then depend only on its own inputs, and re-scoring a rollout at unchanged
+weights reproduces its log-probs bit for bit, whatever the batch composition.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from flowrl.policies.adapters import CallableAdapter, ModelAdapter, adapter_for
+from flowrl.policies.sde import SAMPLERS, StepOutput, ddim_step, sde_step
+
+
+FLOW_SAMPLERS = ("flow_sde", "dance_sde", "cps", "ode")
+LORA_TARGETS = {
+    "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
+    "flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
+    "unet": ["to_q", "to_k", "to_v", "to_out.0"],
+    "callable": ["to_q", "to_k", "to_v", "to_out.0"],
+}
+"""Default LoRA target modules per family (Flow-GRPO's SD3 set: attention projections of both streams)."""
+
+
+@dataclass
+class Rollout:
+    """Sampled trajectories with everything needed to re-score them.
+
+    `B` samples, `T` denoising steps, latents `[C, h, w]`.
+    """
+
+    prompts: list[str]
+    """The prompt of each sample."""
+    prompt_ids: torch.Tensor
+    """`[B]` index of each sample's prompt in `unique_prompts` (the group id for group advantages)."""
+    unique_prompts: list[str]
+    """Distinct prompts in order of first appearance."""
+    latents: torch.Tensor
+    """`[B, T + 1, ...]` states `x_0` (noise) ... `x_T` in the model's dtype and layout (`[C, h, w]`; Flux:
+    packed tokens `[h*w/4, 4C]`)."""
+    log_probs: torch.Tensor
+    """`[B, T]` fp32 log-probability of each transition under the behaviour policy (0 on deterministic steps)."""
+    sde_mask: torch.Tensor
+    """`[T]` bool: the steps that were stochastic (the trainable ones)."""
+    timesteps: torch.Tensor
+    """`[T]` timesteps as the network saw them."""
+    sigmas: torch.Tensor
+    """`[T + 1]` flow-matching noise levels (for DDIM: the noise level with the same signal-to-noise ratio)."""
+    stds: torch.Tensor
+    """`[T]` std of each step's Gaussian (0 on deterministic steps)."""
+    cond: dict[str, torch.Tensor]
+    """Conditioning of `unique_prompts` (`[P, ...]` each)."""
+    null_cond: dict[str, torch.Tensor] | None
+    """Conditioning of the negative prompt (`[1, ...]`) when classifier-free guidance is on."""
+    sampler: str
+    noise_level: float
+    guidance_scale: float
+    forward_batch_size: int
+    """Rows per network forward at rollout; re-scoring uses the same so log-probs reproduce exactly."""
+    reduce: str
+    height: int
+    width: int
+    static: dict = field(default_factory=dict)
+    """Size-dependent network inputs (Flux's image ids)."""
+    images: torch.Tensor | None = None
+    """`[B, 3, H, W]` decoded images in [0, 1]."""
+    means: torch.Tensor | None = None
+    """`[B, T, ...]` fp32 behaviour-policy means of each step (`store_means=True`; GRPO-Guard needs them)."""
+    extras: dict = field(default_factory=dict)
+    """Per-sample tensors added by trainers (`[B, ...]`; selected along with the rows)."""
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def num_steps(self) -> int:
+        return self.log_probs.shape[1]
+
+    @property
+    def sde_steps(self) -> torch.Tensor:
+        """Indices of the stochastic steps."""
+        return self.sde_mask.nonzero().flatten()
+
+    def select(self, index) -> Rollout:
+        """The rollout restricted to the samples `index` (a slice, bool mask or index tensor/list)."""
+        if isinstance(index, slice):
+            index = torch.arange(len(self))[index]
+        index = torch.as_tensor(index)
+        if index.dtype == torch.bool:
+            index = index.nonzero().flatten()
+        rows = index.tolist()
+        changes = {}
+        for name in ("prompt_ids", "latents", "log_probs", "images", "means"):
+            value = getattr(self, name)
+            if value is not None:
+                changes[name] = value[index.to(value.device)]
+        changes["prompts"] = [self.prompts[i] for i in rows]
+        changes["extras"] = {k: v[index.to(v.device)] for k, v in self.extras.items()}
+        return replace(self, **changes)
+
+
+@dataclass
+class _Chunk:
+    rows: torch.Tensor | None
+    """Row indices (padded to the chunk size), or `None` when the chunk is the whole batch in order."""
+    real: int
+    """How many of the rows are real (the rest is padding)."""
+    cond: dict
+    """The chunk's conditioning, with the unconditional branch prepended under CFG."""
+
+
+class DiffusionPolicy:
+    """A text-to-image diffusion / flow model as a policy over denoising steps.
+
+    Args:
+        adapter (`ModelAdapter`): how to call the model family (`flowrl.policies.adapters`); use
+            `DiffusionPolicy.from_pipeline(pipe)` for SD3/3.5, Flux.1 and SD1.x/2.x pipelines.
+        forward_batch_size (`int`, *optional*): rows per network forward. `None` uses the rollout's batch
+            size. Rollouts and re-scoring use the same chunking, padded, so log-probs reproduce exactly.
+        reduce (`str`, defaults to `"mean"`): log-prob reduction over latent elements (`"mean"` or `"sum"`).
+        negative_prompt (`str`, defaults to `""`): the unconditional branch of classifier-free guidance.
+        text_batch_size (`int`, defaults to 8): prompts per text-encoder call (fixed and padded, so an
+            embedding never depends on its batch).
+    """
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        *,
+        forward_batch_size: int | None = None,
+        reduce: str = "mean",
+        negative_prompt: str = "",
+        text_batch_size: int = 8,
+    ):
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+        if forward_batch_size is not None and forward_batch_size < 1:
+            raise ValueError(f"forward_batch_size must be >= 1, got {forward_batch_size}")
+        self.adapter = adapter
+        self.forward_batch_size = forward_batch_size
+        self.reduce = reduce
+        self.negative_prompt = negative_prompt
+        self.text_batch_size = text_batch_size
+        self.reference_model: torch.nn.Module | None = None
+        self._text_cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    @classmethod
+    def from_pipeline(cls, pipeline, *, max_sequence_length: int | None = None, **kwargs) -> DiffusionPolicy:
+        """Wrap a `StableDiffusion3Pipeline`, `FluxPipeline` or `StableDiffusionPipeline` (components shared)."""
+        return cls(adapter_for(pipeline, max_sequence_length=max_sequence_length), **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, dtype=torch.float32, device="cpu", family=None,
+                        max_sequence_length: int | None = None, **kwargs) -> DiffusionPolicy:  # fmt: skip
+        """Load a pipeline from a hub id or local folder (see `flowrl.models.load_pipeline`) and wrap it."""
+        from flowrl.models.loaders import load_pipeline
+
+        pipe = load_pipeline(name_or_path, dtype=dtype, device=device, family=family)
+        return cls.from_pipeline(pipe, max_sequence_length=max_sequence_length, **kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    # model access
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The trainable network (transformer or UNet)."""
+        return self.adapter.model
+
+    @property
+    def family(self) -> str:
+        return self.adapter.family
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.adapter.dtype
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @property
+    def has_lora(self) -> bool:
+        return bool(getattr(self.model, "peft_config", None))
+
+    def add_lora(
+        self, rank: int = 32, alpha: float | None = None, target_modules: Sequence[str] | None = None,
+        dropout: float = 0.0, init: str | bool = "gaussian",
+    ) -> None:  # fmt: skip
+        """Freeze the network and add a peft LoRA adapter (only its weights train).
+
+        `alpha` defaults to `rank` (scale 1; Flow-GRPO uses rank 32, alpha 64); `init="gaussian"` keeps the
+        adapter's output zero at first, so the policy starts exactly at the base model.
+        """
+        from peft import LoraConfig
+
+        targets = list(target_modules or LORA_TARGETS[self.family])
+        config = LoraConfig(r=rank, lora_alpha=alpha or rank, lora_dropout=dropout, init_lora_weights=init,
+                            target_modules=targets)  # fmt: skip
+        self.model.requires_grad_(False)
+        self.model.add_adapter(config)
+
+    def _pipeline_class(self):
+        if self.adapter.pipeline is None:
+            raise ValueError("saving LoRA in the diffusers format needs a pipeline-based policy")
+        return type(self.adapter.pipeline)
+
+    def save_lora(self, directory: str | Path) -> Path:
+        """Write the adapter as `pytorch_lora_weights.safetensors`, loadable by `pipe.load_lora_weights(dir)`."""
+        from peft.utils import get_peft_model_state_dict
+
+        if not self.has_lora:
+            raise ValueError("this policy has no LoRA adapter to save (call add_lora first)")
+        state = get_peft_model_state_dict(self.model)
+        metadata = self.model.peft_config["default"].to_dict()
+        metadata["target_modules"] = sorted(metadata["target_modules"])
+        key = "unet" if self.family == "unet" else "transformer"
+        self._pipeline_class().save_lora_weights(
+            str(directory), **{f"{key}_lora_layers": state, f"{key}_lora_adapter_metadata": metadata}
+        )
+        return Path(directory) / "pytorch_lora_weights.safetensors"
+
+    def load_lora(self, directory: str | Path) -> None:
+        """Load an adapter saved by `save_lora` (or any diffusers-format LoRA for this family) and train it."""
+        path = Path(directory)
+        if not (path / "pytorch_lora_weights.safetensors").is_file():
+            raise FileNotFoundError(f"no pytorch_lora_weights.safetensors in {path}")
+        if self.has_lora:
+            self.model.delete_adapters("default")
+        self.model.requires_grad_(False)
+        prefix = "unet" if self.family == "unet" else "transformer"
+        self.model.load_lora_adapter(
+            str(path), weight_name="pytorch_lora_weights.safetensors", prefix=prefix, adapter_name="default"
+        )
+        for name, param in self.model.named_parameters():
+            if "lora_" in name:
+                param.requires_grad_(True)
+
+    def freeze_reference(self) -> None:
+        """Keep a frozen copy of the current network as the KL reference (for full fine-tuning)."""
+        self.reference_model = copy.deepcopy(self.model).requires_grad_(False).eval()
+
+    @contextmanager
+    def reference(self) -> Iterator[torch.nn.Module]:
+        """Run the reference policy inside the block: the frozen copy, or the network with LoRA disabled."""
+        if self.reference_model is not None:
+            yield self.reference_model
+        elif self.has_lora:
+            self.model.disable_adapters()
+            try:
+                yield self.model
+            finally:
+                self.model.enable_adapters()
+        else:
+            raise ValueError("no reference policy: add a LoRA adapter or call freeze_reference() first")
+
+    # ------------------------------------------------------------------------------------------
+    # conditioning
+    # ------------------------------------------------------------------------------------------
+
+    def encode(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Conditioning `[len(prompts), ...]`, each distinct prompt encoded once and cached.
+
+        Missing prompts are encoded in batches of exactly `text_batch_size` (the last one padded), so a prompt's
+        embedding never depends on what it was batched with (resumed runs re-encode the same bits).
+        """
+        missing = list(dict.fromkeys(p for p in prompts if p not in self._text_cache))
+        with torch.no_grad():
+            size = self.text_batch_size
+            for start in range(0, len(missing), size):
+                batch = missing[start : start + size]
+                out = self.adapter.encode(batch + [batch[0]] * (size - len(batch)))
+                for i, prompt in enumerate(batch):
+                    self._text_cache[prompt] = {k: v[i] for k, v in out.items()}
+        return {k: torch.stack([self._text_cache[p][k] for p in prompts]) for k in self._text_cache[prompts[0]]}
+
+    def clear_text_cache(self) -> None:
+        self._text_cache.clear()
+
+    # ------------------------------------------------------------------------------------------
+    # the network call and the step kernel, on fixed-size chunks
+    # ------------------------------------------------------------------------------------------
+
+    def _plan(self, n: int, size: int, cond: dict, null_cond: dict | None) -> list[_Chunk]:
+        """Split `n` rows into chunks of exactly `size` rows (the last one padded with copies of its first row),
+        with each chunk's conditioning gathered and, under CFG, the unconditional branch prepended once."""
+        plan = []
+        for start in range(0, n, size):
+            rows = torch.arange(start, min(start + size, n))
+            real = len(rows)
+            if real < size:
+                rows = torch.cat([rows, rows[:1].expand(size - real)])
+            whole = real == n == size  # one full chunk: use the tensors as they are, no gathers
+            chunk_cond = cond if whole else {k: v[rows.to(v.device)] for k, v in cond.items()}
+            if null_cond is not None:
+                chunk_cond = {k: torch.cat([null_cond[k].expand(size, *v.shape[1:]), v])
+                              for k, v in chunk_cond.items()}  # fmt: skip
+            plan.append(_Chunk(None if whole else rows, real, chunk_cond))
+        return plan
+
+    def _predict(self, model, latents, timesteps, chunk_cond, cfg: bool, guidance_scale: float, static: dict):
+        """One chunk-sized network call; under CFG both branches go through it as one batch."""
+        if not cfg:
+            return self.adapter.forward(latents, timesteps, chunk_cond, guidance_scale, model=model, static=static)
+        out = self.adapter.forward(torch.cat([latents, latents]), torch.cat([timesteps, timesteps]), chunk_cond,
+                                   guidance_scale, model=model, static=static)  # fmt: skip
+        uncond, text = out.chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+
+    def _kernel(self, kind, output, step, sigmas, timesteps, sample, *, prev_sample, noise, noise_level):
+        """The step kernel for `sample [n, ...]` at step indices `step [n]`."""
+        if self.adapter.time_kind == "ddim":
+            eta = noise_level if kind == "ddim" else 0.0
+            return ddim_step(self.adapter.scheduler, output, timesteps[step], sample, eta=eta,
+                             prev_sample=prev_sample, noise=noise, reduce=self.reduce)  # fmt: skip
+        return sde_step(kind, output, sigmas[step], sigmas[step + 1], sample, prev_sample=prev_sample,
+                        noise=noise, noise_level=noise_level, reduce=self.reduce, sigma_max=sigmas[1])  # fmt: skip
+
+    def _run(self, model, kind, states, step, plan, *, cfg, static, sigmas, timesteps, guidance_scale,
+             noise_level, prev_sample=None, noise=None) -> StepOutput:  # fmt: skip
+        """Network call + step kernel for every row of `states` (`step [n]` step indices), chunk by chunk."""
+        outs = []
+        for chunk in plan:
+            rows = slice(None) if chunk.rows is None else chunk.rows.to(states.device)
+            chunk_step = step if chunk.rows is None else step[chunk.rows]
+            x = states[rows]
+            output = self._predict(model, x, timesteps[chunk_step].to(x.device), chunk.cond, cfg, guidance_scale,
+                                   static)  # fmt: skip
+            out = self._kernel(kind, output, chunk_step, sigmas, timesteps, x, noise_level=noise_level,
+                               prev_sample=None if prev_sample is None else prev_sample[rows],
+                               noise=None if noise is None else noise[rows])  # fmt: skip
+            outs.append(out if chunk.rows is None else StepOutput(*(t[: chunk.real] for t in out)))
+        if len(outs) == 1:
+            return outs[0]
+        return StepOutput(*(torch.cat(parts) for parts in zip(*outs)))
+
+    # ------------------------------------------------------------------------------------------
+    # sampling
+    # ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def rollout(
+        self,
+        prompts: Sequence[str],
+        *,
+        num_steps: int = 10,
+        guidance_scale: float = 4.5,
+        noise_level: float = 0.7,
+        sampler: str | None = None,
+        sde_window: tuple[int, int] | None = None,
+        generator: torch.Generator | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        latents: torch.Tensor | None = None,
+        decode: bool = True,
+        store_means: bool = False,
+    ) -> Rollout:
+        """Sample one trajectory per prompt and record its per-step log-probabilities.
+
+        Args:
+            prompts (`Sequence[str]`): one per sample; repeat a prompt k times for a group of k.
+            num_steps (`int`, defaults to 10): denoising steps T (Flow-GRPO trains with 10).
+            guidance_scale (`float`, defaults to 4.5): classifier-free guidance (SD3, UNets; off at <= 1),
+                or Flux's guidance embedding.
+            noise_level (`float`, defaults to 0.7): the sampler's noise (`flow_sde` a, `dance_sde` eta,
+                `cps` a, `ddim` eta).
+            sampler (`str`, *optional*): `flow_sde` (default for flow models), `dance_sde`, `cps`, `ode`;
+                `ddim` (default, eta = `noise_level`) or `ode` (eta 0) for UNets.
+            sde_window (`tuple[int, int]`, *optional*): stochastic steps `start <= t < end`; the others are
+                deterministic ODE / eta-0 DDIM steps (MixGRPO, Flow-GRPO-Fast). Default: every step.
+            generator (`torch.Generator`, *optional*): seeds the initial noise and every step's noise.
+            height, width (`int`, *optional*): image size (default: the model's).
+            latents (`torch.Tensor`, *optional*): initial noise `[B, C, h, w]` (e.g. from FIND's noise policy).
+            decode (`bool`, defaults to `True`): decode the final latents to images.
+            store_means (`bool`, defaults to `False`): keep each step's behaviour mean (GRPO-Guard).
+        """
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("rollout needs at least one prompt")
+        sampler = sampler or self.adapter.default_sampler
+        valid = ("ddim", "ode") if self.adapter.time_kind == "ddim" else FLOW_SAMPLERS
+        if sampler not in valid:
+            raise ValueError(f"sampler {sampler!r} does not fit a {self.family} model; choose from {', '.join(valid)}")
+        SAMPLERS.get(sampler)
+        start, end = sde_window if sde_window is not None else (0, num_steps)
+        if not 0 <= start < end <= num_steps:
+            raise ValueError(f"sde_window must satisfy 0 <= start < end <= num_steps={num_steps}, got {sde_window}")
+
+        batch = len(prompts)
+        chunk = self.forward_batch_size or batch
+        unique = list(dict.fromkeys(prompts))
+        prompt_ids = torch.tensor([unique.index(p) for p in prompts])
+        cfg = self.adapter.uses_cfg(guidance_scale)
+        self.encode(unique + [self.negative_prompt] if cfg else unique)  # one pass over the text encoders
+        unique_cond = self.encode(unique)
+        cond = {k: v[prompt_ids.to(v.device)] for k, v in unique_cond.items()}
+        null_cond = self.encode([self.negative_prompt]) if cfg else None
+        plan = self._plan(batch, chunk, cond, null_cond)
+
+        default_h, default_w = self.adapter.default_size()
+        height, width = height or default_h, width or default_w
+        static = self.adapter.static_inputs(height, width)
+        if latents is None:
+            x = self.adapter.initial_latents(batch, height, width, generator)
+        else:
+            if latents.shape[0] != batch:
+                raise ValueError(f"latents has {latents.shape[0]} rows for {batch} prompts")
+            x = latents.to(device=self.device, dtype=self.dtype)
+        timesteps, sigmas = self.adapter.schedule(num_steps, x.shape)
+        if len(timesteps) != num_steps:
+            raise ValueError(f"the scheduler produced {len(timesteps)} steps for num_steps={num_steps}")
+
+        stochastic = sampler != "ode" and not (sampler == "ddim" and noise_level == 0)
+        sde_mask = torch.zeros(num_steps, dtype=torch.bool)
+        sde_mask[start:end] = stochastic
+        states, log_probs, stds, means = [x], [], [], []
+        for i in range(num_steps):
+            kind = sampler if sde_mask[i] else "ode"  # "ode" is eta-0 DDIM for UNets
+            noise = None
+            if kind != "ode":
+                noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+            step = torch.full((batch,), i, dtype=torch.long)
+            out = self._run(self.model, kind, x, step, plan, cfg=cfg, static=static, sigmas=sigmas,
+                            timesteps=timesteps, guidance_scale=guidance_scale, noise_level=noise_level,
+                            noise=noise)  # fmt: skip
+            x = out.prev_sample
+            states.append(x)
+            log_probs.append(out.log_prob)
+            stds.append(out.std[0])
+            if store_means:
+                means.append(out.mean)
+
+        return Rollout(
+            prompts=prompts,
+            prompt_ids=prompt_ids,
+            unique_prompts=unique,
+            latents=torch.stack(states, dim=1),
+            log_probs=torch.stack(log_probs, dim=1),
+            sde_mask=sde_mask,
+            timesteps=timesteps,
+            sigmas=sigmas,
+            stds=torch.stack(stds).cpu(),
+            cond=unique_cond,
+            null_cond=null_cond,
+            sampler=sampler,
+            noise_level=noise_level,
+            guidance_scale=guidance_scale,
+            forward_batch_size=chunk,
+            reduce=self.reduce,
+            height=height,
+            width=width,
+            static=static,
+            images=self.adapter.decode(x, height, width) if decode else None,
+            means=torch.stack(means, dim=1) if store_means else None,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # re-scoring
+    # ------------------------------------------------------------------------------------------
+
+    def score(self, rollout: Rollout, steps, *, reference: bool = False) -> StepOutput:
+        """Re-score stored transitions `x_t -> x_{t+1}` under the current weights (or the reference's).
+
+        Args:
+            rollout (`Rollout`): from `rollout()` (possibly `select`-ed).
+            steps: step indices: an `int` (that step for every sample), `[B]` (one step per sample) or
+                `[B, k]` (k steps per sample). Each must be a stochastic step of the rollout.
+            reference (`bool`, defaults to `False`): score under the reference policy (no gradient).
+
+        Returns:
+            `StepOutput` with `log_prob [B, k]`, `mean [B, k, C, h, w]`, `std [B, k]` and the stored next
+            states as `prev_sample`; `log_prob` and `mean` carry the gradient of the network.
+        """
+        index = self._step_index(rollout, steps)
+        if not bool(rollout.sde_mask[index].all()):
+            bad = sorted(set(index[~rollout.sde_mask[index]].tolist()))
+            raise ValueError(f"steps {bad} were sampled deterministically (outside the SDE window); nothing to score")
+        rows = torch.arange(len(rollout), device=rollout.latents.device)
+        cond = {k: v[rollout.prompt_ids.to(v.device)] for k, v in rollout.cond.items()}
+        cfg = rollout.null_cond is not None
+        plan = self._plan(len(rollout), rollout.forward_batch_size, cond, rollout.null_cond)
+        columns = []
+        with self._scoring_model(reference) as model:
+            for j in range(index.shape[1]):
+                step = index[:, j]
+                dev = step.to(rollout.latents.device)
+                out = self._run(
+                    model, rollout.sampler, rollout.latents[rows, dev], step, plan, cfg=cfg, static=rollout.static,
+                    sigmas=rollout.sigmas, timesteps=rollout.timesteps, guidance_scale=rollout.guidance_scale,
+                    noise_level=rollout.noise_level, prev_sample=rollout.latents[rows, dev + 1],
+                )  # fmt: skip
+                columns.append(out)
+        if len(columns) == 1:
+            return StepOutput(*(t.unsqueeze(1) for t in columns[0]))
+        return StepOutput(*(torch.stack(parts, dim=1) for parts in zip(*columns)))
+
+    def velocity_fn(self, rollout: Rollout, num_draws: int, *, guidance_scale: float | None = None):
+        """A `velocity_fn(x_tau [B * N, C, h, w], tau [B * N])` over the rollout's prompts for FPO.
+
+        Rows are sample-major (`flowrl.policies.fpo`). `tau` is the flow noise level; the network sees
+        `tau * num_train_timesteps`. The conditional velocity is used (`guidance_scale` 1) unless
+        `guidance_scale` is given; Flux keeps the rollout's guidance embedding. Forwards run in chunks of
+        `rollout.forward_batch_size * num_draws` rows, so the losses stored at rollout reproduce exactly.
+        """
+        if self.adapter.time_kind != "flow":
+            raise ValueError(f"FPO needs a velocity model; a {self.family} model predicts noise")
+        if guidance_scale is None:
+            guidance_scale = 1.0 if self.adapter.uses_cfg(rollout.guidance_scale) else rollout.guidance_scale
+        ids = rollout.prompt_ids.repeat_interleave(num_draws)
+        cond = {k: v[ids.to(v.device)] for k, v in rollout.cond.items()}
+        cfg = self.adapter.uses_cfg(guidance_scale)
+        null_cond = self.encode([self.negative_prompt]) if cfg else None
+        plan = self._plan(len(ids), rollout.forward_batch_size * num_draws, cond, null_cond)
+        scale = float(self.adapter.scheduler.config.num_train_timesteps)
+
+        def velocity(x, tau):
+            parts = []
+            for chunk in plan:
+                rows = slice(None) if chunk.rows is None else chunk.rows.to(x.device)
+                t = (tau[rows] * scale).to(x.device)
+                out = self._predict(self.model, x[rows], t, chunk.cond, cfg, guidance_scale, rollout.static)
+                parts.append(out[: chunk.real])
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        return velocity
+
+    def log_prob(self, rollout: Rollout, steps, *, reference: bool = False) -> torch.Tensor:
+        """`[B, k]` log-probabilities of the stored transitions at `steps` (see `score`)."""
+        return self.score(rollout, steps, reference=reference).log_prob
+
+    @contextmanager
+    def _scoring_model(self, reference: bool):
+        if not reference:
+            yield self.model
+            return
+        with torch.no_grad(), self.reference() as model:
+            yield model
+
+    @staticmethod
+    def _step_index(rollout: Rollout, steps) -> torch.Tensor:
+        b, t = len(rollout), rollout.num_steps
+        index = torch.as_tensor(steps, dtype=torch.long).cpu()
+        if index.ndim == 0:
+            index = index.expand(b, 1)
+        elif index.ndim == 1:
+            index = index.unsqueeze(1)
+        if index.ndim != 2 or index.shape[0] != b:
+            raise ValueError(f"steps must be an int, [B] or [B, k] with B={b}; got shape {tuple(index.shape)}")
+        if ((index < 0) | (index >= t)).any():
+            raise ValueError(f"step indices must lie in [0, {t}), got {index.unique().tolist()}")
+        return index.contiguous()
+
+
+def from_callable(model, encode, decode, latent_shape, scheduler, **kwargs) -> DiffusionPolicy:
+    """A policy over any SD3-convention velocity network with callable text encoder and decoder."""
+    return DiffusionPolicy(CallableAdapter(model, encode, decode, latent_shape, scheduler), **kwargs)

@@ -1,0 +1,260 @@
+import pytest
+import torch
+
+from flowrl.core import compute_policy_loss, ratio_norm_grpo_guard
+from flowrl.models import load_pipeline, tiny_flux, tiny_sd3, tiny_unet
+from flowrl.policies import DiffusionPolicy
+
+from ..conftest import TEXT
+
+
+PROMPTS = ["a cat", "a dog", "a cat", "a red car"]
+
+
+def _policy(pipe, **kwargs):
+    text = {} if type(pipe).__name__ == "StableDiffusionPipeline" else TEXT
+    return DiffusionPolicy.from_pipeline(pipe, **text, **kwargs), text
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("fixture, guidance", [("sd3_pipe", 4.5), ("sd3_pipe", 1.0), ("flux_pipe", 3.5),
+                                               ("unet_pipe", 5.0)])  # fmt: skip
+def test_ode_rollout_reproduces_the_diffusers_pipeline(request, fixture, guidance):
+    pipe = request.getfixturevalue(fixture)
+    policy, text = _policy(pipe)
+    rollout = policy.rollout(PROMPTS, num_steps=4, guidance_scale=guidance, sampler="ode", generator=_gen(),
+                             height=64, width=64)  # fmt: skip
+    images = pipe(PROMPTS, height=64, width=64, num_inference_steps=4, guidance_scale=guidance, output_type="pt",
+                  generator=_gen(), **text).images  # fmt: skip
+    assert rollout.images.shape == (4, 3, 64, 64)
+    assert 0 <= rollout.images.min() and rollout.images.max() <= 1
+    torch.testing.assert_close(rollout.images, images, rtol=0, atol=1e-5)
+    assert not rollout.sde_mask.any() and torch.all(rollout.log_probs == 0)
+
+
+CASES = [
+    ("sd3_pipe", "flow_sde", 4.5, 0.7),
+    ("sd3_pipe", "flow_sde", 1.0, 0.7),
+    ("sd3_pipe", "dance_sde", 4.5, 0.3),
+    ("sd3_pipe", "cps", 1.0, 0.8),
+    ("flux_pipe", "flow_sde", 3.5, 0.9),
+    ("unet_pipe", "ddim", 5.0, 1.0),
+    ("unet_pipe", "ddim", 1.0, 1.0),
+]
+
+
+@pytest.mark.parametrize("fixture, sampler, guidance, noise", CASES)
+def test_rescoring_reproduces_rollout_log_probs_exactly(request, fixture, sampler, guidance, noise):
+    policy, _ = _policy(request.getfixturevalue(fixture))
+    rollout = policy.rollout(PROMPTS, num_steps=4, guidance_scale=guidance, sampler=sampler, noise_level=noise,
+                             generator=_gen(1), height=64, width=64)  # fmt: skip
+    steps = rollout.sde_steps
+    assert len(steps) >= 3  # (CPS's last step is deterministic)
+    logp = policy.log_prob(rollout, steps.expand(4, -1))
+    assert torch.equal(logp, rollout.log_probs[:, steps])  # ratio exactly 1
+    # one sample at a time, and a random step per sample: still exact
+    single = rollout.select([3])
+    assert torch.equal(policy.log_prob(single, steps.expand(1, -1)), single.log_probs[:, steps])
+    per_sample = steps[torch.tensor([2, 0, 1, 0]) % len(steps)]
+    assert torch.equal(policy.log_prob(rollout, per_sample)[:, 0], rollout.log_probs[torch.arange(4), per_sample])
+
+
+def test_forward_batch_size_pads_and_stays_exact(sd3_pipe):
+    policy, _ = _policy(sd3_pipe, forward_batch_size=2)
+    prompts = PROMPTS + ["a tree"]  # 5 samples: chunks of 2, 2, 1 (+1 padding)
+    rollout = policy.rollout(prompts, num_steps=3, generator=_gen(2), height=64, width=64)
+    assert rollout.forward_batch_size == 2
+    for rows in ([4], [0, 4, 2], [1, 3]):
+        sub = rollout.select(rows)
+        assert torch.equal(policy.log_prob(sub, 1), sub.log_probs[:, 1:2])
+
+
+def test_rollout_record(sd3_pipe):
+    policy, _ = _policy(sd3_pipe)
+    rollout = policy.rollout(PROMPTS, num_steps=5, generator=_gen(), height=64, width=64, sde_window=(1, 3),
+                             store_means=True)  # fmt: skip
+    assert rollout.prompt_ids.tolist() == [0, 1, 0, 2]
+    assert rollout.unique_prompts == ["a cat", "a dog", "a red car"]
+    assert rollout.latents.shape == (4, 6, 16, 32, 32)
+    assert rollout.log_probs.shape == (4, 5) and rollout.means.shape == (4, 5, 16, 32, 32)
+    assert rollout.sde_mask.tolist() == [False, True, True, False, False]
+    assert torch.all(rollout.log_probs[:, ~rollout.sde_mask] == 0)
+    assert torch.all(rollout.log_probs[:, rollout.sde_mask] != 0)
+    assert torch.all(rollout.stds[rollout.sde_mask] > 0) and torch.all(rollout.stds[~rollout.sde_mask] == 0)
+    assert rollout.sigmas.shape == (6,) and rollout.sigmas[0] == 1 and rollout.sigmas[-1] == 0
+    # deterministic steps outside the window: x' = x + dt v exactly, nothing to train
+    with pytest.raises(ValueError, match=r"steps \[0\] were sampled deterministically"):
+        policy.log_prob(rollout, 0)
+    sub = rollout.select(torch.tensor([False, True, False, True]))
+    assert sub.prompts == ["a dog", "a red car"] and sub.latents.shape[0] == 2
+
+
+def test_same_seed_same_rollout_and_different_seed_differs(sd3_pipe):
+    policy, _ = _policy(sd3_pipe)
+    a = policy.rollout(PROMPTS[:2], num_steps=3, generator=_gen(5), height=64, width=64)
+    b = policy.rollout(PROMPTS[:2], num_steps=3, generator=_gen(5), height=64, width=64)
+    c = policy.rollout(PROMPTS[:2], num_steps=3, generator=_gen(6), height=64, width=64)
+    assert torch.equal(a.latents, b.latents) and not torch.equal(a.latents, c.latents)
+
+
+def test_grpo_guard_quantities_from_a_rollout(sd3_pipe):
+    # the stored behaviour means and the re-scored means give the RatioNorm-ed log-ratio; at unchanged
+    # weights it is exactly 0, and the grpo_guard objective sees ratio 1
+    policy, _ = _policy(sd3_pipe)
+    rollout = policy.rollout(PROMPTS, num_steps=3, generator=_gen(3), height=64, width=64, store_means=True)
+    out = policy.score(rollout, 1)
+    assert torch.equal(out.mean[:, 0], rollout.means[:, 1])
+    normed = ratio_norm_grpo_guard(rollout.latents[:, 2], out.mean[:, 0], rollout.means[:, 1], out.std[:, 0])
+    assert torch.all(normed == 0)
+    mean_diff_sq = (out.mean - rollout.means[:, 1:2]).pow(2).flatten(2).mean(-1)
+    loss, metrics = compute_policy_loss("grpo_guard", out.log_prob, rollout.log_probs[:, 1:2], torch.ones(4),
+                                        std=out.std, mean_diff_sq=mean_diff_sq)  # fmt: skip
+    assert metrics["ratio_mean"].item() == 1.0
+
+
+def test_gradients_flow_from_log_probs_to_the_network():
+    pipe = tiny_sd3(seed=3)
+    policy, _ = _policy(pipe)
+    rollout = policy.rollout(PROMPTS[:2], num_steps=3, generator=_gen(), height=64, width=64)
+    loss, _ = compute_policy_loss("ppo", policy.log_prob(rollout, 1), rollout.log_probs[:, 1:2],
+                                  torch.tensor([1.0, -1.0]), clip_eps_low=1e-4)  # fmt: skip
+    loss.backward()
+    grads = [p.grad for p in policy.model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert sum(g.abs().sum() for g in grads) > 0
+
+
+def test_text_embeddings_are_computed_once_per_prompt(sd3_pipe, monkeypatch):
+    policy, _ = _policy(sd3_pipe)
+    calls = []
+    encode = policy.adapter.encode
+    monkeypatch.setattr(policy.adapter, "encode", lambda prompts: calls.append(list(prompts)) or encode(prompts))
+    policy.rollout(PROMPTS, num_steps=2, generator=_gen(), height=64, width=64)
+    policy.rollout(PROMPTS, num_steps=2, generator=_gen(), height=64, width=64)
+    # one text-encoder call for the three prompts and the negative prompt, padded to a fixed batch
+    assert len(calls) == 1 and sorted(set(calls[0])) == ["", "a cat", "a dog", "a red car"]
+
+
+def test_reference_policy_is_the_base_model(sd3_pipe):
+    policy, _ = _policy(tiny_sd3(seed=4))
+    policy.add_lora(rank=4)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    rollout = policy.rollout(PROMPTS[:2], num_steps=3, generator=_gen(), height=64, width=64)
+    base = DiffusionPolicy.from_pipeline(tiny_sd3(seed=4), **TEXT)
+    ref_logp = policy.log_prob(rollout, 1, reference=True)
+    assert torch.equal(ref_logp, base.log_prob(rollout, 1))
+    assert not ref_logp.requires_grad
+    assert not torch.equal(ref_logp, policy.log_prob(rollout, 1))
+    assert policy.model.peft_config  # adapters re-enabled afterwards
+    torch.testing.assert_close(policy.log_prob(rollout, 1), rollout.log_probs[:, 1:2], rtol=0, atol=0)
+    full = DiffusionPolicy.from_pipeline(tiny_sd3(seed=4), **TEXT)
+    with pytest.raises(ValueError, match="no reference policy"):
+        full.log_prob(rollout, 1, reference=True)
+    full.freeze_reference()
+    with torch.no_grad():
+        next(full.model.parameters()).add_(1.0)
+    assert torch.equal(full.log_prob(rollout, 1, reference=True), ref_logp)
+
+
+@pytest.mark.parametrize("build, guidance", [(tiny_sd3, 4.5), (tiny_flux, 3.5), (tiny_unet, 5.0)])
+def test_lora_round_trip_through_diffusers_load_lora_weights(tmp_path, build, guidance):
+    pipe = build(seed=7)
+    policy, text = _policy(pipe)
+    policy.add_lora(rank=4, alpha=8)
+    assert policy.trainable_parameters() and all("lora" in n for n, p in policy.model.named_parameters()
+                                                  if p.requires_grad)  # fmt: skip
+    with torch.no_grad():  # stand-in for a trained adapter
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    trained = policy.rollout(["a cat", "a dog"], num_steps=3, guidance_scale=guidance, sampler="ode",
+                             generator=_gen(), height=64, width=64).images  # fmt: skip
+    path = policy.save_lora(tmp_path)
+    assert path.name == "pytorch_lora_weights.safetensors" and path.is_file()
+    fresh = build(seed=7)
+    fresh.set_progress_bar_config(disable=True)
+    kwargs = dict(height=64, width=64, num_inference_steps=3, guidance_scale=guidance, output_type="pt", **text)
+    base = fresh(["a cat", "a dog"], generator=_gen(), **kwargs).images
+    fresh.load_lora_weights(tmp_path)
+    loaded = fresh(["a cat", "a dog"], generator=_gen(), **kwargs).images
+    torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-5)
+    assert (base - trained).abs().max() > 1e-3  # the adapter did change the outputs
+    again, _ = _policy(build(seed=7))
+    again.load_lora(tmp_path)
+    assert torch.equal(again.rollout(["a cat", "a dog"], num_steps=3, guidance_scale=guidance, sampler="ode",
+                                     generator=_gen(), height=64, width=64).images, trained)  # fmt: skip
+
+
+def test_loaders(tmp_path, sd3_pipe):
+    sd3_pipe.save_pretrained(tmp_path / "sd3")
+    pipe = load_pipeline(tmp_path / "sd3")
+    assert type(pipe).__name__ == "StableDiffusion3Pipeline" and not pipe.transformer.training
+    policy = DiffusionPolicy.from_pretrained(str(tmp_path / "sd3"), max_sequence_length=16)
+    a = policy.rollout(["a cat"], num_steps=2, sampler="ode", generator=_gen(), height=64, width=64)
+    b, _ = _policy(sd3_pipe)
+    b = b.rollout(["a cat"], num_steps=2, sampler="ode", generator=_gen(), height=64, width=64)
+    torch.testing.assert_close(a.images, b.images, rtol=0, atol=1e-6)
+    with pytest.raises(FileNotFoundError, match="model folder .*/nope does not exist"):
+        load_pipeline(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no model_index.json"):
+        load_pipeline(tmp_path / "empty")
+    with pytest.raises(ValueError, match="unknown model family 'sdxl'"):
+        load_pipeline(tmp_path / "sd3", family="sdxl")
+
+
+def test_hub_id_offline_gives_a_clear_error():
+    with pytest.raises(OSError, match="could not load 'nobody/no-such-model'.*local-dir"):
+        load_pipeline("nobody/no-such-model")
+
+
+def test_bad_arguments(sd3_pipe, unet_pipe):
+    policy, _ = _policy(sd3_pipe)
+    with pytest.raises(ValueError, match="sampler 'ddim' does not fit a sd3 model"):
+        policy.rollout(["a cat"], num_steps=2, sampler="ddim")
+    with pytest.raises(ValueError, match="sde_window"):
+        policy.rollout(["a cat"], num_steps=2, sde_window=(1, 5))
+    with pytest.raises(ValueError, match="at least one prompt"):
+        policy.rollout([], num_steps=2)
+    rollout = policy.rollout(["a cat", "a dog"], num_steps=2, generator=_gen(), height=64, width=64)
+    with pytest.raises(ValueError, match=r"step indices must lie in \[0, 2\)"):
+        policy.log_prob(rollout, 2)
+    with pytest.raises(ValueError, match="B=2"):
+        policy.log_prob(rollout, torch.zeros(3, 1, dtype=torch.long))
+    unet, _ = _policy(unet_pipe)
+    with pytest.raises(ValueError, match="does not fit a unet model"):
+        unet.rollout(["a cat"], num_steps=2, sampler="flow_sde")
+
+
+def test_callable_adapter_policy():
+    # any SD3-convention velocity network with callable text encoder and decoder (the digits world's shape)
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    from flowrl.policies import from_callable
+
+    torch.manual_seed(0)
+    net = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=1, out_channels=1, num_layers=1,
+                                attention_head_dim=8, num_attention_heads=2, joint_attention_dim=6,
+                                caption_projection_dim=16, pooled_projection_dim=6, pos_embed_max_size=8)  # fmt: skip
+    table = {"zero": torch.randn(6), "one": torch.randn(6), "": torch.zeros(6)}  # "" is the CFG negative
+
+    def encode(prompts):
+        pooled = torch.stack([table[p] for p in prompts])
+        return {"prompt_embeds": pooled[:, None, :], "pooled": pooled}
+
+    def decode(latents):
+        return ((latents.clamp(-1, 1) + 1) / 2).expand(-1, 3, -1, -1)
+
+    policy = from_callable(net, encode, decode, (1, 8, 8), FlowMatchEulerDiscreteScheduler(shift=1.0))
+    rollout = policy.rollout(["zero", "one", "zero"], num_steps=4, guidance_scale=2.0, generator=_gen())
+    assert rollout.images.shape == (3, 3, 8, 8) and rollout.latents.shape == (3, 5, 1, 8, 8)
+    assert torch.equal(policy.log_prob(rollout, 1), rollout.log_probs[:, 1:2])
+    assert torch.equal(policy.log_prob(rollout.select([1]), 2), rollout.log_probs[1:2, 2:3])
+    policy.log_prob(rollout, 0).sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())

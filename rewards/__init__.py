@@ -1,18 +1,27 @@
 """Reward models as callables `reward(images, prompts, **metadata) -> Tensor[B]`, selected by name.
 
-`rewards.register(name)` adds a reward factory; `rewards.get(name, **kwargs)` builds the reward;
-`rewards.list_rewards()` lists what is registered.
+`images` are `[B, 3, H, W]` floats in [0, 1]; the result is a float32 tensor `[B]` (NaN allowed: the trainer
+drops and counts NaN rewards). `rewards.register(name)` adds a reward factory; `rewards.get(name, **kwargs)`
+builds the reward (a registered name, or a dotted path `package.module:attribute` to your own callable or
+factory); `rewards.list_rewards()` lists what is registered.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from flowrl.registry import Registry
 
 
 REWARDS: Registry = Registry("reward")
+
+
+class RewardError(ValueError):
+    """A reward returned something unusable (wrong shape, wrong type); the message names the reward."""
 
 
 def register(name: str, factory: Callable[..., Any] | None = None, *, description: str | None = None):
@@ -23,11 +32,51 @@ def register(name: str, factory: Callable[..., Any] | None = None, *, descriptio
     return REWARDS.register(name, factory, description=description)
 
 
+def _import(path: str):
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"a reward path must look like 'package.module:attribute', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import module {module_name!r} for reward {path!r}: {err}") from err
+    if not hasattr(module, attribute):
+        raise ValueError(f"module {module_name!r} has no attribute {attribute!r} (reward {path!r})")
+    return getattr(module, attribute)
+
+
 def get(name: str, **kwargs: Any) -> Callable[..., Any]:
-    """Build the reward registered under `name` with `kwargs`; unknown names raise `ValueError`."""
+    """Build the reward `name` with `kwargs`.
+
+    `name` is a registered reward or `package.module:attribute`. An attribute that is a class (or any
+    factory) is called with `kwargs`; a plain function taking `(images, prompts, ...)` is used as is (kwargs
+    must then be empty).
+    """
+    if ":" in name:
+        target = _import(name)
+        if isinstance(target, type) or kwargs:
+            return target(**kwargs)
+        return target
     return REWARDS.get(name)(**kwargs)
 
 
 def list_rewards() -> list[str]:
     """Names of the registered rewards."""
     return REWARDS.names()
+
+
+def check_output(name: str, scores, batch_size: int) -> torch.Tensor:
+    """`scores` as a float32 tensor `[B]` on the CPU, or a `RewardError` naming the reward.
+
+    Accepts tensors, numpy arrays and lists; NaN values pass through (the trainer counts and drops them).
+    """
+    try:
+        scores = torch.as_tensor(scores, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise RewardError(f"reward {name!r} returned {type(scores).__name__}, not numbers: {err}") from err
+    scores = scores.detach().cpu()
+    if scores.ndim == 2 and scores.shape[1] == 1:
+        scores = scores[:, 0]
+    if scores.shape != (batch_size,):
+        raise RewardError(f"reward {name!r} returned shape {tuple(scores.shape)}; expected [{batch_size}]")
+    return scores

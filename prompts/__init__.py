@@ -1,0 +1,1 @@
+"""Prompt sets shipped with flowrl and a loader for text and jsonl files."""

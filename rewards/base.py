@@ -1,0 +1,54 @@
+"""The reward base class: batching, `no_grad`, device/dtype handling and output checking in one place."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from rewards import check_output
+
+
+class Reward(ABC):
+    """A reward model. Subclasses implement `score`; calling the instance runs it safely.
+
+    `reward(images, prompts, **metadata)` splits the batch into chunks of `batch_size`, runs `score` under
+    `torch.no_grad()` on `device` in `dtype`, checks the output (`[B]` numbers, named errors) and returns a
+    float32 CPU tensor. `score(images, prompts, **metadata)` is the raw computation: differentiable rewards
+    (`differentiable = True`) keep the graph to the pixels there.
+
+    Args:
+        device (`str` or `torch.device`, *optional*): where the reward model runs (default: CPU).
+        dtype (`torch.dtype`, defaults to fp32): the reward model's dtype.
+        batch_size (`int`, defaults to 32): images per `score` call.
+    """
+
+    name: str = "reward"
+    differentiable: bool = False
+
+    def __init__(self, device=None, dtype: torch.dtype = torch.float32, batch_size: int = 32):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.device = torch.device(device or "cpu")
+        self.dtype = dtype
+        self.batch_size = batch_size
+
+    @abstractmethod
+    def score(self, images: torch.Tensor, prompts: list[str], **metadata) -> torch.Tensor:
+        """Scores `[B]` of `images [B, 3, H, W]` in [0, 1] (on `self.device`) for `prompts`."""
+
+    def __call__(self, images: torch.Tensor, prompts, **metadata) -> torch.Tensor:
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"reward {self.name!r} needs images [B, 3, H, W] in [0, 1]; got {tuple(images.shape)}")
+        prompts = list(prompts)
+        if len(prompts) != images.shape[0]:
+            raise ValueError(f"reward {self.name!r} got {images.shape[0]} images but {len(prompts)} prompts")
+        out = []
+        with torch.no_grad():
+            for start in range(0, len(prompts), self.batch_size):
+                end = start + self.batch_size
+                chunk_meta = {k: v[start:end] if isinstance(v, (list, tuple, torch.Tensor)) else v
+                              for k, v in metadata.items()}  # fmt: skip
+                chunk = images[start:end].to(self.device, self.dtype)
+                out.append(check_output(self.name, self.score(chunk, prompts[start:end], **chunk_meta), len(chunk)))
+        return torch.cat(out) if out else torch.zeros(0)

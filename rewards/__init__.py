@@ -4,6 +4,11 @@
 drops and counts NaN rewards). `rewards.register(name)` adds a reward factory; `rewards.get(name, **kwargs)`
 builds the reward (a registered name, or a dotted path `package.module:attribute` to your own callable or
 factory); `rewards.list_rewards()` lists what is registered.
+
+Built-in rewards (each in its own module, heavy imports deferred to construction): `jpeg_compressibility`,
+`jpeg_incompressibility`, `aesthetic`, `clip_score`, `pickscore`, `hpsv2`, `imagereward`. `MultiReward` combines
+several, `combine_advantages` turns per-reward scores into advantages (`sum` or `gdpo`), `RewardExecutor` scores
+in a background thread. See docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ REWARDS: Registry = Registry("reward")
 
 class RewardError(ValueError):
     """A reward returned something unusable (wrong shape, wrong type); the message names the reward."""
+
+
+class RewardWeightsError(FileNotFoundError):
+    """A reward model's weights (or tokenizer) could not be found; the message names the reward, the files it
+    expects and how to provide them (a local folder/file argument, or a hub download command)."""
 
 
 def register(name: str, factory: Callable[..., Any] | None = None, *, description: str | None = None):
@@ -80,3 +90,10 @@ def check_output(name: str, scores, batch_size: int) -> torch.Tensor:
     if scores.shape != (batch_size,):
         raise RewardError(f"reward {name!r} returned shape {tuple(scores.shape)}; expected [{batch_size}]")
     return scores
+
+
+# Built-in rewards register themselves on import (digits: the digits world rewards and gold metrics); heavy
+# dependencies (transformers, open_clip, PIL) load only when a reward is constructed.
+from rewards import aesthetic, clip_score, digits, hpsv2, imagereward, jpeg, pickscore  # noqa: E402,F401
+from rewards.executor import RewardExecutor  # noqa: E402,F401
+from rewards.multi import MultiReward, MultiRewardOutput, combine_advantages  # noqa: E402,F401

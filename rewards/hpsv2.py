@@ -1,0 +1,72 @@
+"""HPS v2.1 (Human Preference Score v2, Wu et al. 2023, arXiv:2306.09341): open_clip ViT-H-14 fine-tuned on HPD v2.
+
+`r = <E_img(x), E_txt(c)>` with unit-norm open_clip features, the diagonal of `img_feat @ txt_feat^T` as in the
+official `hpsv2` scorer (DanceGRPO, MixGRPO, DiffusionNFT use it as is; typical values 0.2-0.35). Weights:
+`HPS_v2.1_compressed.pt` from the hub repo `xswu/HPSv2`, a dict `{"state_dict": ...}` of tensors that loads
+with `weights_only=True`. Needs the `openclip` extra. Differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rewards import register
+from rewards.base import Reward
+from rewards.heads import strip_prefix
+from rewards.loading import download_hint, load_state_dict, resolve_file
+
+
+HPS_REPO = "xswu/HPSv2"
+HPS_FILE = "HPS_v2.1_compressed.pt"
+
+
+def hps_state_dict(reward: str, path) -> dict[str, torch.Tensor]:
+    """The open_clip state dict inside an HPS checkpoint (`{"state_dict": ...}` or a bare state dict)."""
+    state = load_state_dict(reward, path)
+    if "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    return strip_prefix(state, ("module.",))
+
+
+@register(
+    "hpsv2",
+    description=(
+        f"HPS v2.1: cos(text, image) of open_clip ViT-H-14 fine-tuned on HPD v2, differentiable (needs: the openclip "
+        f"extra + {HPS_FILE} from {HPS_REPO})"
+    ),
+)
+class HPSv2(Reward):
+    """Human Preference Score v2.1: cosine similarity of open_clip ViT-H-14 features fine-tuned on HPD v2.
+
+    Args:
+        checkpoint (`str`, defaults to `"xswu/HPSv2"`): the `HPS_v2.1_compressed.pt` file, a folder holding it,
+            or a hub repo id to download it from (`HPS_v2_compressed.pt` in the same repo is HPS v2.0).
+        arch (`str`, defaults to `"ViT-H-14"`): the open_clip architecture of the checkpoint.
+        device, dtype, batch_size: see `Reward`.
+    """
+
+    name = "hpsv2"
+    differentiable = True
+
+    def __init__(
+        self,
+        checkpoint: str = HPS_REPO,
+        arch: str = "ViT-H-14",
+        device=None,
+        dtype: torch.dtype = torch.float32,
+        batch_size: int = 32,
+    ):
+        super().__init__(device=device, dtype=dtype, batch_size=batch_size)
+        from rewards.openclip import OpenCLIP, require_open_clip
+
+        require_open_clip(self.name)  # fail on the missing extra before looking for weights
+        fix = (
+            f"run {download_hint(HPS_REPO, [HPS_FILE])} and pass checkpoint=DIR/{HPS_FILE} "
+            "(config: `rewards: [{name: hpsv2, kwargs: {checkpoint: PATH}}]`)"
+        )
+        path = resolve_file(self.name, checkpoint, [HPS_FILE, "HPS_v2_compressed.pt"], what="HPS checkpoint", fix=fix)
+        self.clip = OpenCLIP(self.name, arch, pretrained=None, device=self.device, dtype=dtype)
+        self.clip.load_weights(hps_state_dict(self.name, path))
+
+    def score(self, images: torch.Tensor, prompts: list[str], **metadata) -> torch.Tensor:
+        return (self.clip.encode_image(images) * self.clip.encode_text(prompts)).sum(-1)

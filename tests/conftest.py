@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from flowrl.digits.nets import TransformerConfig
+
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -35,3 +37,24 @@ def unet_pipe():
     pipe = tiny_unet()
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+TINY_MODEL = TransformerConfig(num_layers=1, attention_head_dim=8, num_attention_heads=2, caption_projection_dim=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory):
+    """A tiny digits world (1-layer flow model, briefly trained classifiers) built once into a temporary cache."""
+    from flowrl.digits import BuildConfig, DigitClassifiers, DigitsWorld, build_classifiers, build_model
+
+    old = os.environ.get("FLOWRL_CACHE")
+    os.environ["FLOWRL_CACHE"] = str(tmp_path_factory.mktemp("flowrl-cache"))
+    try:
+        config = BuildConfig(pretrain_steps=3, classifier_epochs=3, transformer=TINY_MODEL)
+        model_path = build_model(config, log=None)
+        yield DigitsWorld(model_path, DigitClassifiers(build_classifiers(config, log=None)))
+    finally:
+        if old is None:
+            os.environ.pop("FLOWRL_CACHE", None)
+        else:
+            os.environ["FLOWRL_CACHE"] = old

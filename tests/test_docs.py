@@ -46,3 +46,23 @@ def test_readme_opens_with_the_two_setup_commands():
     block = lines[lines.index("```bash") + 1 : lines.index("```bash") + 3]
     assert all("pip install torch==2.13.0" in line for line in block)
     assert block[0].rstrip().endswith("# main job") and "python -m pytest" in block[1]
+
+
+def test_training_doc_lists_every_config_field():
+    import dataclasses
+
+    from flowrl.trainers import TRAINERS
+
+    text = (DOCS / "training.md").read_text()
+
+    def walk(cls):
+        for field in dataclasses.fields(cls):
+            assert f"`{field.name}`" in text, f"docs/training.md does not mention {cls.__name__}.{field.name}"
+            value = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+            for item in value if isinstance(value, list) else [value]:
+                if dataclasses.is_dataclass(item):
+                    walk(type(item))
+
+    for name in TRAINERS:
+        walk(TRAINERS.get(name).config_class)
+        assert f"`{name}`" in text

@@ -184,7 +184,7 @@ class FluxAdapter(ModelAdapter):
         model = model or self.model
         n = latents.shape[0]
         guidance = None
-        if model.config.guidance_embeds:
+        if self.model.config.guidance_embeds:  # (read from the bare model: a DDP wrapper has no config)
             guidance = torch.full([1], guidance_scale, device=latents.device, dtype=torch.float32).expand(n)
         return model(
             hidden_states=latents,

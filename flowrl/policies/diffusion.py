@@ -156,6 +156,8 @@ class DiffusionPolicy:
         self.negative_prompt = negative_prompt
         self.text_batch_size = text_batch_size
         self.reference_model: torch.nn.Module | None = None
+        self.forward_module: torch.nn.Module | None = None
+        """What training forwards call (a trainer sets the accelerate/DDP-prepared module); default `model`."""
         self._text_cache: dict[str, dict[str, torch.Tensor]] = {}
 
     @classmethod
@@ -548,7 +550,7 @@ class DiffusionPolicy:
     @contextmanager
     def _scoring_model(self, reference: bool):
         if not reference:
-            yield self.model
+            yield self.forward_module if self.forward_module is not None else self.model
             return
         with torch.no_grad(), self.reference() as model:
             yield model

@@ -1,0 +1,96 @@
+"""One training epoch against the network work it cannot avoid (the digits world, CPU).
+
+The reference is the bare transformer calls an epoch must make, with the same shapes: for each sampling step
+and forward chunk one no-grad forward of `2 x chunk` rows (CFG), and for each trained step and minibatch one
+forward + backward of `2 x chunk` rows. Everything else (step kernels, log-probs, rewards, advantages, the
+objective, optimizer steps, bookkeeping) is overhead. Both are measured side by side in one process.
+
+    python benchmarks/train_bench.py [--config configs/digits/grpo_guard.yaml] [--epochs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flowrl.config import load_config  # noqa: E402
+from flowrl.trainers import build_trainer  # noqa: E402
+
+
+def network_work(trainer, rollout) -> float:
+    """Seconds of the bare network calls one epoch makes (same shapes, same number of calls)."""
+    cfg = trainer.config
+    chunk, steps = cfg.sampling.train_batch_size, cfg.sampling.num_steps
+    n = len(rollout)
+    model = trainer.policy.model
+    cond = {k: v[rollout.prompt_ids] for k, v in rollout.cond.items()}
+    rows = 2 * chunk if rollout.null_cond is not None else chunk
+    x = rollout.latents[:chunk, 0].repeat(rows // chunk, 1, 1, 1)
+    t = rollout.timesteps[:1].expand(rows)
+    c = {k: v[:chunk].repeat(rows // chunk, *([1] * (v.ndim - 1))) for k, v in cond.items()}
+    call = lambda: trainer.policy.adapter.forward(x, t, c, cfg.sampling.guidance_scale, model=model)  # noqa: E731
+    chunks = -(-n // chunk)
+    trained_steps = trainer.train_steps(rollout, 0).shape[1]
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(steps * chunks):
+            call()
+    for _ in range(trained_steps * chunks * cfg.inner_epochs):
+        call().float().square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "digits" / "grpo_guard.yaml"))
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_bench.json"))
+    args = parser.parse_args()
+    config = load_config(args.config, ["run.log_with=[]", "run.output_dir=/tmp/flowrl-train-bench"])
+    trainer = build_trainer(config)
+    epoch_times, work_times = [], []
+    for epoch in range(args.epochs + 1):  # the first epoch warms up (and is not counted)
+        start = time.perf_counter()
+        trainer.train_epoch(epoch)
+        elapsed = time.perf_counter() - start
+        rollout = trainer._last_rollout
+        work = network_work(trainer, rollout)
+        if epoch:
+            epoch_times.append(elapsed)
+            work_times.append(work)
+    epoch_s, work_s = statistics.median(epoch_times), statistics.median(work_times)
+    result = {
+        "benchmark": "train_bench",
+        "config": str(Path(args.config).relative_to(ROOT)) if Path(args.config).is_relative_to(ROOT) else args.config,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "samples_per_epoch": config.prompts.prompts_per_epoch * config.prompts.group_size,
+        "epoch_s": epoch_s,
+        "network_s": work_s,
+        "overhead_ratio": epoch_s / work_s,
+        "epochs_measured": args.epochs,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"{'epoch s':>10}{'network s':>12}{'ratio':>8}")
+    print(f"{epoch_s:>10.3f}{work_s:>12.3f}{epoch_s / work_s:>8.3f}")
+    print(f"target: ratio <= 1.15; written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Checkpoints that are either complete or refused.
+
+A checkpoint folder `checkpoints/epoch_N/` holds `accelerator.save_state` output (weights as safetensors,
+optimizer and RNG states loaded back with `weights_only=True`), flowrl's own state as JSON and safetensors
+(`trainer_state.json`, `extra.safetensors`) and, written last, `manifest.json` with every file's size and
+SHA-256. It is written to a temporary folder and renamed, so a crash never leaves a half-written checkpoint
+under a real name; loading verifies the manifest and refuses anything missing or altered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^epoch_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, partial or corrupt; the message names the file."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def verify(folder: str | Path) -> Path:
+    """Check `folder` against its manifest; raise `CheckpointError` naming what is wrong."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint {folder} does not exist")
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"checkpoint {folder} is partial: it has no {MANIFEST} (interrupted while saving?)")
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is corrupt ({err})") from err
+    for name, info in entries.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {folder} is missing {name}")
+        if path.stat().st_size != info["bytes"] or _sha256(path) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {folder}: {name} is corrupt (size or SHA-256 differs from manifest)")
+    return folder
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """`checkpoints/epoch_N` folders of a run, oldest first (complete or not)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest(run_dir: str | Path) -> Path:
+    """The newest checkpoint of a run, verified."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"no checkpoints under {Path(run_dir) / 'checkpoints'} to resume from")
+    return verify(found[-1])
+
+
+def save(folder: Path, accelerator, state: dict, tensors: dict[str, torch.Tensor], keep: int | None = None) -> Path:
+    """Write a complete checkpoint to `folder` (via a temporary sibling and a rename)."""
+    folder = Path(folder)
+    tmp = folder.parent / f".tmp-{folder.name}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, allow_nan=True))
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / "extra.safetensors")
+        write_manifest(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+        if keep:
+            for old in list_checkpoints(folder.parent.parent)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return folder
+
+
+def load(folder: str | Path, accelerator) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Verify and restore a checkpoint: accelerate state in place, returns `(trainer_state, extra tensors)`."""
+    folder = verify(folder)
+    accelerator.load_state(str(folder / "accelerate"))
+    state = json.loads((folder / "trainer_state.json").read_text())
+    return state, load_file(folder / "extra.safetensors")

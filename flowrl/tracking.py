@@ -1,0 +1,101 @@
+"""Run logging: `metrics.jsonl` (always), accelerate trackers (TensorBoard by default), image grids, PNG curves."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+def scalar(value):
+    """A JSON-friendly float from tensors / numbers (NaN stays NaN)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().float()
+        return float(value) if value.numel() == 1 else [float(v) for v in value.flatten()]
+    return float(value) if isinstance(value, (int, float)) else value
+
+
+class MetricsLog:
+    """Appends one JSON object per epoch to `metrics.jsonl` and keeps the history in memory."""
+
+    def __init__(self, path: str | Path, history: list[dict] | None = None):
+        self.path = Path(path)
+        self.history = list(history or [])
+
+    def append(self, record: dict) -> None:
+        record = {k: scalar(v) for k, v in record.items()}
+        self.history.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, allow_nan=True) + "\n")
+
+    def rewrite(self) -> None:
+        """Rewrite the file from the in-memory history (after a resume truncates it)."""
+        self.path.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in self.history))
+
+
+def image_grid(images: torch.Tensor, captions: list[str], path: str | Path, columns: int = 8, title: str = ""):
+    """Save a PNG grid of `images [N, 3, H, W]` in [0, 1] with a caption under each; returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(images)
+    columns = min(columns, n)
+    rows = math.ceil(n / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(1.9 * columns, 2.2 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, caption in zip(axes.flat, images, captions):
+        ax.imshow(image.detach().float().permute(1, 2, 0).clamp(0, 1).cpu().numpy(), interpolation="nearest")
+        ax.set_title(caption, fontsize=6)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(history: list[dict], out_dir: str | Path) -> list[Path]:
+    """PNG plots of the training reward, the evaluation metrics and the trust-region diagnostics."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups = {
+        "reward": [k for k in _keys(history) if k.startswith("reward/")],
+        "eval": [k for k in _keys(history) if k.startswith("eval/")],
+        "trust_region": [k for k in ("clipfrac", "clipfrac_high", "clipfrac_low", "approx_kl") if k in _keys(history)],
+        "loss": [k for k in ("loss", "kl") if k in _keys(history)],
+    }
+    paths = []
+    for name, keys in groups.items():
+        if not keys:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in keys:
+            points = [(r["epoch"], r[key]) for r in history if isinstance(r.get(key), (int, float))]
+            if points:
+                ax.plot(*zip(*points), marker="." if len(points) < 40 else None, label=key)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _keys(history):
+    keys = []
+    for record in history:
+        keys.extend(k for k in record if k not in keys)
+    return keys

@@ -1,0 +1,40 @@
+"""GRPO-Guard (Wang et al. 2025, arXiv:2510.22319): Flow-GRPO with a regulated importance ratio.
+
+The per-step log-ratio of a flow-SDE policy is biased low (its mean is `-||dmu||^2 / (2 s^2)`) and its spread
+scales with `1/s`, so PPO's upper clip rarely binds on low-noise steps and the policy over-optimises the proxy
+reward. RatioNorm uses `s (l + ||dmu||^2 / (2 s^2))` instead (zero mean, step-independent spread under the old
+policy), and each step's loss is divided by `|dt|` to equalise step gradients. Defaults follow the released
+`config/grpo_guard.py`: clip 2e-6, per-group std, no KL, steps 0.99, weights 1/|dt|.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, StepConfig
+
+
+@dataclasses.dataclass
+class GRPOGuardConfig(FlowGRPOConfig):
+    trainer: str = "grpo_guard"
+    objective: str = "grpo_guard"
+    """The core's grpo_guard objective: PPO-clip on the RatioNorm-ed log-ratio."""
+    clip_eps_low: float = 2e-6
+    """GRPO-Guard's clip range for SD3.5 at 512 px (4e-6 for PickScore); scale it with the latent size."""
+    adv_std: Literal["group", "global", "none"] = "group"
+    """Per-group std (`global_std=False` in the released config)."""
+    steps: StepConfig = dataclasses.field(default_factory=lambda: StepConfig(weighting="inv_dt"))
+    """First 99% of the steps, each weighted 1/|dt|."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.objective != "grpo_guard":
+            raise ValueError(f"grpo_guard trains the grpo_guard objective; got objective={self.objective!r}")
+
+
+class GRPOGuardTrainer(FlowGRPOTrainer):
+    """GRPO-Guard; see the module docstring. Rollouts keep each step's behaviour mean for RatioNorm."""
+
+    config_class = GRPOGuardConfig
+    store_means = True

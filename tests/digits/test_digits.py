@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+import rewards
+from flowrl.digits import DIGIT_WORDS, decode, digit_of, read_prompts, real_digits, split, to_pixels
+from flowrl.digits.build import BuildConfig
+
+
+def test_digit_parsing():
+    assert digit_of("a handwritten seven") == 7
+    assert digit_of("the number 7") == 7
+    assert digit_of("Digit 0, written by hand") == 0
+    assert digit_of("handwriting: 3") == 3
+    with pytest.raises(ValueError, match="names no digit"):
+        digit_of("a cat")
+    with pytest.raises(ValueError, match=r"several digits \[1, 2\]"):
+        digit_of("one plus 2")
+    assert digit_of("seven, 7") == 7  # the same digit twice is fine
+
+
+def test_prompt_sets_cover_every_digit_with_held_out_phrasings():
+    train, test = read_prompts("train"), read_prompts("test")
+    assert sorted({digit_of(p) for p in train}) == list(range(10)) == sorted({digit_of(p) for p in test})
+    assert not set(train) & set(test)
+    template = lambda p: p.replace(DIGIT_WORDS[digit_of(p)], "{}").replace(str(digit_of(p)), "{}")  # noqa: E731
+    assert not {template(p) for p in train} & {template(p) for p in test}  # test phrasings are unseen
+    import prompts
+
+    assert [p.text for p in prompts.load("digits/train")] == train
+
+
+def test_real_data_and_pixels():
+    images, labels = real_digits()
+    assert images.shape == (1797, 1, 8, 8) and 0 <= images.min() and images.max() <= 1
+    a, b = split(0)
+    assert len(set(a.tolist()) & set(b.tolist())) == 0 and len(a) + len(b) == 1797
+    rgb = decode(images[:4] * 2 - 1)
+    assert rgb.shape == (4, 3, 8, 8)
+    torch.testing.assert_close(to_pixels(rgb), images[:4])
+    big = torch.nn.functional.interpolate(rgb, size=(32, 32), mode="nearest")
+    torch.testing.assert_close(to_pixels(big), images[:4])  # any image size maps back to 8x8
+
+
+def test_build_config_keys_separate_model_and_classifiers():
+    base = BuildConfig()
+    assert BuildConfig(pretrain_steps=10).classifier_key() == base.classifier_key()
+    assert BuildConfig(pretrain_steps=10).model_key() != base.model_key()
+    assert BuildConfig(classifier_epochs=3).model_key() == base.model_key()
+
+
+def test_digits_rewards_on_real_digits(tiny_world):
+    images, labels = real_digits()
+    _, held_out = split(0)
+    idx = held_out[:40]
+    rgb = decode(images[idx] * 2 - 1)
+    right = [f"the number {d}" for d in labels[idx].tolist()]
+    wrong = [f"the number {(d + 1) % 10}" for d in labels[idx].tolist()]
+    get = lambda name: rewards.get(name, classifiers=tiny_world.classifiers)  # noqa: E731
+    align = get("digits_alignment")
+    assert align(rgb, right).mean() > align(rgb, wrong).mean() + 0.3
+    assert get("digits_gold")(rgb, right).mean() > 0.5
+    acc = get("digits_accuracy")(rgb, right)
+    assert set(acc.unique().tolist()) <= {0.0, 1.0}
+    realism = get("digits_realism")
+    real = realism(rgb, right)
+    noise = realism(torch.rand(40, 3, 8, 8), right)
+    assert real.mean() < 1.5 < noise.mean()  # real digits are about as close as held-out reals; noise is far
+    # the alignment reward is differentiable to the pixels
+    x = rgb.clone().requires_grad_(True)
+    align.score(x, right).sum().backward()
+    assert x.grad.abs().sum() > 0
+
+
+def test_registered_with_descriptions():
+    described = rewards.REWARDS.describe()
+    for name in ("digits_alignment", "digits_accuracy", "digits_gold", "digits_realism"):
+        assert "Digits world" in described[name]

@@ -1,0 +1,135 @@
+import json
+import math
+
+import pytest
+import torch
+
+import rewards
+from flowrl.checkpoint import CheckpointError
+from flowrl.trainers.base import _group_diversity, _informative_groups
+
+from .conftest import make_trainer, tiny_config
+
+
+def _weights(trainer):
+    return [p.detach().clone() for p in trainer.params]
+
+
+@pytest.mark.parametrize("name", ["flow_grpo", "grpo_guard"])
+def test_two_epoch_run_trains_every_parameter_and_writes_the_run_folder(tiny_world, tmp_path, name):
+    config = tiny_config(name, tmp_path, run={"epochs": 2, "save_every": 1, "images_every": 1,
+                                              "log_with": ["tensorboard"], "output_dir": str(tmp_path)})  # fmt: skip
+    trainer = make_trainer(tiny_world, config)
+    before = _weights(trainer)
+    summary = trainer.train()
+    after = _weights(trainer)
+    assert all(not torch.equal(a, b) for a, b in zip(before, after)), "some trainable parameter did not change"
+
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in lines] == [1, 2]
+    for record in lines:
+        for key in ("reward/mean", "reward/digits_alignment", "loss", "clipfrac", "clipfrac_high", "clipfrac_low",
+                    "approx_kl", "time_s", "grad_norm", "eval/digits_gold", "ratio_mean/step_0",
+                    "raw_ratio_std/step_0"):  # fmt: skip
+            assert key in record and math.isfinite(record[key]), key
+    for key in ("reward_start", "reward_end", "gold_start", "gold_end", "epochs", "wall_s"):
+        assert summary[key] is not None and math.isfinite(summary[key]), key
+    assert json.loads((tmp_path / "summary.json").read_text())["epochs"] == 2
+    assert (tmp_path / "config.yaml").is_file()
+    assert list((tmp_path / "images").glob("epoch_*.png")) and (tmp_path / "plots" / "reward.png").is_file()
+    assert list(tmp_path.rglob("events.out.tfevents.*")), "no TensorBoard events"
+    assert (tmp_path / "checkpoints" / "epoch_2" / "manifest.json").is_file()
+
+
+def test_resume_is_exact(tiny_world, tmp_path):
+    straight = make_trainer(tiny_world, tiny_config("grpo_guard", tmp_path / "a", overrides=["run.epochs=4"]))
+    straight.train()
+    first = make_trainer(tiny_world, tiny_config("grpo_guard", tmp_path / "b", overrides=["run.epochs=2"]))
+    first.train()
+    resumed = make_trainer(tiny_world, tiny_config("grpo_guard", tmp_path / "b", overrides=["run.epochs=4"]))
+    resumed.train(resume=True)
+    for a, b in zip(_weights(straight), _weights(resumed)):
+        assert torch.equal(a, b)
+    history = lambda path: [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    a, b = history(tmp_path / "a"), history(tmp_path / "b")
+    assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b] and len(b) == 4
+
+
+def test_corrupt_or_partial_checkpoints_are_refused(tiny_world, tmp_path):
+    make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=["run.epochs=1"])).train()
+    ckpt = tmp_path / "checkpoints" / "epoch_1"
+    weights = next(ckpt.rglob("model.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=["run.epochs=2"]))
+    with pytest.raises(CheckpointError, match="model.safetensors is corrupt"):
+        trainer.train(resume=True)
+    (ckpt / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="is partial: it has no manifest.json"):
+        trainer.train(resume=True)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        trainer.train(resume=tmp_path / "checkpoints" / "epoch_9")
+
+
+class Flaky:
+    """The digits reward with NaN for the first `bad` samples of every call."""
+
+    name = "flaky"
+
+    def __init__(self, world, bad):
+        self.inner, self.bad = rewards.get("digits_alignment", classifiers=world.classifiers), bad
+
+    def __call__(self, images, prompts, **metadata):
+        out = self.inner(images, prompts)
+        out[: self.bad] = float("nan")
+        return out
+
+
+def test_nan_rewards_are_dropped_and_counted(tiny_world, tmp_path):
+    config = tiny_config("flow_grpo", tmp_path, overrides=["run.epochs=1", "eval.every=0"],
+                         rewards=[{"name": "flaky"}])  # fmt: skip
+    trainer = make_trainer(tiny_world, config, reward_fns={"flaky": Flaky(tiny_world, 1)})
+    record = trainer.train_epoch(0)
+    assert record["bad_rewards"] == 1 and record["bad_rewards/flaky"] == 1
+    assert record["trained_samples"] <= 15 and math.isfinite(float(record["reward/mean"]))
+
+
+def test_too_many_bad_rewards_abort_with_the_reward_name(tiny_world, tmp_path):
+    config = tiny_config("flow_grpo", tmp_path, overrides=["run.epochs=1", "run.max_bad_reward_frac=0.2"],
+                         rewards=[{"name": "flaky"}])  # fmt: skip
+    trainer = make_trainer(tiny_world, config, reward_fns={"flaky": Flaky(tiny_world, 5)})
+    with pytest.raises(RuntimeError, match=r"31% of this epoch's rewards are NaN/inf \(flaky: 5 of 16"):
+        trainer.train_epoch(0)
+
+
+def test_kl_to_the_reference_and_gdpo_aggregation(tiny_world, tmp_path):
+    config = tiny_config("flow_grpo", tmp_path, overrides=["run.epochs=2", "kl_beta=0.1", "kl_form=exact"],
+                         reward_aggregation="gdpo",
+                         rewards=[{"name": "digits_alignment"}, {"name": "digits_gold", "weight": 0.5}])  # fmt: skip
+    trainer = make_trainer(tiny_world, config)
+    assert trainer.policy.reference_model is not None  # full fine-tuning: a frozen copy
+    trainer.train()
+    history = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert history[0]["kl"] >= 0 and history[1]["kl"] > 0  # the reference stays where training started
+    assert "reward/digits_gold" in history[0]
+
+
+def test_step_selections_and_sde_window(tiny_world, tmp_path):
+    config = tiny_config("flow_grpo", tmp_path, overrides=["steps.selection=random", "steps.k=2",
+                                                           "sampling.sde_window=[1, 3]"])  # fmt: skip
+    trainer = make_trainer(tiny_world, config)
+    rollout, _, _ = trainer.sample(0)
+    steps = trainer.train_steps(rollout, 0)
+    assert steps.shape == (len(rollout), 2) and set(steps.flatten().tolist()) <= {1, 2}
+    assert torch.equal(steps, trainer.train_steps(rollout, 0))  # seeded by the epoch
+
+
+def test_helpers():
+    # groups whose advantages are all zero carry no signal
+    groups = torch.tensor([0, 0, 1, 1])
+    keep = _informative_groups(groups, torch.tensor([0.0, 0.0, 1.0, -1.0]), torch.ones(4, dtype=torch.bool))
+    assert keep.tolist() == [False, False, True, True]
+    # diversity: identical samples 0; two groups of two images at RMS distance 1 and 0
+    images = torch.stack([torch.zeros(3, 2, 2), torch.ones(3, 2, 2), torch.zeros(3, 2, 2), torch.zeros(3, 2, 2)])
+    assert _group_diversity(images, 2) == pytest.approx(0.5)

@@ -180,6 +180,10 @@ def _convert(value: Any, tp, key: str) -> Any:
             raise ConfigError(errors[0])
         raise ConfigError(f"invalid value {value!r} for {key}: {'; '.join(errors)}")
     if origin is Literal:
+        if isinstance(value, bool) and not any(isinstance(a, bool) for a in args):
+            # YAML 1.1 reads no/off/false (yes/on/true) as booleans: map them back to a spelled-out choice
+            spellings = ("no", "off", "false") if value is False else ("yes", "on", "true")
+            value = next((a for a in args if a in spellings), value)
         if value not in args:
             raise ConfigError(f"invalid value {value!r} for {key}; choose from {', '.join(map(repr, args))}")
         return value

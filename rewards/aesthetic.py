@@ -71,8 +71,8 @@ class AestheticReward(Reward):
                 f"{model!r} projects to {clip.config.projection_dim} (the released head needs ViT-L/14, 768-d)"
             )
         # Only the vision tower is needed; the text tower is dropped with `clip`.
-        self.vision = clip.vision_model.to(self.device, dtype).eval().requires_grad_(False)
-        self.projection = clip.visual_projection.to(self.device, dtype).eval().requires_grad_(False)
+        self.vision = clip.vision_model.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.projection = clip.visual_projection.to(self.device, self.dtype).eval().requires_grad_(False)
         self.head = self.head.to(self.device, torch.float32).eval().requires_grad_(False)
         config = read_processor_config(model)
         size = int(clip.config.vision_config.image_size)

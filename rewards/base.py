@@ -9,6 +9,19 @@ import torch
 from rewards import check_output
 
 
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
+
+
+def as_dtype(dtype) -> torch.dtype:
+    """A `torch.dtype` from a dtype or its name (`"bf16"`, `"float16"`, ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
 class Reward(ABC):
     """A reward model. Subclasses implement `score`; calling the instance runs it safely.
 
@@ -19,7 +32,8 @@ class Reward(ABC):
 
     Args:
         device (`str` or `torch.device`, *optional*): where the reward model runs (default: CPU).
-        dtype (`torch.dtype`, defaults to fp32): the reward model's dtype.
+        dtype (`torch.dtype` or `str`, defaults to fp32): the reward model's dtype (`"bf16"`, `"fp16"`, ... from
+            YAML configs).
         batch_size (`int`, defaults to 32): images per `score` call.
     """
 
@@ -30,7 +44,7 @@ class Reward(ABC):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.device = torch.device(device or "cpu")
-        self.dtype = dtype
+        self.dtype = as_dtype(dtype)
         self.batch_size = batch_size
 
     @abstractmethod

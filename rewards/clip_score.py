@@ -67,12 +67,14 @@ class ClipScore(Reward):
         if backend == "transformers":
             from rewards.clip_models import HFCLIP
 
-            self.clip = HFCLIP(self.name, model, processor, default_repo=CLIP_REPO, device=self.device, dtype=dtype)
+            self.clip = HFCLIP(
+                self.name, model, processor, default_repo=CLIP_REPO, device=self.device, dtype=self.dtype
+            )
         elif backend == "open_clip":
             from rewards.openclip import OpenCLIP
 
             model = "ViT-L-14-quickgelu" if model == CLIP_REPO else model
-            self.clip = OpenCLIP(self.name, model, pretrained or "openai", device=self.device, dtype=dtype)
+            self.clip = OpenCLIP(self.name, model, pretrained or "openai", device=self.device, dtype=self.dtype)
         else:
             raise ValueError(f"reward 'clip_score': backend must be 'transformers' or 'open_clip', got {backend!r}")
 

@@ -65,7 +65,7 @@ class HPSv2(Reward):
             "(config: `rewards: [{name: hpsv2, kwargs: {checkpoint: PATH}}]`)"
         )
         path = resolve_file(self.name, checkpoint, [HPS_FILE, "HPS_v2_compressed.pt"], what="HPS checkpoint", fix=fix)
-        self.clip = OpenCLIP(self.name, arch, pretrained=None, device=self.device, dtype=dtype)
+        self.clip = OpenCLIP(self.name, arch, pretrained=None, device=self.device, dtype=self.dtype)
         self.clip.load_weights(hps_state_dict(self.name, path))
 
     def score(self, images: torch.Tensor, prompts: list[str], **metadata) -> torch.Tensor:

@@ -260,8 +260,8 @@ class ImageReward(Reward):
     ):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
         model, self.tokenizer = load_imagereward(checkpoint, tokenizer, reward=self.name)
-        model.vision.to(self.device, dtype)
-        model.text.to(self.device, dtype)
+        model.vision.to(self.device, self.dtype)
+        model.text.to(self.device, self.dtype)
         self.model = model.to(self.device)
         self.max_length = max_length
         self.enc_token = enc_token

@@ -61,7 +61,7 @@ class PickScore(Reward):
             default_repo=PICKSCORE_REPO,
             default_processor=PROCESSOR_REPO,
             device=self.device,
-            dtype=dtype,
+            dtype=self.dtype,
         )
 
     def score(self, images: torch.Tensor, prompts: list[str], **metadata) -> torch.Tensor:

@@ -67,6 +67,8 @@ def test_override_syntax():
     assert apply_overrides({"a": {"b": 1}}, ["a.c=null", "d=[1, 2]"]) == {"a": {"b": 1, "c": None}, "d": [1, 2]}
     # YAML 1.1 reads 1e-4 as a string; number fields accept it
     assert load_config({"trainer": "flow_grpo", "clip_eps_low": "1e-4"}, ["optim.lr=3e-5"]).optim.lr == 3e-5
+    # ... and `no` as false; a choice spelled `no` accepts it
+    assert load_config({"trainer": "flow_grpo"}, ["run.mixed_precision=no"]).run.mixed_precision == "no"
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         apply_overrides({}, ["novalue"])
     with pytest.raises(ConfigError, match="'a' is not a section"):

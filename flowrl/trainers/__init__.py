@@ -4,6 +4,7 @@ from flowrl.registry import Registry
 from flowrl.trainers.base import Trainer, TrainerConfig
 from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowrl.trainers.grpo_guard import GRPOGuardConfig, GRPOGuardTrainer
+from flowrl.trainers.loop import LOOPConfig, LOOPTrainer
 
 
 TRAINERS: Registry = Registry("trainer")
@@ -16,6 +17,11 @@ TRAINERS.register(
     "grpo_guard",
     GRPOGuardTrainer,
     description="GRPO-Guard: Flow-GRPO with RatioNorm and 1/|dt| step weights (arXiv:2510.22319)",
+)
+TRAINERS.register(
+    "loop",
+    LOOPTrainer,
+    description="LOOP: PPO-clip over several inner epochs with a leave-one-out baseline (arXiv:2503.00897)",
 )
 
 
@@ -30,6 +36,8 @@ __all__ = [
     "FlowGRPOTrainer",
     "GRPOGuardConfig",
     "GRPOGuardTrainer",
+    "LOOPConfig",
+    "LOOPTrainer",
     "Trainer",
     "TrainerConfig",
     "build_trainer",

@@ -164,14 +164,22 @@ class Trainer(ABC):
         self.reward_weights = {spec.name: spec.weight for spec in config.rewards}
         self.train_prompts = self.load_prompts(config.prompts.train)
         self.test_prompts = self.load_prompts(config.prompts.test)
-        params = self.policy.trainable_parameters()
+        self.setup()
+        module = self.trained_module()
+        params = [p for p in module.parameters() if p.requires_grad]
         if not params:
-            raise ValueError("the policy has no trainable parameters")
+            raise ValueError(f"{type(self).__name__} has no trainable parameters")
         opt = config.optim
         optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay, eps=opt.eps)
-        self.model, self.optimizer = self.accelerator.prepare(self.policy.model, optimizer)
-        self.policy.forward_module = self.model  # training forwards go through the (DDP-)prepared module
+        self.model, self.optimizer = self.accelerator.prepare(module, optimizer)
+        if module is self.policy.model:
+            self.policy.forward_module = self.model  # training forwards go through the (DDP-)prepared module
         self.params = params
+        # auxiliary networks (critics, value functions) with optimizers of their own, prepared and checkpointed
+        self.aux = {}
+        for name, (aux_module, lr) in self.auxiliary_modules().items():
+            aux_opt = torch.optim.AdamW(aux_module.parameters(), lr=lr, weight_decay=0.0)
+            self.aux[name] = self.accelerator.prepare(aux_module.to(self.accelerator.device), aux_opt)
         self.ema = EMA(params, config.ema_decay) if config.ema_decay else None
         self.epoch = 0  # epochs completed
         self.optimizer_steps = 0
@@ -205,11 +213,24 @@ class Trainer(ABC):
                                                      forward_batch_size=chunk)  # fmt: skip
         if m.lora_rank > 0:
             policy.add_lora(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_targets)
+            for param in policy.trainable_parameters():  # the adapter trains in fp32 over a bf16/fp16 base
+                param.data = param.data.float()
         else:
             policy.model.requires_grad_(True)
         if m.gradient_checkpointing:
             policy.model.enable_gradient_checkpointing()
         return policy
+
+    def setup(self) -> None:  # noqa: B027  (an optional hook, not an abstract method)
+        """Build algorithm-specific pieces before the optimizers exist (noise policies, critics, buffers)."""
+
+    def trained_module(self) -> torch.nn.Module:
+        """The module the main optimizer trains (default: the diffusion network; FIND: its noise policy)."""
+        return self.policy.model
+
+    def auxiliary_modules(self) -> dict[str, tuple[torch.nn.Module, float]]:
+        """`{name: (module, learning rate)}` of networks trained by their own optimizer (critics, value nets)."""
+        return {}
 
     def build_rewards(self, specs: list[RewardConfig]) -> dict:
         return {spec.name: reward_registry.get(spec.name, **spec.kwargs) for spec in specs}

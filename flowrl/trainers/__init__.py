@@ -1,28 +1,14 @@
-"""Trainers: thin algorithm layers on one shared loop (`flowrl.trainers.base`) and one objective core."""
+"""Trainers: thin algorithm layers on one shared loop (`flowrl.trainers.base`) and one objective core.
 
-from flowrl.registry import Registry
+Each trainer module registers its trainer in `TRAINERS` when imported; importing this package imports them.
+"""
+
+# the trainers register themselves on import
 from flowrl.trainers.base import Trainer, TrainerConfig
 from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowrl.trainers.grpo_guard import GRPOGuardConfig, GRPOGuardTrainer
 from flowrl.trainers.loop import LOOPConfig, LOOPTrainer
-
-
-TRAINERS: Registry = Registry("trainer")
-TRAINERS.register(
-    "flow_grpo",
-    FlowGRPOTrainer,
-    description="Flow-GRPO: PPO-clip on flow-SDE step log-probs with group advantages (arXiv:2505.05470)",
-)
-TRAINERS.register(
-    "grpo_guard",
-    GRPOGuardTrainer,
-    description="GRPO-Guard: Flow-GRPO with RatioNorm and 1/|dt| step weights (arXiv:2510.22319)",
-)
-TRAINERS.register(
-    "loop",
-    LOOPTrainer,
-    description="LOOP: PPO-clip over several inner epochs with a leave-one-out baseline (arXiv:2503.00897)",
-)
+from flowrl.trainers.registry import TRAINERS
 
 
 def build_trainer(config, **kwargs) -> Trainer:

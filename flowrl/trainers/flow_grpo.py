@@ -26,6 +26,7 @@ from flowrl.core import (
 )
 from flowrl.core.ratios import reduce_elements
 from flowrl.trainers.base import Trainer, TrainerConfig, seeded
+from flowrl.trainers.registry import TRAINERS
 from rewards import combine_advantages
 
 
@@ -80,6 +81,9 @@ class FlowGRPOConfig(TrainerConfig):
         get_objective(self.objective)
 
 
+@TRAINERS.register(
+    "flow_grpo", description="Flow-GRPO: PPO-clip on flow-SDE step log-probs with group advantages (arXiv:2505.05470)"
+)
 class FlowGRPOTrainer(Trainer):
     """Flow-GRPO; see the module docstring and `FlowGRPOConfig`."""
 

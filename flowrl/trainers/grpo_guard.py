@@ -13,6 +13,7 @@ import dataclasses
 from typing import Literal
 
 from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, StepConfig
+from flowrl.trainers.registry import TRAINERS
 
 
 @dataclasses.dataclass
@@ -33,6 +34,9 @@ class GRPOGuardConfig(FlowGRPOConfig):
             raise ValueError(f"grpo_guard trains the grpo_guard objective; got objective={self.objective!r}")
 
 
+@TRAINERS.register(
+    "grpo_guard", description="GRPO-Guard: Flow-GRPO with RatioNorm and 1/|dt| step weights (arXiv:2510.22319)"
+)
 class GRPOGuardTrainer(FlowGRPOTrainer):
     """GRPO-Guard; see the module docstring. Rollouts keep each step's behaviour mean for RatioNorm."""
 

@@ -14,6 +14,7 @@ import dataclasses
 
 from flowrl.core import leave_one_out_advantages
 from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
+from flowrl.trainers.registry import TRAINERS
 
 
 @dataclasses.dataclass
@@ -34,6 +35,9 @@ class LOOPConfig(FlowGRPOConfig):
             raise ValueError("loop combines rewards by their weighted sum (reward_aggregation: sum)")
 
 
+@TRAINERS.register(
+    "loop", description="LOOP: PPO-clip over several inner epochs with a leave-one-out baseline (arXiv:2503.00897)"
+)
 class LOOPTrainer(FlowGRPOTrainer):
     """LOOP; see the module docstring and `LOOPConfig`."""
 

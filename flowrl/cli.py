@@ -63,6 +63,55 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a run's checkpoint (latest, or --checkpoint) or a config's untrained model on the test prompts."""
+    import json
+    from pathlib import Path
+
+    from flowrl import checkpoint
+    from flowrl.config import ConfigError, load_config
+    from flowrl.trainers import build_trainer
+
+    target = Path(args.target)
+    run_dir = target if target.is_dir() else None
+    try:
+        config = load_config(run_dir / "config.yaml" if run_dir else target, [*(args.set or []), "run.log_with=[]"])
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"flowrl eval: {err}", file=sys.stderr)
+        return 2
+    trainer = build_trainer(config, output_dir=run_dir or config.run.output_dir)
+    label = "base model"
+    if run_dir is not None:
+        try:
+            path = Path(args.checkpoint) if args.checkpoint else checkpoint.latest(run_dir)
+            trainer.load_checkpoint(path)
+        except checkpoint.CheckpointError as err:
+            print(f"flowrl eval: {err}", file=sys.stderr)
+            return 2
+        label = str(path)
+    result = {"evaluated": label, "epoch": trainer.epoch, **trainer.evaluate()}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from flowrl import ablate
+    from flowrl.config import ConfigError
+
+    try:
+        grid = ablate.parse_grid(args.grid or [])
+        seeds = [int(s) for s in args.seeds.split(",")]
+        rows = ablate.run(args.configs, grid=grid, seeds=seeds, output_dir=args.output_dir, overrides=args.set or [])
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"flowrl ablate: {err}", file=sys.stderr)
+        return 2
+    print(ablate.table(rows))
+    print(f"results: {args.output_dir}/results.json, results.md")
+    return 0
+
+
 def cmd_digits(args: argparse.Namespace) -> int:
     from flowrl.digits.build import main as build_main
 
@@ -82,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="resume the run in run.output_dir from its latest checkpoint, or from PATH")  # fmt: skip
     p_train.add_argument("--output-dir", help="run folder (overrides run.output_dir)")
     p_train.set_defaults(func=cmd_train)
+    p_eval = sub.add_parser("eval", help="evaluate a run folder's checkpoint, or a config's base model")
+    p_eval.add_argument("target", help="a run folder (with config.yaml and checkpoints/) or a YAML config")
+    p_eval.add_argument("--checkpoint", help="a checkpoint folder (default: the run's latest)")
+    p_eval.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (e.g. eval.*)")
+    p_eval.add_argument("--out", help="also write the result to this JSON file")
+    p_eval.set_defaults(func=cmd_eval)
+    p_ablate = sub.add_parser("ablate", help="train configs x a grid of overrides x seeds and tabulate the results")
+    p_ablate.add_argument("configs", nargs="+", help="YAML run configs")
+    p_ablate.add_argument("--grid", action="append", metavar="KEY=V1,V2", help="values to sweep (repeatable)")
+    p_ablate.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    p_ablate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every run")
+    p_ablate.add_argument("--output-dir", default="runs/ablation", help="where runs and results go")
+    p_ablate.set_defaults(func=cmd_ablate)
     p_digits = sub.add_parser("digits", help="the digits world: `flowrl digits build [--force]`")
     p_digits.add_argument("action", choices=["build"])
     p_digits.add_argument("rest", nargs=argparse.REMAINDER)

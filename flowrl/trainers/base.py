@@ -183,6 +183,7 @@ class Trainer(ABC):
         self.ema = EMA(params, config.ema_decay) if config.ema_decay else None
         self.epoch = 0  # epochs completed
         self.optimizer_steps = 0
+        self.samples_scored = 0  # samples scored by the training rewards (the run's reward budget)
         self.eval_history: list[dict] = []
         self.log: MetricsLog | None = None
 
@@ -386,6 +387,7 @@ class Trainer(ABC):
         rollout, prompts, local = self.sample(epoch)
         t_sample = time.time() - start
         rewards = self.score(rollout.images, prompts[local], self.reward_fns)
+        self.samples_scored += len(prompts)
         valid, bad = self.check_rewards(rewards)
         t_reward = time.time() - start - t_sample
         texts = [str(p) for p in prompts]
@@ -550,6 +552,7 @@ class Trainer(ABC):
             "eval_start": {k: first.get(k) for k in metrics},
             "eval_end": {k: last.get(k) for k in metrics},
             "eval_history": self.eval_history,
+            "samples_scored": self.samples_scored,
             "train_reward_end": self.log.history[-1]["reward/mean"] if self.log.history else None,
         }
 
@@ -561,7 +564,8 @@ class Trainer(ABC):
         """flowrl's own resumable state (JSON part, tensor part); subclasses extend it."""
         tensors = {f"ema.{i}": t for i, t in enumerate(self.ema.shadow)} if self.ema is not None else {}
         state = {"epoch": self.epoch, "optimizer_steps": self.optimizer_steps, "eval_history": self.eval_history,
-                 "metrics": self.log.history if self.log else [], "trainer": self.config.trainer}  # fmt: skip
+                 "metrics": self.log.history if self.log else [], "trainer": self.config.trainer,
+                 "samples_scored": self.samples_scored}  # fmt: skip
         return state, tensors
 
     def load_state_dict(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
@@ -569,6 +573,7 @@ class Trainer(ABC):
             found, wanted = state.get("trainer"), self.config.trainer
             raise checkpoint.CheckpointError(f"checkpoint is from trainer {found!r}, not {wanted!r}")
         self.epoch, self.optimizer_steps = state["epoch"], state["optimizer_steps"]
+        self.samples_scored = state.get("samples_scored", 0)
         self.eval_history = state["eval_history"]
         if self.log is not None:
             self.log.history = state["metrics"]

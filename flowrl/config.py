@@ -231,6 +231,21 @@ def _convert(value: Any, tp, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported config type {_type_name(tp)}")
 
 
+def _default(field: dataclasses.Field):
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None if field.default is dataclasses.MISSING else field.default
+
+
+def _merge(base: dict, update: dict) -> dict:
+    """`update` over `base`, recursively for nested mappings."""
+    merged = dict(base)
+    for key, value in update.items():
+        nested = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merge(merged[key], value) if nested else value
+    return merged
+
+
 def from_dict(cls, data: dict, prefix: str = ""):
     """Build the dataclass `cls` from `data`, validating every key and value."""
     hints = typing.get_type_hints(cls)
@@ -243,6 +258,11 @@ def from_dict(cls, data: dict, prefix: str = ""):
             where = f"in section {prefix!r}" if prefix else "at the top level"
             message = str(unknown_name_error("config key", key, valid, where=where))
             raise ConfigError(message.replace(f"config key {key!r}", f"config key {full!r}", 1))
+        default = _default(fields[key])
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            # a partial section overrides the *field's* defaults (a trainer may change them, e.g. GRPO-Guard's
+            # step weighting), not the section class's
+            value = _merge(to_dict(default), value)
         kwargs[key] = _convert(value, hints[key], full)
     try:
         return cls(**kwargs)

@@ -78,6 +78,17 @@ def test_override_syntax():
 def test_shipped_configs_load():
     from pathlib import Path
 
+    from flowrl.trainers import TrainerConfig
+
     for path in sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml")):
         config = load_config(path)
-        assert isinstance(config, FlowGRPOConfig), path
+        assert isinstance(config, TrainerConfig), path
+
+
+def test_partial_sections_keep_the_trainers_own_defaults():
+    # GRPO-Guard changes the default step weighting to inv_dt; a YAML that sets only another step field
+    # must keep it, and unrelated keys of a nested section must keep their defaults too
+    config = load_config({"trainer": "grpo_guard", "steps": {"fraction": 0.5}, "sampling": {"num_steps": 4}})
+    assert config.steps.weighting == "inv_dt" and config.steps.fraction == 0.5
+    assert config.sampling.noise_level == 0.7 and config.sampling.num_steps == 4
+    assert isinstance(load_config({"trainer": "flow_grpo"}), FlowGRPOConfig)

@@ -1,12 +1,16 @@
 """Tiny trainer configs on the tiny digits world (`tests/conftest.py`)."""
 
+import dataclasses
+
 import rewards
 from flowrl.config import load_config
 from flowrl.trainers import build_trainer
 
 
 def tiny_config(trainer="grpo_guard", tmp_path=None, overrides=(), **top):
-    """A 2-epoch, 4-prompt x 4-sample, 4-step digits config."""
+    """A 2-epoch, 4-prompt x 4-sample, 4-step digits config (clip range 1e-2 where the trainer clips)."""
+    from flowrl.trainers import TRAINERS
+
     data = {
         "trainer": trainer,
         "sampling": {"num_steps": 4, "guidance_scale": 2.0, "train_batch_size": 8},
@@ -14,10 +18,10 @@ def tiny_config(trainer="grpo_guard", tmp_path=None, overrides=(), **top):
         "eval": {"every": 1, "samples_per_prompt": 2, "max_prompts": 4, "metrics": ["digits_gold"]},
         "optim": {"lr": 1e-3, "gradient_accumulation": 2},
         "run": {"epochs": 2, "save_every": 1, "images_every": 1, "log_with": [], "output_dir": str(tmp_path)},
-        "clip_eps_low": 1e-2,
-        **top,
     }
-    return load_config(data, list(overrides))
+    if "clip_eps_low" in {f.name for f in dataclasses.fields(TRAINERS.get(trainer).config_class)}:
+        data["clip_eps_low"] = 1e-2
+    return load_config({**data, **top}, list(overrides))
 
 
 def make_trainer(world, config, reward_fns=None, **kwargs):

@@ -5,6 +5,7 @@ as shipped; only the model and reward weights are swapped for tiny random models
 saved to a folder, and the sizes (image size, steps, group) shrink so one epoch takes seconds.
 """
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,14 +13,14 @@ import torch
 import yaml
 
 from flowrl.config import load_config
-from flowrl.models import tiny_flux, tiny_sd3
+from flowrl.models import tiny_flux, tiny_sd3, tiny_unet
 from flowrl.trainers import build_trainer
-from tests.rewards.tiny_models import save_tiny_clip
+from tests.rewards.tiny_models import imagereward_official_state, save_tiny_clip, write_bert_vocab
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name != "digits")
-TINY = {"sd3": tiny_sd3, "flux": tiny_flux}
+TINY = {"sd3": tiny_sd3, "flux": tiny_flux, "unet": tiny_unet}
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,9 @@ def tiny_folders(tmp_path_factory):
         build(seed=1).save_pretrained(root / family)
         folders[family] = root / family
     folders["clip"] = save_tiny_clip(root / "clip")
+    folders["imagereward"] = root / "ImageReward.pt"
+    torch.save(imagereward_official_state(), folders["imagereward"])
+    folders["bert"] = write_bert_vocab(root / "bert")
     return folders
 
 
@@ -38,6 +42,7 @@ def test_every_real_model_config_is_covered():
         "sd35m/grpo_guard_pickscore.yaml",
         "sd35m/flow_grpo_geneval_style.yaml",
         "flux/grpo_guard_pickscore.yaml",
+        "sd15/dpok_imagereward.yaml",
     }
 
 
@@ -65,14 +70,20 @@ def test_recipe_trains_one_epoch_on_tiny_stand_ins(path, tiny_folders, tmp_path)
         f"run.output_dir={tmp_path}",
         "ema_every=1",
     ]
-    # the CLIP-family rewards (PickScore, CLIP score) on a tiny CLIP folder that holds model and processor
-    kwargs = {"model": str(tiny_folders["clip"]), "processor": None, "device": "cpu", "dtype": "fp32"}
-    rewards = [{"name": r.name, "weight": r.weight, "kwargs": kwargs} for r in shipped.rewards]
+    # the CLIP-family rewards (PickScore, CLIP score) on a tiny CLIP folder that holds model and processor;
+    # ImageReward on a tiny checkpoint in the official layout and a BERT vocabulary
+    clip = {"model": str(tiny_folders["clip"]), "processor": None}
+    imagereward = {"checkpoint": str(tiny_folders["imagereward"]), "tokenizer": str(tiny_folders["bert"])}
+    weights = {"imagereward": imagereward}
+    rewards = [{"name": r.name, "weight": r.weight, "kwargs": {**weights.get(r.name, clip), "device": "cpu",
+                "dtype": "fp32"}} for r in shipped.rewards]  # fmt: skip
     overrides.append("rewards=" + yaml.safe_dump(rewards, default_flow_style=True).strip())
     config = load_config(path, overrides)
-    # the algorithm is as shipped
-    for key in ("objective", "clip_eps_low", "adv_std", "kl_beta", "kl_form", "ema_decay", "steps"):
-        assert getattr(config, key) == getattr(shipped, key), key
+    # the algorithm is as shipped: every top-level field but the sections the overrides shrink
+    shrunk = {"model", "sampling", "prompts", "rewards", "eval", "optim", "run", "ema_every"}
+    for field in dataclasses.fields(config):
+        if field.name not in shrunk:
+            assert getattr(config, field.name) == getattr(shipped, field.name), field.name
     trainer = build_trainer(config)
     before = [p.detach().clone() for p in trainer.params]
     record = trainer.train_epoch(0)

@@ -336,8 +336,11 @@ class DiffusionPolicy:
                         noise=noise, noise_level=noise_level, reduce=self.reduce, sigma_max=sigmas[1])  # fmt: skip
 
     def _run(self, model, kind, states, step, plan, *, cfg, static, sigmas, timesteps, guidance_scale,
-             noise_level, prev_sample=None, noise=None) -> StepOutput:  # fmt: skip
-        """Network call + step kernel for every row of `states` (`step [n]` step indices), chunk by chunk."""
+             noise_level, prev_sample=None, noise=None, predictions: list | None = None) -> StepOutput:  # fmt: skip
+        """Network call + step kernel for every row of `states` (`step [n]` step indices), chunk by chunk.
+
+        `predictions`, when a list, receives each chunk's (CFG-combined) network output for its real rows.
+        """
         outs = []
         for chunk in plan:
             rows = slice(None) if chunk.rows is None else chunk.rows.to(states.device)
@@ -345,6 +348,8 @@ class DiffusionPolicy:
             x = states[rows]
             output = self._predict(model, x, timesteps[chunk_step].to(x.device), chunk.cond, cfg, guidance_scale,
                                    static)  # fmt: skip
+            if predictions is not None:
+                predictions.append(output[: chunk.real])
             out = self._kernel(kind, output, chunk_step, sigmas, timesteps, x, noise_level=noise_level,
                                prev_sample=None if prev_sample is None else prev_sample[rows],
                                noise=None if noise is None else noise[rows])  # fmt: skip
@@ -491,35 +496,76 @@ class DiffusionPolicy:
             states as `prev_sample`; `log_prob` and `mean` carry the gradient of the network.
         """
         index = self._step_index(rollout, steps)
-        if not bool(rollout.sde_mask[index].all()):
-            bad = sorted(set(index[~rollout.sde_mask[index]].tolist()))
-            raise ValueError(f"steps {bad} were sampled deterministically (outside the SDE window); nothing to score")
         rows = torch.arange(len(rollout), device=rollout.latents.device)
         cond = {k: v[rollout.prompt_ids.to(v.device)] for k, v in rollout.cond.items()}
-        cfg = rollout.null_cond is not None
-        plan = self._plan(len(rollout), rollout.forward_batch_size, cond, rollout.null_cond)
         columns = []
-        with self._scoring_model(reference) as model:
-            for j in range(index.shape[1]):
-                step = index[:, j]
-                dev = step.to(rollout.latents.device)
-                out = self._run(
-                    model, rollout.sampler, rollout.latents[rows, dev], step, plan, cfg=cfg, static=rollout.static,
-                    sigmas=rollout.sigmas, timesteps=rollout.timesteps, guidance_scale=rollout.guidance_scale,
-                    noise_level=rollout.noise_level, prev_sample=rollout.latents[rows, dev + 1],
-                )  # fmt: skip
-                columns.append(out)
+        for j in range(index.shape[1]):
+            step = index[:, j]
+            dev = step.to(rollout.latents.device)
+            states, next_states = rollout.latents[rows, dev], rollout.latents[rows, dev + 1]
+            columns.append(self.score_transitions(rollout, states, next_states, step, cond, reference=reference))
         if len(columns) == 1:
             return StepOutput(*(t.unsqueeze(1) for t in columns[0]))
         return StepOutput(*(torch.stack(parts, dim=1) for parts in zip(*columns)))
 
-    def velocity_fn(self, rollout: Rollout, num_draws: int, *, guidance_scale: float | None = None):
+    def score_transitions(
+        self, rollout: Rollout, states: torch.Tensor, next_states: torch.Tensor, steps, cond: dict[str, torch.Tensor],
+        *, reference: bool = False, return_prediction: bool = False,
+    ):  # fmt: skip
+        """Re-score single transitions `states -> next_states` that are not whole trajectories (replay buffers).
+
+        The transitions must come from rollouts sampled like `rollout` (same sampler, noise level, guidance,
+        number of steps and image size, hence the same schedule); `rollout` supplies those settings, the
+        negative prompt's conditioning and the forward chunk size. Rows are scored in chunks of exactly
+        `rollout.forward_batch_size`, as at rollout, so an unchanged policy reproduces the stored log-probs bit
+        for bit whatever rows a minibatch holds (`score` is this function applied to a rollout's own rows).
+
+        Args:
+            rollout (`Rollout`): any rollout sampled with the transitions' settings.
+            states, next_states (`torch.Tensor`): `[n, ...]` states `x_t` and the sampled `x_{t+1}`.
+            steps: `[n]` step indices `t` (or an `int`); each must be a stochastic step of `rollout`.
+            cond (`dict[str, torch.Tensor]`): per-row conditioning `[n, ...]` (`policy.encode(prompts)`).
+            reference (`bool`, defaults to `False`): score under the reference policy (no gradient).
+            return_prediction (`bool`, defaults to `False`): also return the network's (CFG-combined)
+                prediction `[n, ...]` (noise for UNets, velocity for flow models).
+
+        Returns:
+            `StepOutput` with `log_prob [n]`, `mean [n, ...]`, `std [n]` and `next_states` as `prev_sample`;
+            with `return_prediction`, `(StepOutput, prediction)`.
+        """
+        n = len(states)
+        step = torch.as_tensor(steps, dtype=torch.long).cpu()
+        step = step.expand(n) if step.ndim == 0 else step
+        if step.shape != (n,) or len(next_states) != n:
+            raise ValueError(f"steps and next_states must have one entry per state ({n}); got {tuple(step.shape)}")
+        if ((step < 0) | (step >= rollout.num_steps)).any():
+            raise ValueError(f"step indices must lie in [0, {rollout.num_steps}), got {step.unique().tolist()}")
+        if not bool(rollout.sde_mask[step].all()):
+            bad = sorted(set(step[~rollout.sde_mask[step]].tolist()))
+            raise ValueError(f"steps {bad} were sampled deterministically (outside the SDE window); nothing to score")
+        cfg = rollout.null_cond is not None
+        plan = self._plan(n, rollout.forward_batch_size, cond, rollout.null_cond)
+        predictions = [] if return_prediction else None
+        with self._scoring_model(reference) as model:
+            out = self._run(
+                model, rollout.sampler, states, step, plan, cfg=cfg, static=rollout.static, sigmas=rollout.sigmas,
+                timesteps=rollout.timesteps, guidance_scale=rollout.guidance_scale, noise_level=rollout.noise_level,
+                prev_sample=next_states, predictions=predictions,
+            )  # fmt: skip
+        if not return_prediction:
+            return out
+        return out, predictions[0] if len(predictions) == 1 else torch.cat(predictions)
+
+    def velocity_fn(self, rollout: Rollout, num_draws: int, *, guidance_scale: float | None = None,
+                    reference: bool = False):  # fmt: skip
         """A `velocity_fn(x_tau [B * N, C, h, w], tau [B * N])` over the rollout's prompts for FPO.
 
         Rows are sample-major (`flowrl.policies.fpo`). `tau` is the flow noise level; the network sees
         `tau * num_train_timesteps`. The conditional velocity is used (`guidance_scale` 1) unless
         `guidance_scale` is given; Flux keeps the rollout's guidance embedding. Forwards run in chunks of
         `rollout.forward_batch_size * num_draws` rows, so the losses stored at rollout reproduce exactly.
+        Training calls go through `forward_module` (the accelerate/DDP-prepared network); `reference=True`
+        gives the reference policy's velocity (no gradient).
         """
         if self.adapter.time_kind != "flow":
             raise ValueError(f"FPO needs a velocity model; a {self.family} model predicts noise")
@@ -534,11 +580,12 @@ class DiffusionPolicy:
 
         def velocity(x, tau):
             parts = []
-            for chunk in plan:
-                rows = slice(None) if chunk.rows is None else chunk.rows.to(x.device)
-                t = (tau[rows] * scale).to(x.device)
-                out = self._predict(self.model, x[rows], t, chunk.cond, cfg, guidance_scale, rollout.static)
-                parts.append(out[: chunk.real])
+            with self._scoring_model(reference) as model:
+                for chunk in plan:
+                    rows = slice(None) if chunk.rows is None else chunk.rows.to(x.device)
+                    t = (tau[rows] * scale).to(x.device)
+                    out = self._predict(model, x[rows], t, chunk.cond, cfg, guidance_scale, rollout.static)
+                    parts.append(out[: chunk.real])
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         return velocity

@@ -4,7 +4,10 @@ Each trainer module registers its trainer in `TRAINERS` when imported; importing
 """
 
 # the trainers register themselves on import
+from flowrl.trainers.acflow import ACFlowConfig, ACFlowTrainer
 from flowrl.trainers.base import Trainer, TrainerConfig
+from flowrl.trainers.dpok import DPOKConfig, DPOKTrainer
+from flowrl.trainers.find import FINDConfig, FINDTrainer
 from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowrl.trainers.grpo_guard import GRPOGuardConfig, GRPOGuardTrainer
 from flowrl.trainers.loop import LOOPConfig, LOOPTrainer
@@ -18,6 +21,12 @@ def build_trainer(config, **kwargs) -> Trainer:
 
 __all__ = [
     "TRAINERS",
+    "ACFlowConfig",
+    "ACFlowTrainer",
+    "DPOKConfig",
+    "DPOKTrainer",
+    "FINDConfig",
+    "FINDTrainer",
     "FlowGRPOConfig",
     "FlowGRPOTrainer",
     "GRPOGuardConfig",

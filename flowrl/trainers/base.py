@@ -233,6 +233,10 @@ class Trainer(ABC):
         """`{name: (module, learning rate)}` of networks trained by their own optimizer (critics, value nets)."""
         return {}
 
+    def evaluation_latents(self, prompts: list[str], generator, height, width) -> torch.Tensor | None:
+        """Initial noise for evaluation rollouts (None: the policy draws it; FIND: from its noise policy)."""
+        return None
+
     def build_rewards(self, specs: list[RewardConfig]) -> dict:
         return {spec.name: reward_registry.get(spec.name, **spec.kwargs) for spec in specs}
 
@@ -345,7 +349,7 @@ class Trainer(ABC):
         chunk = cfg.sampling.train_batch_size
         steps = self.train_steps(rollout, epoch)  # [B, k]
         rows = trainable.nonzero().flatten()
-        stats = _Stats()
+        stats = EpochStats()
         self.model.train()
         for inner in range(cfg.inner_epochs):
             order = rows[torch.randperm(len(rows), generator=seeded(cfg.run.seed, epoch, 3, inner,
@@ -438,10 +442,12 @@ class Trainer(ABC):
         generator = seeded(e.seed, self.accelerator.process_index)
         self.model.eval()
         guidance = s.guidance_scale if e.guidance_scale is None else e.guidance_scale
+        texts = [str(p) for p in full_padded[local]]
         with self.ema.swapped() if self.ema is not None else nullcontext(), self.accelerator.autocast():
-            rollout = self.policy.rollout([str(p) for p in full_padded[local]], num_steps=e.num_steps or s.num_steps,
-                                          guidance_scale=guidance, noise_level=0.0, sampler=sampler,
-                                          generator=generator, height=s.height, width=s.width)  # fmt: skip
+            latents = self.evaluation_latents(texts, generator, s.height, s.width)
+            rollout = self.policy.rollout(texts, num_steps=e.num_steps or s.num_steps, guidance_scale=guidance,
+                                          noise_level=0.0, sampler=sampler, generator=generator, height=s.height,
+                                          width=s.width, latents=latents)  # fmt: skip
         fns = {**self.reward_fns, **self.eval_fns}
         scores = {k: v[: len(full)] for k, v in self.score(rollout.images, full_padded[local], fns).items()}
         # diversity on (at most) 64x64 thumbnails, so gathering large images stays cheap
@@ -595,7 +601,7 @@ class Trainer(ABC):
         return float(state.get("wall_s", 0.0))
 
 
-class _Stats:
+class EpochStats:
     """Accumulates per-micro-step metrics into epoch means and per-step ratio statistics."""
 
     def __init__(self):

@@ -1,0 +1,215 @@
+import json
+import math
+
+import pytest
+import torch
+
+from flowrl.config import ConfigError, load_config
+from flowrl.trainers.base import seeded
+from flowrl.trainers.find import FINDNoisePolicy
+
+from .conftest import make_trainer, tiny_config
+
+
+def find_config(tmp_path, overrides=(), **top):
+    """`tiny_config`'s world and sizes for FIND (which has no `clip_eps_low`), sampling with the ODE."""
+    data = {
+        "trainer": "find",
+        "sampling": {"num_steps": 4, "guidance_scale": 2.0, "train_batch_size": 8, "sampler": "ode"},
+        "prompts": {"prompts_per_epoch": 4, "group_size": 4},
+        "eval": {"every": 1, "samples_per_prompt": 2, "max_prompts": 4, "metrics": ["digits_gold"]},
+        "optim": {"lr": 1e-2, "gradient_accumulation": 1, "weight_decay": 0.0},
+        "run": {"epochs": 2, "save_every": 1, "images_every": 1, "log_with": [], "output_dir": str(tmp_path)},
+        "noise_hidden": 16,
+        "calibration_hidden": 16,
+        **top,
+    }
+    return load_config(data, list(overrides))
+
+
+def _weights(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("variant", ["per_prompt", "conditioned"])
+@pytest.mark.parametrize("old_policy", ["prior", "previous"])
+def test_noise_policy_starts_at_the_prior_with_ratio_exactly_one(tiny_world, tmp_path, variant, old_policy):
+    trainer = make_trainer(tiny_world, find_config(tmp_path, [f"noise_policy={variant}", f"old_policy={old_policy}"]))
+    rollout, prompts, _ = trainer.sample(0)
+    z, condition = rollout.extras["z"], rollout.extras["condition"]
+    # at the prior z_T is exactly the noise the base model would have drawn for this epoch
+    base_noise = trainer.policy.adapter.initial_latents(len(prompts), 8, 8, seeded(trainer.config.run.seed, 0, 2, 0))
+    assert torch.equal(z, base_noise.float())
+    log_prob, regulariser = trainer.model(z, condition)
+    # hand-computed N(0, I) log-density, averaged over the 64 latent elements
+    expected = -(z**2).flatten(1).mean(-1) / 2 - 0.5 * math.log(2 * math.pi)
+    assert torch.allclose(log_prob, expected, atol=1e-6)
+    assert torch.equal(log_prob, rollout.extras["old_log_prob"]) and torch.equal(regulariser, torch.zeros(len(z)))
+    adv = torch.linspace(-1, 1, len(z))
+    loss, metrics = trainer.step_loss(rollout, adv, torch.zeros(len(z), dtype=torch.long))
+    assert torch.equal(metrics["_ratio"], torch.ones(len(z))) and metrics["clipfrac"] == 0
+    assert loss.item() == pytest.approx(-adv.mean().item(), abs=1e-7)  # -A clamp(1) + 0.01 * 0
+    minibatch = torch.randperm(len(z), generator=torch.Generator().manual_seed(0))[:5]  # any rows, any order
+    _, metrics = trainer.step_loss(rollout.select(minibatch), adv[minibatch], torch.zeros(5, dtype=torch.long))
+    assert torch.equal(metrics["_ratio"], torch.ones(5))
+
+
+@pytest.mark.parametrize("variant", ["per_prompt", "conditioned"])
+def test_previous_policy_ratio_is_one_for_any_minibatch_after_training(tiny_world, tmp_path, variant):
+    """Tables are indexed, so exact; the MLP's output may differ in the last bits with the rows it runs with."""
+    overrides = [f"noise_policy={variant}", "old_policy=previous", "run.epochs=1"]
+    trainer = make_trainer(tiny_world, find_config(tmp_path, overrides))
+    before = _weights(trainer.noise_policy)
+    trainer.train()
+    assert all(not torch.equal(a, b) for a, b in zip(before, _weights(trainer.noise_policy)))  # left the prior
+    rollout, _, _ = trainer.sample(1)
+    for rows in (torch.arange(8), torch.tensor([13, 2, 7, 0, 9]), torch.tensor([5])):
+        _, metrics = trainer.step_loss(rollout.select(rows), torch.ones(len(rows)), torch.zeros(len(rows), dtype=int))
+        if variant == "per_prompt":
+            assert torch.equal(metrics["_ratio"], torch.ones(len(rows)))
+        else:
+            assert torch.allclose(metrics["_ratio"], torch.ones(len(rows)), rtol=0, atol=1e-6)
+
+
+def test_regulariser_proxy_and_exact_kl_hand_values():
+    # one prompt, two latent elements: mu = (0.5, -1), sigma = (2, 0.5)
+    proxy = FINDNoisePolicy((1, 1, 2), num_prompts=1, kl_form="proxy")
+    exact = FINDNoisePolicy((1, 1, 2), num_prompts=1, kl_form="exact")
+    for policy in (proxy, exact):
+        with torch.no_grad():
+            policy.mean.copy_(torch.tensor([0.5, -1.0]).reshape(1, 1, 1, 2))
+            policy.std.copy_(torch.tensor([2.0, 0.5]).reshape(1, 1, 1, 2))
+    z, ids = torch.zeros(1, 1, 1, 2), torch.zeros(1, dtype=torch.long)
+    # FIND's released proxy: mean(mu^2 + (sigma - 1)^2) = mean(0.25 + 1, 1 + 0.25) = 1.25
+    assert proxy(z, ids)[1].item() == pytest.approx(1.25)
+    # exact: mean over elements of log(1/s) + (s^2 + mu^2)/2 - 1/2 = mean(0.93185, 0.81815) = 0.875
+    kl = ((-math.log(2) + 4.25 / 2 - 0.5) + (math.log(2) + 1.25 / 2 - 0.5)) / 2
+    assert exact(z, ids)[1].item() == pytest.approx(kl, abs=1e-6) and kl == pytest.approx(0.875)
+    # log-density of z = 0: mean(-mu^2 / (2 s^2) - log s) - log(2 pi)/2
+    logp = (-(0.25 / 8) - math.log(2) + (-(1 / 0.5) + math.log(2))) / 2 - 0.5 * math.log(2 * math.pi)
+    assert proxy(z, ids)[0].item() == pytest.approx(logp, abs=1e-6)
+
+
+def test_calibrated_advantages_and_calibration_targets(tiny_world, tmp_path):
+    trainer = make_trainer(tiny_world, find_config(tmp_path, ["calibration_steps=1", "noise_policy=conditioned"]))
+    rollout, _, _ = trainer.sample(0)
+    net, _ = trainer.aux["calibration"]
+    with torch.no_grad():  # V = 0.25 everywhere before the calibration step
+        net.net[-1].weight.zero_()
+        net.net[-1].bias.fill_(0.25)
+    rewards = torch.linspace(0, 1, len(rollout))
+    condition, text = rollout.extras["condition"], rollout.extras["text"]
+    with torch.no_grad():
+        mean, std = trainer.noise_policy.params(condition)
+    rollout.extras["row"] = torch.arange(len(rollout))  # to find each minibatch's samples
+    seen = torch.full((len(rollout),), float("nan"))
+    step_loss = trainer.step_loss
+
+    def recording(batch, adv, steps):
+        seen[batch.extras["row"]] = adv
+        return step_loss(batch, adv, steps)
+
+    trainer.step_loss = recording
+    stats = trainer.update(rollout, rewards, torch.ones(len(rollout), dtype=torch.bool), 0)
+    # the calibration step regressed V onto the observed rewards: its loss is mean((0.25 - r)^2)
+    assert stats["calibration/loss"] == pytest.approx((0.25 - rewards).pow(2).mean().item(), rel=1e-5)
+    # the policy trained on A = lambda_r (r - V), V after the calibration step at the sampling parameters
+    with torch.no_grad():
+        baseline = net(mean, std, text)
+    assert (baseline - 0.25).abs().max() > 0  # the step moved V
+    assert torch.allclose(seen, 10.0 * (rewards - baseline), atol=1e-6)
+
+
+def test_sigma_is_clamped_after_every_optimizer_step(tiny_world, tmp_path):
+    trainer = make_trainer(tiny_world, find_config(tmp_path, ["min_std=0.01"]))
+    policy = trainer.noise_policy
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 10.0  # an adversarial step: sigma 1 -> about -9
+    policy.mean.grad = torch.zeros_like(policy.mean)
+    policy.std.grad = torch.ones_like(policy.std)
+    trainer._optimizer_step()
+    assert torch.equal(policy.std, torch.full_like(policy.std, 0.01))
+    assert torch.isfinite(policy.log_prob(torch.zeros(1, 1, 8, 8), torch.zeros(1, dtype=torch.long))).all()
+
+
+@pytest.mark.parametrize("variant", ["per_prompt", "conditioned"])
+def test_two_epoch_run_trains_the_noise_policy_and_the_calibration_net_only(tiny_world, tmp_path, variant):
+    trainer = make_trainer(tiny_world, find_config(tmp_path, [f"noise_policy={variant}"]))
+    noise, calib, model = _weights(trainer.noise_policy), _weights(trainer.calibration), _weights(trainer.policy.model)
+    summary = trainer.train()
+    assert all(not torch.equal(a, b) for a, b in zip(noise, _weights(trainer.noise_policy)))
+    assert all(not torch.equal(a, b) for a, b in zip(calib, _weights(trainer.calibration)))
+    assert all(torch.equal(a, b) for a, b in zip(model, _weights(trainer.policy.model))), "the sampler trained"
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for record in lines:
+        for key in ("reward/mean", "loss", "clipfrac", "approx_kl", "regulariser", "calibration/loss", "adv/std",
+                    "noise/kl_to_prior", "noise/std_mean", "ratio_mean/step_0", "grad_norm",
+                    "eval/digits_gold"):  # fmt: skip
+            assert key in record and math.isfinite(record[key]), key
+    assert math.isfinite(summary["gold_end"])
+
+
+def test_evaluation_at_the_prior_is_the_base_models(tiny_world, tmp_path):
+    find = make_trainer(tiny_world, find_config(tmp_path / "find", ["noise_policy=conditioned"]))
+    base = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "base"))
+    assert find.evaluate() == base.evaluate()
+    mean_only = make_trainer(tiny_world, find_config(tmp_path / "mean", ["eval_noise=mean"]))
+    assert mean_only.evaluate()["eval/diversity"] == 0.0  # z = mu for every sample of a prompt, ODE sampler
+
+
+def test_noise_mean_moves_towards_a_rewarded_direction(tiny_world, tmp_path):
+    """A toy reward (image brightness) through the frozen sampler: the noise mean drifts up."""
+
+    def brightness(images, prompts, **_):
+        return images.float().mean(dim=(1, 2, 3))
+
+    config = find_config(tmp_path, ["run.epochs=4", "run.save_every=0", "run.images_every=0", "kl_weight=0"])
+    trainer = make_trainer(tiny_world, config, reward_fns={"digits_alignment": brightness})
+    trainer.train()
+    history = trainer.log.history
+    assert trainer.noise_policy.mean.mean() > 0 and history[-1]["reward/mean"] > history[0]["reward/mean"]
+
+
+def test_resume_is_exact_including_the_calibration_net(tiny_world, tmp_path):
+    overrides = ["noise_policy=conditioned", "old_policy=previous"]
+    straight = make_trainer(tiny_world, find_config(tmp_path / "a", [*overrides, "run.epochs=4"]))
+    straight.train()
+    first = make_trainer(tiny_world, find_config(tmp_path / "b", [*overrides, "run.epochs=2"]))
+    first.train()
+    resumed = make_trainer(tiny_world, find_config(tmp_path / "b", [*overrides, "run.epochs=4"]))
+    resumed.train(resume=True)
+    for module in ("noise_policy", "calibration"):
+        a, b = _weights(getattr(straight, module)), _weights(getattr(resumed, module))
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), module
+    history = lambda path: [json.loads(x)["reward/mean"] for x in (path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert history(tmp_path / "a") == history(tmp_path / "b")
+
+
+def test_config_checks():
+    with pytest.raises(ConfigError, match="lora_rank must be 0"):
+        find_config(None, ["model.lora_rank=4"])
+    with pytest.raises(ConfigError, match="noise_policy"):
+        find_config(None, ["noise_policy=table"])
+
+
+def _brightness(images, prompts, **_):
+    return images.float().mean(dim=(1, 2, 3))
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_trains_on_tiny_sd3_and_flux_pipelines(family, tmp_path):
+    from flowrl.models import tiny_flux, tiny_sd3
+    from flowrl.policies import DiffusionPolicy
+    from flowrl.trainers import build_trainer
+
+    pipe = (tiny_sd3 if family == "sd3" else tiny_flux)(seed=1)
+    policy = DiffusionPolicy.from_pipeline(pipe, forward_batch_size=2, max_sequence_length=16)
+    overrides = ["sampling.num_steps=2", "sampling.train_batch_size=2", "prompts.prompts_per_epoch=2",
+                 "prompts.group_size=2", "eval.max_prompts=1", "run.epochs=1", "rewards=[{name: brightness}]",
+                 "eval.metrics=[]", "noise_policy=conditioned"]  # fmt: skip
+    config = find_config(tmp_path, overrides)
+    trainer = build_trainer(config, policy=policy, reward_fns={"brightness": _brightness}, eval_fns={})
+    before = _weights(trainer.noise_policy)
+    record = trainer.train_epoch(0)
+    assert math.isfinite(float(record["loss"])) and math.isfinite(record["calibration/loss"])
+    assert all(not torch.equal(a, b) for a, b in zip(before, _weights(trainer.noise_policy)))

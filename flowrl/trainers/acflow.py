@@ -135,7 +135,7 @@ class ACFlowTrainer(Trainer):
     # the pieces
     # ------------------------------------------------------------------------------------------
 
-    def compute_advantages(self, rewards, group_ids):
+    def compute_advantages(self, rewards, group_ids, prompts=None):
         """The shaped reward `r~` (the critic's target and, in the warm-up, the actor's weight input)."""
         c = self.config
         if c.shaping == "none":

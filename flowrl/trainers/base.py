@@ -251,8 +251,12 @@ class Trainer(ABC):
     # the algorithm's pieces
     # ------------------------------------------------------------------------------------------
 
-    def compute_advantages(self, rewards: dict[str, torch.Tensor], group_ids: torch.Tensor):
-        """`[N]` advantages of the valid samples from per-reward scores `[N]` (default: GRPO's group z-score)."""
+    def compute_advantages(self, rewards: dict[str, torch.Tensor], group_ids: torch.Tensor, prompts: list[str]):
+        """`[N]` advantages of the valid samples from per-reward scores `[N]` (default: GRPO's group z-score).
+
+        `group_ids [N]` index this epoch's distinct prompts; `prompts` are the N prompt texts (stable across
+        epochs, for trackers that keep per-prompt history).
+        """
         return reward_registry.combine_advantages(rewards, self.reward_weights, group_ids,
                                                   mode=self.config.reward_aggregation)  # fmt: skip
 
@@ -398,7 +402,9 @@ class Trainer(ABC):
         unique = list(dict.fromkeys(texts))
         group_ids = torch.tensor([unique.index(p) for p in texts])
         advantages = torch.zeros(len(prompts))
-        adv, adv_stats = self.compute_advantages({k: v[valid] for k, v in rewards.items()}, group_ids[valid])
+        valid_rewards = {k: v[valid] for k, v in rewards.items()}
+        valid_texts = [t for t, ok in zip(texts, valid.tolist()) if ok]
+        adv, adv_stats = self.compute_advantages(valid_rewards, group_ids[valid], valid_texts)
         advantages[valid] = adv.float()
         trainable = valid.clone()
         if self.config.drop_zero_std_groups:
@@ -406,7 +412,7 @@ class Trainer(ABC):
         local_adv, local_trainable = advantages[local], trainable[local]
         t0 = time.time()
         train = self.update(rollout, local_adv, local_trainable, epoch) if local_trainable.any() else {}
-        total = self.combined_reward({k: v[valid] for k, v in rewards.items()})
+        total = self.combined_reward(valid_rewards)
         record = {
             "epoch": epoch + 1,
             "reward/mean": total.mean(),

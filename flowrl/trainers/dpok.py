@@ -224,7 +224,7 @@ class DPOKTrainer(Trainer):
     def auxiliary_modules(self):
         return {"value": (self.value_net, self.config.value_lr)} if self.value_net is not None else {}
 
-    def compute_advantages(self, rewards, group_ids):
+    def compute_advantages(self, rewards, group_ids, prompts=None):
         """The combined final reward of each sample: DPOK's advantages are per transition (`r - V`), at update."""
         return self.combined_reward(rewards), {}
 

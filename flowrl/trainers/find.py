@@ -200,7 +200,7 @@ class FINDTrainer(Trainer):
         rollout.extras.update(z=action, condition=condition, text=text, old_log_prob=old.float())
         return rollout, prompts, local
 
-    def compute_advantages(self, rewards, group_ids):
+    def compute_advantages(self, rewards, group_ids, prompts=None):
         """The weighted reward itself: FIND's baseline is the calibration network, applied in `update`
         (it needs each sample's noise parameters and prompt embedding)."""
         return self.combined_reward(rewards).float(), {}

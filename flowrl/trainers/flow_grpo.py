@@ -14,9 +14,11 @@ from typing import Any, Literal
 
 import torch
 
+from flowrl import checkpoint
 from flowrl.core import (
     STEP_SELECTIONS,
     STEP_WEIGHTINGS,
+    PerPromptStatTracker,
     compute_policy_loss,
     gaussian_mean_kl,
     get_objective,
@@ -61,6 +63,14 @@ class FlowGRPOConfig(TrainerConfig):
     """Upper clip range (None: same as low)."""
     objective_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra hyper-parameters of the objective (e.g. `tau_pos` for sapo, `eps` for spo)."""
+    advantage: Literal["group", "per_prompt"] = "group"
+    """`group`: z-score within this epoch's groups (Flow-GRPO). `per_prompt`: DDPO's running per-prompt
+    statistics (`PerPromptStatTracker`: mean/std of each prompt's last `tracker_buffer` rewards, the epoch's
+    batch statistics until it holds `tracker_min_count`); the buffers are saved in checkpoints."""
+    tracker_buffer: int = 16
+    """`per_prompt`: rewards remembered per prompt (DDPO's buffer_size 16)."""
+    tracker_min_count: int = 16
+    """`per_prompt`: rewards a prompt needs before its own statistics replace the batch's (DDPO: 16)."""
     adv_std: Literal["group", "global", "none"] = "global"
     """Advantage scale: per-group std, one std over the epoch (Flow-GRPO's global_std), or none."""
     adv_eps: float = 1e-4
@@ -79,6 +89,17 @@ class FlowGRPOConfig(TrainerConfig):
     def __post_init__(self):
         super().__post_init__()
         get_objective(self.objective)
+        if self.advantage == "per_prompt":
+            if self.reward_aggregation != "sum":
+                raise ValueError(
+                    "advantage='per_prompt' tracks the weighted reward sum; "
+                    f"reward_aggregation must be 'sum', got {self.reward_aggregation!r}"
+                )
+            if self.tracker_buffer < 1 or not 1 <= self.tracker_min_count <= self.tracker_buffer:
+                raise ValueError(
+                    "need 1 <= tracker_min_count <= tracker_buffer, "
+                    f"got tracker_min_count={self.tracker_min_count}, tracker_buffer={self.tracker_buffer}"
+                )
 
 
 @TRAINERS.register(
@@ -95,11 +116,19 @@ class FlowGRPOTrainer(Trainer):
         hp = {k: getattr(config, k) for k in ("clip_eps_low", "clip_eps_high") if k in objective.hparams}
         self.objective_hparams = {**hp, **config.objective_kwargs}
         self.store_means = self.store_means or config.objective == "grpo_guard"
+        self.tracker = None
+        if config.advantage == "per_prompt":
+            self.tracker = PerPromptStatTracker(config.tracker_buffer, config.tracker_min_count, eps=config.adv_eps,
+                                                clip=config.adv_clip)  # fmt: skip
         if config.kl_beta and not (self.policy.has_lora or self.policy.reference_model is not None):
             self.policy.freeze_reference()  # full fine-tuning: the KL reference is a frozen copy
 
-    def compute_advantages(self, rewards, group_ids):
+    def compute_advantages(self, rewards, group_ids, prompts=None):
         c = self.config
+        if self.tracker is not None:
+            if prompts is None:
+                raise ValueError("advantage='per_prompt' needs the prompt texts")
+            return self.tracker(self.combined_reward(rewards).float(), prompts)
         return combine_advantages(rewards, self.reward_weights, group_ids, mode=c.reward_aggregation, std=c.adv_std,
                                   eps=c.adv_eps, unbiased=c.adv_unbiased, clip=c.adv_clip)  # fmt: skip
 
@@ -142,3 +171,16 @@ class FlowGRPOTrainer(Trainer):
             metrics["kl"] = kl.mean().detach()
         metrics["approx_kl"] = metrics.pop("approx_kl_k3")
         return loss, metrics
+
+    def state_dict(self):
+        state, tensors = super().state_dict()
+        if self.tracker is not None:
+            state["adv_tracker"] = self.tracker.state_dict()
+        return state, tensors
+
+    def load_state_dict(self, state, tensors):
+        super().load_state_dict(state, tensors)
+        if self.tracker is not None:
+            if "adv_tracker" not in state:
+                raise checkpoint.CheckpointError("checkpoint has no per-prompt tracker state (advantage='per_prompt')")
+            self.tracker.load_state_dict(state["adv_tracker"])

@@ -43,7 +43,7 @@ class LOOPTrainer(FlowGRPOTrainer):
 
     config_class = LOOPConfig
 
-    def compute_advantages(self, rewards, group_ids):
+    def compute_advantages(self, rewards, group_ids, prompts=None):
         c = self.config
         return leave_one_out_advantages(self.combined_reward(rewards), group_ids,
                                         normalize_std=c.adv_normalize_std, eps=c.adv_eps, clip=c.adv_clip)  # fmt: skip

@@ -66,6 +66,14 @@ class SamplingConfig:
     """Image width (default: the model's)."""
     train_batch_size: int = 32
     """Rows per network forward, in rollouts and in training minibatches (equal, so ratios are exactly 1)."""
+    reward_overlap: int = 1
+    """Sample the epoch in this many sequential parts and score each finished part on reward threads
+    (`rewards.RewardExecutor`) while the next part samples; 1: sample everything, then score. Each part draws
+    its noise from its own seeded stream, so runs with different values sample different trajectories."""
+
+    def __post_init__(self):
+        if self.reward_overlap < 1:
+            raise ValueError(f"sampling.reward_overlap must be >= 1, got {self.reward_overlap}")
 
 
 @dataclasses.dataclass

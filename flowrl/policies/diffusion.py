@@ -112,6 +112,65 @@ class Rollout:
         changes["extras"] = {k: v[index.to(v.device)] for k, v in self.extras.items()}
         return replace(self, **changes)
 
+    @classmethod
+    def cat(cls, parts: Sequence[Rollout]) -> Rollout:
+        """One rollout from `parts` sampled with the same settings (an epoch sampled in parts, in order).
+
+        Per-sample tensors are concatenated; each distinct prompt keeps the conditioning of its first part.
+        """
+        parts = list(parts)
+        if not parts:
+            raise ValueError("Rollout.cat needs at least one rollout")
+        first = parts[0]
+        for other in parts[1:]:
+            for name in (
+                "sampler",
+                "noise_level",
+                "guidance_scale",
+                "forward_batch_size",
+                "reduce",
+                "height",
+                "width",
+            ):
+                if getattr(other, name) != getattr(first, name):
+                    raise ValueError(f"cannot concatenate rollouts with different {name}: "
+                                     f"{getattr(first, name)!r} and {getattr(other, name)!r}")  # fmt: skip
+            for name in ("sde_mask", "timesteps", "sigmas", "stds"):
+                if not torch.equal(getattr(other, name), getattr(first, name)):
+                    raise ValueError(f"cannot concatenate rollouts with different {name}")
+            if set(other.extras) != set(first.extras):
+                raise ValueError(f"cannot concatenate rollouts with extras {sorted(first.extras)} and "
+                                 f"{sorted(other.extras)}")  # fmt: skip
+        prompts = [p for part in parts for p in part.prompts]
+        unique = list(dict.fromkeys(prompts))
+        position = {p: i for i, p in enumerate(unique)}
+        source = {}  # prompt -> (part, row in that part's cond)
+        for part in parts:
+            for j, p in enumerate(part.unique_prompts):
+                source.setdefault(p, (part, j))
+        cond = {k: torch.stack([source[p][0].cond[k][source[p][1]] for p in unique]) for k in first.cond}
+
+        def joined(name):
+            values = [getattr(part, name) for part in parts]
+            if all(v is None for v in values):
+                return None
+            if any(v is None for v in values):
+                raise ValueError(f"cannot concatenate rollouts where only some have {name}")
+            return torch.cat(values)
+
+        return replace(
+            first,
+            prompts=prompts,
+            prompt_ids=torch.tensor([position[p] for p in prompts]),
+            unique_prompts=unique,
+            cond=cond,
+            latents=joined("latents"),
+            log_probs=joined("log_probs"),
+            images=joined("images"),
+            means=joined("means"),
+            extras={k: torch.cat([part.extras[k] for part in parts]) for k in first.extras},
+        )
+
 
 @dataclass
 class _Chunk:

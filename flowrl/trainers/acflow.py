@@ -112,6 +112,7 @@ class ACFlowTrainer(Trainer):
     """AC-Flow; see the module docstring and `ACFlowConfig`."""
 
     config_class = ACFlowConfig
+    needs_sde = False  # the actor trains on final samples; ODE rollouts are fine
 
     def setup(self):
         c, s = self.config, self.config.sampling
@@ -206,21 +207,6 @@ class ACFlowTrainer(Trainer):
     # ------------------------------------------------------------------------------------------
     # the loop's hooks
     # ------------------------------------------------------------------------------------------
-
-    def sample(self, epoch):
-        """Rollouts of the current policy with the configured sampler (the ODE included: the actor trains on the
-        final samples only, so no step needs to be stochastic)."""
-        s = self.config.sampling
-        prompts = self.epoch_prompts(epoch)
-        local = self._local_slice(len(prompts))
-        generator = seeded(self.config.run.seed, epoch, 2, self.accelerator.process_index)
-        self.model.eval()
-        with self.accelerator.autocast():
-            rollout = self.policy.rollout([str(p) for p in prompts[local]], num_steps=s.num_steps,
-                                          guidance_scale=s.guidance_scale, noise_level=s.noise_level,
-                                          sampler=s.sampler, sde_window=s.sde_window, generator=generator,
-                                          height=s.height, width=s.width)  # fmt: skip
-        return rollout, prompts, local
 
     def update(self, rollout, shaped, trainable, epoch):
         """Critic steps, then (after the warm-up, or with `warmup_actor: reward_weighted`) the actor's weighted

@@ -43,7 +43,9 @@ from flowrl.config import (
     SamplingConfig,
     save_config,
 )
+from flowrl.policies.diffusion import Rollout
 from flowrl.tracking import MetricsLog, image_grid, plot_curves, scalar
+from rewards import RewardExecutor, check_output
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -304,10 +306,9 @@ class Trainer(ABC):
 
     def score(self, images, prompts: list, fns: dict) -> dict[str, torch.Tensor]:
         """Each reward on local images (prompt metadata as keyword arguments), then gathered: `{name: [N]}`."""
-        texts = [str(p) for p in prompts]
-        keys = dict.fromkeys(k for p in prompts for k in getattr(p, "metadata", {}))
-        metadata = {k: [getattr(p, "metadata", {}).get(k) for p in prompts] for k in keys}
-        return {name: self._gather(fn(images, texts, **metadata)) for name, fn in fns.items()}
+        texts, metadata = _texts_and_metadata(prompts)
+        return {name: self._gather(check_output(name, fn(images, texts, **metadata), len(texts)))
+                for name, fn in fns.items()}  # fmt: skip
 
     def check_rewards(self, rewards: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         """Valid-sample mask (finite under every reward) and counts; aborts past `run.max_bad_reward_frac`."""
@@ -330,22 +331,75 @@ class Trainer(ABC):
     # one epoch
     # ------------------------------------------------------------------------------------------
 
-    def sample(self, epoch: int):
-        """Rollout of this process's share of the epoch's prompts; returns the rollout and global info."""
+    needs_sde = True
+    """Whether rollouts must have a stochastic step (log-ratio trainers); AC-Flow trains on ODE samples too."""
+
+    def sample(self, epoch: int, on_part=None):
+        """Rollout of this process's share of the epoch's prompts; returns `(rollout, prompts, local)`.
+
+        With `sampling.reward_overlap` = n > 1 the share is sampled in n parts, and `on_part(part, part_prompts)`
+        runs after each (the loop starts scoring there while the next part samples).
+        """
         s = self.config.sampling
         prompts = self.epoch_prompts(epoch)
         local = self._local_slice(len(prompts))
-        generator = seeded(self.config.run.seed, epoch, 2, self.accelerator.process_index)
+        mine = prompts[local]
+        n = min(s.reward_overlap, len(mine))
+        bounds = [len(mine) * i // n for i in range(n + 1)]
         self.model.eval()
-        with self.accelerator.autocast():
-            texts = [str(p) for p in prompts[local]]
-            rollout = self.policy.rollout(texts, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
-                                          noise_level=s.noise_level, sampler=s.sampler, sde_window=s.sde_window,
-                                          generator=generator, height=s.height, width=s.width,
-                                          store_means=self.store_means)  # fmt: skip
-        if not rollout.sde_mask.any():
+        parts = []
+        for i in range(n):
+            rows = slice(bounds[i], bounds[i + 1])
+            stream = (i,) if n > 1 else ()  # n = 1 keeps the single-call stream
+            generator = seeded(self.config.run.seed, epoch, 2, self.accelerator.process_index, *stream)
+            part = self.sample_part([str(p) for p in mine[rows]], generator)
+            if on_part is not None:
+                on_part(part, mine[rows])
+            parts.append(part)
+        rollout = parts[0] if n == 1 else Rollout.cat(parts)
+        if self.needs_sde and not rollout.sde_mask.any():
             raise ValueError(f"sampler {s.sampler!r} with noise_level {s.noise_level} has no stochastic step to train")
         return rollout, prompts, local
+
+    def sample_part(self, texts: list[str], generator: torch.Generator):
+        """One rollout call: the policy's samples of `texts` with the configured sampler."""
+        s = self.config.sampling
+        with self.accelerator.autocast():
+            return self.policy.rollout(texts, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
+                                       noise_level=s.noise_level, sampler=s.sampler, sde_window=s.sde_window,
+                                       generator=generator, height=s.height, width=s.width,
+                                       store_means=self.store_means)  # fmt: skip
+
+    def sample_and_score(self, epoch: int):
+        """`sample` and the rewards of its images (`{name: [N]}`, gathered), scored while sampling when
+        `sampling.reward_overlap` > 1 (one thread per reward). Also returns the seconds spent sampling and
+        then waiting for the rewards."""
+        start = time.time()
+        if self.config.sampling.reward_overlap == 1:
+            rollout, prompts, local = self.sample(epoch)
+            sampled = time.time()
+            rewards = self.score(rollout.images, prompts[local], self.reward_fns)
+            return rollout, prompts, local, rewards, {"time/sample_s": sampled - start,
+                                                      "time/reward_s": time.time() - sampled}  # fmt: skip
+        executors = {name: RewardExecutor(fn, max_workers=1) for name, fn in self.reward_fns.items()}
+        pending = []  # (rows in the part, {name: Future})
+
+        def submit(part, part_prompts):
+            texts, metadata = _texts_and_metadata(part_prompts)
+            pending.append((len(texts), {name: ex.submit(part.images, texts, **metadata)
+                                         for name, ex in executors.items()}))  # fmt: skip
+
+        try:
+            rollout, prompts, local = self.sample(epoch, on_part=submit)
+            sampled = time.time()
+            local_scores = {name: torch.cat([check_output(name, futures[name].result(), rows)
+                                             for rows, futures in pending]) for name in executors}  # fmt: skip
+        finally:
+            for ex in executors.values():
+                ex.shutdown(wait=True)
+        rewards = {name: self._gather(v) for name, v in local_scores.items()}
+        return rollout, prompts, local, rewards, {"time/sample_s": sampled - start,
+                                                  "time/reward_s": time.time() - sampled}  # fmt: skip
 
     def update(self, rollout, advantages: torch.Tensor, trainable: torch.Tensor, epoch: int) -> dict:
         """Inner epochs x minibatches x trained steps on this process's samples (`trainable` rows)."""
@@ -392,12 +446,9 @@ class Trainer(ABC):
 
     def train_epoch(self, epoch: int) -> dict:
         start = time.time()
-        rollout, prompts, local = self.sample(epoch)
-        t_sample = time.time() - start
-        rewards = self.score(rollout.images, prompts[local], self.reward_fns)
+        rollout, prompts, local, rewards, times = self.sample_and_score(epoch)
         self.samples_scored += len(prompts)
         valid, bad = self.check_rewards(rewards)
-        t_reward = time.time() - start - t_sample
         texts = [str(p) for p in prompts]
         unique = list(dict.fromkeys(texts))
         group_ids = torch.tensor([unique.index(p) for p in texts])
@@ -422,8 +473,7 @@ class Trainer(ABC):
             **bad,
             "trained_samples": int(self._gather(local_trainable.float()).sum()),
             **train,
-            "time/sample_s": t_sample,
-            "time/reward_s": t_reward,
+            **times,
             "time/train_s": time.time() - t0,
             "time_s": time.time() - start,
         }
@@ -643,6 +693,13 @@ class EpochStats:
             out[f"{name}_mean/step_{step}"] = float(t.mean())
             out[f"{name}_std/step_{step}"] = float(t.std(unbiased=False))
         return out
+
+
+def _texts_and_metadata(prompts: list) -> tuple[list[str], dict[str, list]]:
+    """Prompt texts and their metadata as per-sample lists (`Prompt` objects or plain strings)."""
+    texts = [str(p) for p in prompts]
+    keys = dict.fromkeys(k for p in prompts for k in getattr(p, "metadata", {}))
+    return texts, {k: [getattr(p, "metadata", {}).get(k) for p in prompts] for k in keys}
 
 
 def _informative_groups(group_ids: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torch import nn
 from flowrl.core import compute_policy_loss, gaussian_log_prob
 from flowrl.policies.noise import InitialNoisePolicy
 from flowrl.policies.value import pooled_text
-from flowrl.trainers.base import Trainer, TrainerConfig, seeded
+from flowrl.trainers.base import Trainer, TrainerConfig
 from flowrl.trainers.registry import TRAINERS
 
 
@@ -121,6 +121,7 @@ class FINDTrainer(Trainer):
     """FIND; see the module docstring and `FINDConfig`."""
 
     config_class = FINDConfig
+    needs_sde = False  # the policy is over the initial noise; the sampler may be the ODE
 
     # ------------------------------------------------------------------------------------------
     # the pieces: noise policy, calibration network, conditions
@@ -177,15 +178,10 @@ class FINDTrainer(Trainer):
     # the loop's hooks
     # ------------------------------------------------------------------------------------------
 
-    def sample(self, epoch):
-        """The epoch's prompts through the frozen sampler from `z_T ~ pi_theta`; `z_T`, the conditions and the
-        old log-probs ride along in `rollout.extras`."""
+    def sample_part(self, texts, generator):
+        """`texts` through the frozen sampler from `z_T ~ pi_theta`; `z_T`, the conditions and the old
+        log-probs ride along in `rollout.extras`."""
         s = self.config.sampling
-        prompts = self.epoch_prompts(epoch)
-        local = self._local_slice(len(prompts))
-        texts = [str(p) for p in prompts[local]]
-        generator = seeded(self.config.run.seed, epoch, 2, self.accelerator.process_index)
-        self.model.eval()
         condition, text = self.conditions(texts)
         z = self.initial_latents(condition, generator, s.height, s.width)
         with torch.no_grad(), self.accelerator.autocast():
@@ -198,7 +194,7 @@ class FINDTrainer(Trainer):
             else:
                 old = self.noise_policy.log_prob(action, condition)
         rollout.extras.update(z=action, condition=condition, text=text, old_log_prob=old.float())
-        return rollout, prompts, local
+        return rollout
 
     def compute_advantages(self, rewards, group_ids, prompts=None):
         """The weighted reward itself: FIND's baseline is the calibration network, applied in `update`

@@ -72,6 +72,28 @@ def test_forward_batch_size_pads_and_stays_exact(sd3_pipe):
         assert torch.equal(policy.log_prob(sub, 1), sub.log_probs[:, 1:2])
 
 
+def test_rollouts_sampled_in_parts_concatenate_and_rescore_exactly(sd3_pipe):
+    from flowrl.policies import Rollout
+
+    policy, _ = _policy(sd3_pipe, forward_batch_size=2)
+    kwargs = dict(num_steps=3, guidance_scale=4.5, height=64, width=64, store_means=True)
+    a = policy.rollout(PROMPTS[:3], generator=_gen(3), **kwargs)  # cat, dog, cat
+    b = policy.rollout(["a red car", "a cat"], generator=_gen(4), **kwargs)
+    a.extras["z"], b.extras["z"] = torch.zeros(3, 2), torch.ones(2, 2)
+    both = Rollout.cat([a, b])
+    assert both.prompts == PROMPTS[:3] + ["a red car", "a cat"]
+    assert both.unique_prompts == ["a cat", "a dog", "a red car"] and both.prompt_ids.tolist() == [0, 1, 0, 2, 0]
+    assert torch.equal(both.cond["prompt_embeds"][2], b.cond["prompt_embeds"][0])
+    assert torch.equal(both.latents, torch.cat([a.latents, b.latents]))
+    assert both.means.shape[0] == 5 and both.extras["z"][:, 0].tolist() == [0, 0, 0, 1, 1]
+    steps = both.sde_steps
+    assert torch.equal(policy.log_prob(both, steps.expand(5, -1)), both.log_probs[:, steps])
+    with pytest.raises(ValueError, match="different guidance_scale"):
+        Rollout.cat([a, policy.rollout(["a cat"], generator=_gen(5), **{**kwargs, "guidance_scale": 1.0})])
+    with pytest.raises(ValueError, match="extras"):
+        Rollout.cat([a, policy.rollout(["a cat"], generator=_gen(5), **kwargs)])
+
+
 def test_rollout_record(sd3_pipe):
     policy, _ = _policy(sd3_pipe)
     rollout = policy.rollout(PROMPTS, num_steps=5, generator=_gen(), height=64, width=64, sde_window=(1, 3),

@@ -133,3 +133,44 @@ def test_helpers():
     # diversity: identical samples 0; two groups of two images at RMS distance 1 and 0
     images = torch.stack([torch.zeros(3, 2, 2), torch.ones(3, 2, 2), torch.zeros(3, 2, 2), torch.zeros(3, 2, 2)])
     assert _group_diversity(images, 2) == pytest.approx(0.5)
+
+
+class Recording:
+    """The digits reward, recording each call's batch size and thread."""
+
+    def __init__(self, world):
+        self.inner, self.calls = rewards.get("digits_alignment", classifiers=world.classifiers), []
+
+    def __call__(self, images, prompts, **metadata):
+        import threading
+
+        self.calls.append((len(prompts), threading.current_thread().name))
+        return self.inner(images, prompts)
+
+
+@pytest.mark.parametrize("name", ["flow_grpo", "find"])
+def test_rewards_are_scored_on_threads_while_later_parts_sample(tiny_world, tmp_path, name):
+    config = tiny_config(name, tmp_path, overrides=["sampling.reward_overlap=3", "run.epochs=1"])
+    reward = Recording(tiny_world)
+    trainer = make_trainer(tiny_world, config, reward_fns={"digits_alignment": reward})
+    rollout, prompts, local, scores, times = trainer.sample_and_score(0)
+    assert len(rollout) == 16 and [n for n, _ in reward.calls] == [5, 5, 6]
+    assert all(thread.startswith("flowrl-reward") for _, thread in reward.calls)
+    assert set(times) == {"time/sample_s", "time/reward_s"}
+    direct = trainer.score(rollout.images, prompts[local], {"digits_alignment": reward.inner})
+    # the same scores as one call on the whole batch (up to the classifier's batch-size rounding)
+    torch.testing.assert_close(scores["digits_alignment"], direct["digits_alignment"], rtol=1e-5, atol=1e-6)
+    if name == "flow_grpo":  # the parts concatenate into one rollout that re-scores exactly
+        steps = rollout.sde_steps
+        assert torch.equal(trainer.policy.log_prob(rollout, steps.expand(16, -1)), rollout.log_probs[:, steps])
+    assert torch.equal(trainer.sample_and_score(0)[0].latents, rollout.latents)  # seeded per part
+    record = trainer.train_epoch(0)
+    assert math.isfinite(float(record["loss"] if "loss" in record else record["reward/mean"]))
+
+
+@pytest.mark.parametrize("overlap", [1, 2])
+def test_a_reward_with_the_wrong_shape_is_named(tiny_world, tmp_path, overlap):
+    config = tiny_config("flow_grpo", tmp_path, overrides=[f"sampling.reward_overlap={overlap}"])
+    trainer = make_trainer(tiny_world, config, reward_fns={"digits_alignment": lambda images, prompts: [1.0, 2.0]})
+    with pytest.raises(rewards.RewardError, match=r"reward 'digits_alignment' returned shape \(2,\); expected"):
+        trainer.train_epoch(0)

@@ -1,6 +1,6 @@
 """All image trainers on the digits world, several seeds: alignment, gold metrics, wall time, reward budget.
 
-    python benchmarks/digits_table.py [--seeds 0,1,2] [--trainers flow_grpo,grpo_guard,...]
+    python benchmarks/digits_table.py [--seeds 0,1,2] [--trainers flow_grpo,grpo_guard,...] [--keep]
 
 Runs `configs/digits/<trainer>.yaml` for every trainer and seed (sequentially, one process, the shipped
 settings) through `flowrl.ablate`, and writes `benchmarks/results/digits_table.{json,md}`.
@@ -34,15 +34,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--trainers", default=",".join(TRAINERS))
-    parser.add_argument("--runs", default="/tmp/flowrl-digits-table", help="where the runs go (deleted first)")
+    parser.add_argument("--runs", default="/tmp/flowrl-digits-table", help="run folders (emptied first unless --keep)")
+    parser.add_argument("--keep", action="store_true", help="keep finished runs in --runs and reuse them")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "digits_table"))
     args = parser.parse_args()
     configs = [str(ROOT / "configs" / "digits" / f"{name}.yaml") for name in args.trainers.split(",")]
     missing = [c for c in configs if not Path(c).is_file()]
     if missing:
         raise SystemExit(f"no digits config for {missing}")
-    shutil.rmtree(args.runs, ignore_errors=True)
-    rows = ablate.run(configs, seeds=[int(s) for s in args.seeds.split(",")], output_dir=args.runs)
+    if not args.keep:
+        shutil.rmtree(args.runs, ignore_errors=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = ablate.run(configs, seeds=seeds, output_dir=args.runs, skip_done=args.keep)
     markdown = ablate.table(rows, METRICS)
     result = {
         "benchmark": "digits_table",

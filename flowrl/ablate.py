@@ -6,6 +6,8 @@
 Every run gets its own folder `<output_dir>/<variant>/seed_<s>/` and its normal run artifacts; the results
 (`results.json`, `results.md`) report each variant's start/end evaluation metrics as mean +- std over seeds,
 its wall time, and the reward evaluations it used (samples scored by the training reward; evaluations excluded).
+With `skip_done` (`--skip-done`), a run whose folder already holds a `summary.json` and the same resolved
+`config.yaml` is read back instead of trained again, so an interrupted sweep picks up where it stopped.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ import itertools
 import json
 import math
 import statistics
-import time
 from pathlib import Path
 
-from flowrl.config import ConfigError, load_config, read_yaml
+from flowrl.config import ConfigError, load_config, read_yaml, to_dict
 
 
 def parse_grid(items: list[str]) -> dict[str, list[str]]:
@@ -46,8 +47,12 @@ def variants(configs: list[str], grid: dict[str, list[str]]) -> list[tuple[str, 
 
 
 def run(configs: list[str], *, grid: dict[str, list[str]] | None = None, seeds: list[int] = (0,),
-        output_dir: str | Path = "runs/ablation", overrides: list[str] = (), log=print) -> list[dict]:  # fmt: skip
-    """Train every variant for every seed (sequentially, in this process) and return one row per run."""
+        output_dir: str | Path = "runs/ablation", overrides: list[str] = (), log=print,
+        skip_done: bool = False) -> list[dict]:  # fmt: skip
+    """Train every variant for every seed (sequentially, in this process) and return one row per run.
+
+    `skip_done`: reuse a finished run (its folder has `summary.json` and an identical resolved config).
+    """
     from flowrl.trainers import build_trainer
 
     output_dir = Path(output_dir)
@@ -61,17 +66,18 @@ def run(configs: list[str], *, grid: dict[str, list[str]] | None = None, seeds: 
             folder = output_dir / name / f"seed_{seed}"
             settings = [*overrides, *extra, f"run.seed={seed}", f"run.output_dir={folder}", "run.log_with=[]"]
             config = load_config(path, settings)
+            summary = _finished(folder, config) if skip_done else None
             if log:
-                log(f"[ablate] {name} seed {seed} -> {folder}")
-            start = time.time()
-            summary = build_trainer(config).train()
+                log(f"[ablate] {name} seed {seed} -> {folder}" + (" (finished before: reused)" if summary else ""))
+            if summary is None:
+                summary = build_trainer(config).train()
             rows.append({
                 "variant": name,
                 "config": str(path),
                 "overrides": extra,
                 "seed": seed,
                 "trainer": config.trainer,
-                "wall_s": time.time() - start,
+                "wall_s": summary["wall_s"],
                 "reward_evaluations": summary["samples_scored"],
                 "eval_start": summary["eval_start"],
                 "eval_end": summary["eval_end"],
@@ -81,6 +87,18 @@ def run(configs: list[str], *, grid: dict[str, list[str]] | None = None, seeds: 
             gc.collect()
     (output_dir / "results.md").write_text(table(rows))
     return rows
+
+
+def _finished(folder: Path, config) -> dict | None:
+    """The summary of a run that already finished in `folder` with exactly this config, else None."""
+    summary, saved = folder / "summary.json", folder / "config.yaml"
+    if not (summary.is_file() and saved.is_file()):
+        return None
+    try:
+        same = to_dict(load_config(saved)) == to_dict(config)  # keys added since then take their defaults
+        return json.loads(summary.read_text()) if same else None
+    except (OSError, ValueError, ConfigError):  # a half-written or outdated folder: train it again
+        return None
 
 
 def _stat(values: list[float]) -> str:

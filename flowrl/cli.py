@@ -103,7 +103,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     try:
         grid = ablate.parse_grid(args.grid or [])
         seeds = [int(s) for s in args.seeds.split(",")]
-        rows = ablate.run(args.configs, grid=grid, seeds=seeds, output_dir=args.output_dir, overrides=args.set or [])
+        rows = ablate.run(args.configs, grid=grid, seeds=seeds, output_dir=args.output_dir, overrides=args.set or [],
+                          skip_done=args.skip_done)  # fmt: skip
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"flowrl ablate: {err}", file=sys.stderr)
         return 2
@@ -143,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_ablate.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     p_ablate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every run")
     p_ablate.add_argument("--output-dir", default="runs/ablation", help="where runs and results go")
+    p_ablate.add_argument("--skip-done", action="store_true",
+                          help="reuse runs that already finished in --output-dir with the same config")  # fmt: skip
     p_ablate.set_defaults(func=cmd_ablate)
     p_digits = sub.add_parser("digits", help="the digits world: `flowrl digits build [--force]`")
     p_digits.add_argument("action", choices=["build"])

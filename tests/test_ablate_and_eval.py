@@ -38,7 +38,7 @@ def test_grid_parsing_and_variants():
         ablate.parse_grid(["novalues="])
 
 
-def test_ablate_runs_every_variant_and_seed_and_tabulates(tiny_yaml, tmp_path):
+def test_ablate_runs_every_variant_and_seed_and_tabulates(tiny_yaml, tmp_path, monkeypatch):
     out = tmp_path / "ablation"
     rows = ablate.run([str(tiny_yaml)], grid={"steps.weighting": ["uniform", "inv_dt"]}, seeds=[0, 1],
                       output_dir=out, log=None)  # fmt: skip
@@ -51,6 +51,19 @@ def test_ablate_runs_every_variant_and_seed_and_tabulates(tiny_yaml, tmp_path):
     table = (out / "results.md").read_text()
     assert "| tiny__weighting=inv_dt | 2 |" in table and "±" in table
     assert (out / "tiny__weighting=uniform" / "seed_1" / "summary.json").is_file()
+
+    # an interrupted sweep picks up where it stopped: finished runs with the same config are read back,
+    # a run whose config changed (here: one more epoch) trains again
+    def boom(config):
+        raise AssertionError(f"retrained {config.run.output_dir}")
+
+    monkeypatch.setattr("flowrl.trainers.build_trainer", boom)
+    again = ablate.run([str(tiny_yaml)], grid={"steps.weighting": ["uniform", "inv_dt"]}, seeds=[0, 1],
+                       output_dir=out, log=None, skip_done=True)  # fmt: skip
+    assert json.dumps(again) == json.dumps(rows)  # (json: the tiny run's diversity is NaN)
+    with pytest.raises(AssertionError, match="retrained"):
+        ablate.run([str(tiny_yaml)], grid={"steps.weighting": ["uniform"]}, seeds=[0], output_dir=out, log=None,
+                   skip_done=True, overrides=["run.epochs=2"])  # fmt: skip
 
 
 def test_ablate_fails_early_on_bad_keys(tiny_yaml, tmp_path, capsys):

@@ -73,7 +73,30 @@ def load_clip_model(reward: str, location, *, default_repo: str, arg: str = "mod
     )
 
 
-class HFCLIP(torch.nn.Module):
+class CLIPBackend(torch.nn.Module):
+    """What the CLIP-based rewards use of a CLIP model, whichever library built it (`self.model`).
+
+    Subclasses set `self.model` (with a `logit_scale` parameter) and `self.text = TextCache(self._encode_text)`,
+    and define `_encode_text` (uncached, unit-norm) and `encode_image`.
+    """
+
+    model: torch.nn.Module
+    text: TextCache
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.logit_scale.device
+
+    @property
+    def logit_scale(self) -> torch.Tensor:
+        return self.model.logit_scale.exp().float()
+
+    def encode_text(self, prompts: list[str]) -> torch.Tensor:
+        """`[B, D]` unit-norm text embeddings (cached per prompt, no gradient)."""
+        return self.text(list(prompts))
+
+
+class HFCLIP(CLIPBackend):
     """A transformers `CLIPModel` with its tokenizer and image preprocessing.
 
     Args:
@@ -118,24 +141,12 @@ class HFCLIP(torch.nn.Module):
         )
         self.text = TextCache(self._encode_text)
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.logit_scale.device
-
-    @property
-    def logit_scale(self) -> torch.Tensor:
-        return self.model.logit_scale.exp().float()
-
     def _encode_text(self, prompts: list[str]) -> torch.Tensor:
         tokens = self.tokenizer(
             prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
         ).to(self.device)
         out = self.model.text_model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask)
         return unit_norm(self.model.text_projection(out.pooler_output))
-
-    def encode_text(self, prompts: list[str]) -> torch.Tensor:
-        """`[B, D]` unit-norm text embeddings (cached per prompt, no gradient)."""
-        return self.text(list(prompts))
 
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         """`[B, D]` unit-norm image embeddings of `[B, 3, H, W]` images in [0, 1] (differentiable)."""

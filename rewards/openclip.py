@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rewards.clip_models import TextCache, unit_norm
+from rewards.clip_models import CLIPBackend, TextCache, unit_norm
 from rewards.loading import hub_state
 from rewards.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageSettings
 
@@ -27,7 +27,7 @@ def require_open_clip(reward: str):
     return open_clip
 
 
-class OpenCLIP(torch.nn.Module):
+class OpenCLIP(CLIPBackend):
     """An open_clip CLIP model with its tokenizer and image preprocessing.
 
     Args:
@@ -66,21 +66,9 @@ class OpenCLIP(torch.nn.Module):
         self.model.to(device=reference.device, dtype=reference.dtype)
         self.text.clear()
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.logit_scale.device
-
-    @property
-    def logit_scale(self) -> torch.Tensor:
-        return self.model.logit_scale.exp().float()
-
     def _encode_text(self, prompts: list[str]) -> torch.Tensor:
         tokens = self.tokenizer(prompts).to(self.device)
         return unit_norm(self.model.encode_text(tokens))
-
-    def encode_text(self, prompts: list[str]) -> torch.Tensor:
-        """`[B, D]` unit-norm text embeddings (cached per prompt, no gradient)."""
-        return self.text(list(prompts))
 
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         """`[B, D]` unit-norm image embeddings of `[B, 3, H, W]` images in [0, 1] (differentiable)."""

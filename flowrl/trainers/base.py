@@ -379,8 +379,13 @@ class Trainer(ABC):
             rollout, prompts, local = self.sample(epoch)
             sampled = time.time()
             rewards = self.score(rollout.images, prompts[local], self.reward_fns)
-            return rollout, prompts, local, rewards, {"time/sample_s": sampled - start,
-                                                      "time/reward_s": time.time() - sampled}  # fmt: skip
+        else:
+            rollout, prompts, local, rewards, sampled = self._sample_and_score_overlapped(epoch)
+        return rollout, prompts, local, rewards, {"time/sample_s": sampled - start,
+                                                  "time/reward_s": time.time() - sampled}  # fmt: skip
+
+    def _sample_and_score_overlapped(self, epoch: int):
+        """`sample` in parts, each part's rewards scored on one thread per reward while later parts sample."""
         executors = {name: RewardExecutor(fn, max_workers=1) for name, fn in self.reward_fns.items()}
         pending = []  # (rows in the part, {name: Future})
 
@@ -398,8 +403,7 @@ class Trainer(ABC):
             for ex in executors.values():
                 ex.shutdown(wait=True)
         rewards = {name: self._gather(v) for name, v in local_scores.items()}
-        return rollout, prompts, local, rewards, {"time/sample_s": sampled - start,
-                                                  "time/reward_s": time.time() - sampled}  # fmt: skip
+        return rollout, prompts, local, rewards, sampled
 
     def update(self, rollout, advantages: torch.Tensor, trainable: torch.Tensor, epoch: int) -> dict:
         """Inner epochs x minibatches x trained steps on this process's samples (`trainable` rows)."""

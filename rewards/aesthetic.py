@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from rewards import register
-from rewards.base import Reward
-from rewards.clip_models import load_clip_model, unit_norm
-from rewards.heads import MLPHead, strip_prefix
-from rewards.loading import load_state_dict, resolve_file
-from rewards.preprocess import ImageSettings, read_processor_config
+from flowrl.rewards import register
+from flowrl.rewards.base import Reward
+from flowrl.rewards.clip_models import load_clip_model, unit_norm
+from flowrl.rewards.heads import MLPHead, strip_prefix
+from flowrl.rewards.loading import load_state_dict, resolve_file
+from flowrl.rewards.preprocess import ImageSettings, read_processor_config
 
 
 CLIP_REPO = "openai/clip-vit-large-patch14"

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from rewards import check_output
+from flowrl.rewards import check_output
 
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from rewards.loading import check_tokenizer, download_hint, load_pretrained
-from rewards.preprocess import ImageSettings, read_processor_config
+from flowrl.rewards.loading import check_tokenizer, download_hint, load_pretrained
+from flowrl.rewards.preprocess import ImageSettings, read_processor_config
 
 
 class TextCache:

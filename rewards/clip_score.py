@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from rewards import register
-from rewards.base import Reward
+from flowrl.rewards import register
+from flowrl.rewards.base import Reward
 
 
 CLIP_REPO = "openai/clip-vit-large-patch14"
@@ -65,13 +65,13 @@ class ClipScore(Reward):
             raise ValueError(f"reward 'clip_score': scale must be one of {SCALES}, got {scale!r}")
         self.scale = scale
         if backend == "transformers":
-            from rewards.clip_models import HFCLIP
+            from flowrl.rewards.clip_models import HFCLIP
 
             self.clip = HFCLIP(
                 self.name, model, processor, default_repo=CLIP_REPO, device=self.device, dtype=self.dtype
             )
         elif backend == "open_clip":
-            from rewards.openclip import OpenCLIP
+            from flowrl.rewards.openclip import OpenCLIP
 
             model = "ViT-L-14-quickgelu" if model == CLIP_REPO else model
             self.clip = OpenCLIP(self.name, model, pretrained or "openai", device=self.device, dtype=self.dtype)

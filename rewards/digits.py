@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from rewards import register
-from rewards.base import Reward
+from flowrl.rewards import register
+from flowrl.rewards.base import Reward
 
 
 class _DigitsReward(Reward):

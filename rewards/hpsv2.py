@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from rewards import register
-from rewards.base import Reward
-from rewards.heads import strip_prefix
-from rewards.loading import download_hint, load_state_dict, resolve_file
+from flowrl.rewards import register
+from flowrl.rewards.base import Reward
+from flowrl.rewards.heads import strip_prefix
+from flowrl.rewards.loading import download_hint, load_state_dict, resolve_file
 
 
 HPS_REPO = "xswu/HPSv2"
@@ -57,7 +57,7 @@ class HPSv2(Reward):
         batch_size: int = 32,
     ):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
-        from rewards.openclip import OpenCLIP, require_open_clip
+        from flowrl.rewards.openclip import OpenCLIP, require_open_clip
 
         require_open_clip(self.name)  # fail on the missing extra before looking for weights
         fix = (

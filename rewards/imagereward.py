@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rewards import register
-from rewards.base import Reward
-from rewards.heads import MLPHead
-from rewards.loading import check_tokenizer, download_hint, load_pretrained, load_state_dict, resolve_file
-from rewards.preprocess import ImageSettings
+from flowrl.rewards import register
+from flowrl.rewards.base import Reward
+from flowrl.rewards.heads import MLPHead
+from flowrl.rewards.loading import check_tokenizer, download_hint, load_pretrained, load_state_dict, resolve_file
+from flowrl.rewards.preprocess import ImageSettings
 
 
 IMAGEREWARD_REPO = "THUDM/ImageReward"

@@ -10,8 +10,8 @@ import io
 
 import torch
 
-from rewards import register
-from rewards.base import Reward
+from flowrl.rewards import register
+from flowrl.rewards.base import Reward
 
 
 def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:

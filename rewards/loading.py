@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rewards import RewardWeightsError
+from flowrl.rewards import RewardWeightsError
 
 
 def hub_state() -> str:

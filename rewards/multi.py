@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from rewards import check_output, get, register
-from rewards.base import Reward
+from flowrl.rewards import check_output, get, register
+from flowrl.rewards.base import Reward
 
 
 @dataclass
@@ -107,6 +107,7 @@ def combine_advantages(
     weights: Mapping[str, float],
     group_ids,
     mode: str = "sum",
+    estimator: Callable[..., tuple[torch.Tensor, dict[str, float]]] | None = None,
     **group_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One advantage per sample from several rewards' scores (`mode="sum"` or `"gdpo"`, see the module doc).
@@ -116,9 +117,11 @@ def combine_advantages(
         weights (`dict[str, float]`): reward name -> weight (zero-weight rewards are ignored).
         group_ids: `[N]` group of each sample (prompt index or prompt string).
         mode (`str`, defaults to `"sum"`): `"sum"` or `"gdpo"`.
-        **group_kwargs: passed to `flowrl.core.group_advantages` (`std`, `eps`, `unbiased`, `clip`). In `gdpo`
-            mode `std`, `eps`, `unbiased` apply to each reward's group normalisation, `eps` also to the batch
-            re-normalisation, and `clip` to the final advantages.
+        estimator (`Callable`, *optional*): `estimator(rewards [N], group_ids, **group_kwargs) -> (adv, stats)`,
+            one of `flowrl.core.ADVANTAGES`; defaults to `flowrl.core.group_advantages`.
+        **group_kwargs: passed to the estimator (`std`, `eps`, `unbiased`, `clip` for the group one). In `gdpo`
+            mode they apply to each reward's advantages, `eps` also to the batch re-normalisation, and `clip`
+            to the final advantages.
 
     Returns:
         `(advantages[N], stats)`; stats hold the group statistics and, for `gdpo`, each reward's
@@ -126,6 +129,7 @@ def combine_advantages(
     """
     from flowrl.core import group_advantages
 
+    estimator = estimator or group_advantages
     active = {name: float(w) for name, w in weights.items() if w != 0}
     if not active:
         raise ValueError("combine_advantages needs at least one non-zero weight")
@@ -138,7 +142,7 @@ def combine_advantages(
         raise ValueError(f"combine_advantages: reward scores have different shapes {sizes}")
     if mode == "sum":
         total = sum(w * scores[name] for name, w in active.items())
-        return group_advantages(total, group_ids, **group_kwargs)
+        return estimator(total, group_ids, **group_kwargs)
     if mode != "gdpo":
         raise ValueError(f"combine_advantages: mode must be 'sum' or 'gdpo', got {mode!r}")
     clip = group_kwargs.pop("clip", None)
@@ -146,7 +150,7 @@ def combine_advantages(
     combined = torch.zeros_like(next(iter(scores.values())))
     stats: dict[str, float] = {}
     for name, w in active.items():
-        adv, reward_stats = group_advantages(scores[name], group_ids, **group_kwargs)
+        adv, reward_stats = estimator(scores[name], group_ids, **group_kwargs)
         combined = combined + w * adv
         stats[f"{name}/zero_std_frac"] = reward_stats["zero_std_frac"]
     mean, std = combined.mean(), combined.std(unbiased=False)

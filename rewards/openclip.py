@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from rewards.clip_models import CLIPBackend, TextCache, unit_norm
-from rewards.loading import hub_state
-from rewards.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageSettings
+from flowrl.rewards.clip_models import CLIPBackend, TextCache, unit_norm
+from flowrl.rewards.loading import hub_state
+from flowrl.rewards.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageSettings
 
 
 def require_open_clip(reward: str):
@@ -43,7 +43,7 @@ class OpenCLIP(CLIPBackend):
         try:
             model = open_clip.create_model(arch, pretrained=pretrained)
         except RuntimeError as err:  # open_clip raises RuntimeError for unknown tags and failed downloads
-            from rewards import RewardWeightsError
+            from flowrl.rewards import RewardWeightsError
 
             raise RewardWeightsError(
                 f"reward {reward!r}: cannot load open_clip {arch!r} weights {pretrained!r}: {hub_state()} or the tag "

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from rewards import register
-from rewards.base import Reward
+from flowrl.rewards import register
+from flowrl.rewards.base import Reward
 
 
 PICKSCORE_REPO = "yuvalkirstain/PickScore_v1"
@@ -49,7 +49,7 @@ class PickScore(Reward):
         batch_size: int = 32,
     ):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
-        from rewards.clip_models import HFCLIP
+        from flowrl.rewards.clip_models import HFCLIP
 
         if divisor <= 0:
             raise ValueError(f"reward 'pickscore': divisor must be positive, got {divisor}")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import rewards
+from flowrl import rewards
 from flowrl.digits import DIGIT_WORDS, decode, digit_of, read_prompts, real_digits, split, to_pixels
 from flowrl.digits.build import BuildConfig
 
@@ -24,7 +24,7 @@ def test_prompt_sets_cover_every_digit_with_held_out_phrasings():
     assert not set(train) & set(test)
     template = lambda p: p.replace(DIGIT_WORDS[digit_of(p)], "{}").replace(str(digit_of(p)), "{}")  # noqa: E731
     assert not {template(p) for p in train} & {template(p) for p in test}  # test phrasings are unseen
-    import prompts
+    from flowrl import prompts
 
     assert [p.text for p in prompts.load("digits/train")] == train
 

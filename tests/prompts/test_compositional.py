@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-import prompts
+from flowrl import prompts
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-import prompts
-from prompts import Prompt
+from flowrl import prompts
+from flowrl.prompts import Prompt
 
 
 def test_txt_skips_comments_and_blank_lines(tmp_path):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import rewards
+from flowrl import rewards
 from tests.rewards.conftest import PROMPTS
 from tests.rewards.tiny_models import aesthetic_head_state, reference_head
 
@@ -87,7 +87,7 @@ def test_clip_score_scales(clip_dir, images):
 def test_clip_score_is_the_cosine_of_the_real_clip_embeddings(built, clip_dir, images):
     from transformers import CLIPModel
 
-    from rewards.preprocess import ImageSettings
+    from flowrl.rewards.preprocess import ImageSettings
 
     model = CLIPModel.from_pretrained(clip_dir).eval()
     tok = built["clip_score"].clip.tokenizer(PROMPTS, padding=True, return_tensors="pt")

@@ -3,8 +3,7 @@
 import inspect
 from pathlib import Path
 
-import prompts
-import rewards
+from flowrl import prompts, rewards
 
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()

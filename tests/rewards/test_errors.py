@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import rewards
-from rewards import RewardWeightsError
+from flowrl import rewards
+from flowrl.rewards import RewardWeightsError
 from tests.rewards.tiny_models import save_tiny_clip
 
 

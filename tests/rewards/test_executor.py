@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from rewards import RewardExecutor
+from flowrl.rewards import RewardExecutor
 
 
 def test_submit_returns_while_the_reward_runs_and_copies_the_images():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import rewards
-from rewards.imagereward import REWARD_MEAN, REWARD_STD, load_imagereward, map_imagereward_state_dict
+from flowrl import rewards
+from flowrl.rewards.imagereward import REWARD_MEAN, REWARD_STD, load_imagereward, map_imagereward_state_dict
 from tests.rewards.conftest import PROMPTS
 from tests.rewards.tiny_models import imagereward_official_state, reference_head, reference_vit, write_bert_vocab
 
@@ -17,7 +17,7 @@ def reward(imagereward_file, bert_dir):
 def test_key_mapper_covers_every_parameter():
     from transformers import BlipTextModel, BlipVisionModel
 
-    from rewards.imagereward import text_config_from, vision_config_from
+    from flowrl.rewards.imagereward import text_config_from, vision_config_from
 
     parts = map_imagereward_state_dict(imagereward_official_state())
     vision = BlipVisionModel(vision_config_from(parts["vision"]))

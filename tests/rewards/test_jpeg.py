@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-import rewards
-from rewards.jpeg import jpeg_size_kb
+from flowrl import rewards
+from flowrl.rewards.jpeg import jpeg_size_kb
 
 
 def test_flat_image_is_more_compressible_than_noise():

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-import rewards
-from rewards import MultiReward, RewardError, combine_advantages
-from rewards.base import Reward
+from flowrl import rewards
+from flowrl.rewards import MultiReward, RewardError, combine_advantages
+from flowrl.rewards.base import Reward
 
 
 A = 1 / math.sqrt(2)

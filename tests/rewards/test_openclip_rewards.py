@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-import rewards
+from flowrl import rewards
 from tests.rewards.conftest import PROMPTS
 
 
@@ -36,7 +36,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def _reference_cos(model, images):
-    from rewards.preprocess import ImageSettings
+    from flowrl.rewards.preprocess import ImageSettings
 
     with torch.no_grad():
         image = model.encode_image(ImageSettings.square(32)(images), normalize=True)

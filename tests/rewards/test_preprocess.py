@@ -3,7 +3,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rewards.preprocess import ImageSettings, center_crop, read_processor_config, resize_shortest_side
+from flowrl.rewards.preprocess import ImageSettings, center_crop, read_processor_config, resize_shortest_side
 
 
 def test_resize_keeps_aspect_and_crop_is_central():

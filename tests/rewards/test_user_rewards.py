@@ -5,8 +5,8 @@ import textwrap
 import pytest
 import torch
 
-import rewards
-from rewards import RewardError, check_output
+from flowrl import rewards
+from flowrl.rewards import RewardError, check_output
 
 
 MODULE = textwrap.dedent(
@@ -65,4 +65,4 @@ def test_bad_dotted_paths():
     with pytest.raises(ValueError, match="cannot import module"):
         rewards.get("no_such_module_xyz:fn")
     with pytest.raises(ValueError, match="has no attribute"):
-        rewards.get("rewards.jpeg:nope")
+        rewards.get("flowrl.rewards.jpeg:nope")

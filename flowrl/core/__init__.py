@@ -3,13 +3,15 @@
 from flowrl.core.advantages import (
     ADVANTAGES,
     PerPromptStatTracker,
+    batch_advantages,
     gae,
     group_advantages,
     group_index,
     leave_one_out_advantages,
     normalize,
+    raw_advantages,
 )
-from flowrl.core.aggregation import AGGREGATIONS, aggregate, masked_mean, masked_std
+from flowrl.core.aggregation import AGGREGATIONS, aggregate, aggregation_weights, masked_mean, masked_std
 from flowrl.core.kl import (
     KL_ESTIMATORS,
     diag_gaussian_kl,
@@ -55,6 +57,8 @@ __all__ = [
     "PerPromptStatTracker",
     "Surrogate",
     "aggregate",
+    "aggregation_weights",
+    "batch_advantages",
     "compute_policy_loss",
     "diag_gaussian_kl",
     "gae",
@@ -74,6 +78,7 @@ __all__ = [
     "masked_std",
     "normalize",
     "ratio_norm_grpo_guard",
+    "raw_advantages",
     "register_objective",
     "select_steps",
     "sequence_log_ratio",

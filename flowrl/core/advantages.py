@@ -146,6 +146,41 @@ def leave_one_out_advantages(
     return adv, _stats(adv, degenerate)
 
 
+@ADVANTAGES.register("batch")
+def batch_advantages(
+    rewards: torch.Tensor,
+    group_ids=None,
+    *,
+    std: str = "global",
+    eps: float = 1e-4,
+    clip: float | None = None,
+    unbiased: bool = True,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Batch-relative advantages `(r - mean) / (std + eps)` over every sample (one baseline for the batch).
+
+    REINFORCE++'s global normalisation (arXiv:2501.03262) and AC-Flow's reward shaping; `group_ids` are
+    ignored. `std`: `"global"` (or `"group"`: the batch is the one group) divides by the batch std, `"none"`
+    only centres. A batch whose rewards are all equal gets 0.
+    """
+    if std not in ("group", "global", "none"):
+        raise ValueError(f"std must be one of 'group', 'global', 'none', got {std!r}")
+    one_group = torch.zeros(rewards.shape[0], dtype=torch.long, device=rewards.device)
+    return group_advantages(rewards, one_group, std="none" if std == "none" else "group", eps=eps, clip=clip,
+                            unbiased=unbiased)  # fmt: skip
+
+
+@ADVANTAGES.register("raw")
+def raw_advantages(rewards: torch.Tensor, group_ids=None, *, clip: float | None = None):
+    """The reward itself (clipped to `[-clip, clip]` if given): for trainers whose baseline is learned.
+
+    DPOK subtracts its value network `V(x_t, t, c)` per transition and FIND its calibration network
+    `V(mu, sigma, c)` per sample, so the estimator hands them the reward unchanged. `group_ids` are ignored.
+    """
+    r = _check_rewards(rewards, rewards.shape[0] if rewards.ndim == 1 else -1)
+    adv = r.clamp(-clip, clip) if clip is not None else r.clone()
+    return adv, _stats(adv, torch.zeros(0, dtype=torch.bool))
+
+
 @ADVANTAGES.register("per_prompt")
 class PerPromptStatTracker:
     """Per-prompt running reward statistics (DDPO, arXiv:2305.13301; `ddpo-pytorch` stat tracker).

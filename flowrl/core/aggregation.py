@@ -11,7 +11,7 @@ import torch
 from flowrl.registry import unknown_name_error
 
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "sum")
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, agg: str = "token_mean", *, norm_len: float | None = None):
@@ -23,7 +23,11 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, agg: str = "token_mean", *
     - `seq_mean_token_mean`: `(1/B') sum_i (sum_t m*l) / n_i` (GRPO, arXiv:2402.03300 eq. 3),
     - `seq_mean_token_sum`: `(1/B') sum_i sum_t m*l`,
     - `seq_mean_token_sum_norm`: `sum m*l / (B' * L)` with a constant `L` = `norm_len`
-      (Dr.GRPO, arXiv:2503.20783 sec. 3; default `L` = K, the padded length).
+      (Dr.GRPO, arXiv:2503.20783 sec. 3; default `L` = K, the padded length),
+    - `sum`: `sum m*l` (no normaliser; a caller that splits a batch supplies its own per-element weights).
+
+    Every mode is linear in `l` with coefficients that depend on the mask only:
+    `aggregate(l) = sum(aggregation_weights(mask) * l)`, which is what lets a trainer split the K axis.
 
     Args:
         loss (`torch.Tensor`): per-element loss `[B, K]`.
@@ -50,6 +54,33 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, agg: str = "token_mean", *
         if length <= 0:
             raise ValueError(f"norm_len must be positive, got {norm_len}")
         return row_sum.sum() / (num_seqs * length)
+    if agg == "sum":
+        return masked.sum()
+    raise unknown_name_error("aggregation", agg, list(AGGREGATIONS))
+
+
+def aggregation_weights(mask: torch.Tensor, agg: str = "token_mean", *, norm_len: float | None = None):
+    """`[B, K]` coefficients `a` with `aggregate(l, mask, agg) == sum(a * l)` for every `l` (0 off the mask).
+
+    The aggregation of a per-element loss is a weighted sum whose weights depend on the mask alone, so a loss
+    computed over part of the K axis at a time (one denoising step's graph in memory) can be weighted exactly.
+    """
+    m = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
+    if agg == "token_mean":
+        return m / m.sum().clamp_min(1.0)
+    if agg == "sum":
+        return m
+    n_i = m.sum(-1, keepdim=True)  # [B, 1]
+    num_seqs = (n_i > 0).sum().clamp_min(1)  # B'
+    if agg == "seq_mean_token_mean":
+        return m / (n_i.clamp_min(1.0) * num_seqs)
+    if agg == "seq_mean_token_sum":
+        return m / num_seqs
+    if agg == "seq_mean_token_sum_norm":
+        length = float(mask.shape[-1] if norm_len is None else norm_len)
+        if length <= 0:
+            raise ValueError(f"norm_len must be positive, got {norm_len}")
+        return m / (num_seqs * length)
     raise unknown_name_error("aggregation", agg, list(AGGREGATIONS))
 
 

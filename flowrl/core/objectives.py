@@ -71,6 +71,10 @@ class Objective:
     """Hyper-parameters the surrogate takes (cached at registration)."""
     needs_logp: bool = False
     """Whether the surrogate's value depends on `log pi_theta` itself (CISPO), not only on the ratio."""
+    elementwise: bool = True
+    """Whether each element's loss depends on that element's inputs alone (PPO, GRPO-Guard). False when the
+    log-ratio couples the K axis (GSPO's sequence ratio): a loop that splits K must then fix the coefficients
+    `dL/dlogp [B, K]` from a full pass first (`flowrl.trainers.update`)."""
 
 
 OBJECTIVES: Registry[Objective] = Registry("objective")
@@ -88,6 +92,7 @@ def register_objective(
     log_ratio: Callable[..., torch.Tensor] | None = None,
     agg: str = "token_mean",
     description: str | None = None,
+    elementwise: bool | None = None,
     **overrides: Any,
 ) -> Objective:
     """Register an objective under `name`.
@@ -100,10 +105,14 @@ def register_objective(
             element log-ratio `logp - old_logp` to the one the surrogate uses; defaults to the identity.
         agg (`str`, defaults to `"token_mean"`): default aggregation (see `flowrl.core.aggregation`).
         description (`str`, *optional*): one line for `flowrl list`; defaults to the surrogate's docstring.
+        elementwise (`bool`, *optional*): whether element `(i, t)`'s loss depends on element `(i, t)`'s inputs
+            only; defaults to True for the identity log-ratio and False for any other estimator.
         **overrides: hyper-parameter defaults that differ from the surrogate's (presets such as `dapo`).
     """
     if agg not in AGGREGATIONS:
         raise unknown_name_error("aggregation", agg, list(AGGREGATIONS))
+    if elementwise is None:
+        elementwise = log_ratio is None or log_ratio is element_log_ratio
     log_ratio = log_ratio or element_log_ratio
     surrogate_params = _keyword_params(surrogate)
     needs_logp = surrogate_params.pop("logp", None) is not None
@@ -127,6 +136,7 @@ def register_objective(
         ratio_params=tuple(ratio_params),
         surrogate_params=tuple(surrogate_params),
         needs_logp=needs_logp,
+        elementwise=elementwise,
     )
     OBJECTIVES.register(name, objective, description=objective.description)
     return objective
@@ -241,12 +251,13 @@ def gppo(
     return Surrogate(value, coef, clipped_high, clipped_low | dual)
 
 
-def clamp(ratio, adv, *, eps: float = 1e-4):
+def clamp(ratio, adv, *, clip_eps_low: float = 1e-4, clip_eps_high: float | None = None):
     """Clamp-only ratio (DPOK arXiv:2305.16381 as released; FIND arXiv:2407.19453): `l = -A clamp(r, 1-eps, 1+eps)`.
 
-    Stricter than PPO: the gradient `-A r` flows only while `1-eps < r < 1+eps`, for both signs of A.
+    Stricter than PPO: the gradient `-A r` flows only while `1-eps_low < r < 1+eps_high`, for both signs of A.
+    `clip_eps_high` defaults to `clip_eps_low` (DPOK and FIND clamp symmetrically: 1e-4 and 0.2).
     """
-    low, high = _bounds(eps, eps)
+    low, high = _bounds(clip_eps_low, clip_eps_high)
     value = -adv * ratio.clamp(low, high)  # [B, K]
     above, below = ratio > high, ratio < low
     coef = torch.where(above | below, 0.0, -adv * ratio)
@@ -339,6 +350,7 @@ register_objective(
     "gspo",
     ppo_clip,
     log_ratio=gspo_log_ratio,
+    elementwise=False,
     agg="seq_mean_token_mean",
     clip_eps_low=3e-4,
     clip_eps_high=4e-4,
@@ -354,6 +366,7 @@ register_objective(
     "grpo_guard",
     ppo_clip,
     log_ratio=guard_log_ratio,
+    elementwise=True,
     agg="token_mean",
     clip_eps_low=2e-6,
     description="GRPO-Guard: PPO-clip (eps 2e-6) on the RatioNorm-ed per-step log-ratio (arXiv:2510.22319 sec. 3)",
@@ -399,7 +412,10 @@ def compute_policy_loss(
         `(loss, metrics)`: a scalar loss (fp32, or fp64 for fp64 inputs) and detached tensors:
         `clipfrac`, `clipfrac_high`, `clipfrac_low`, `ratio_mean`, `ratio_std`, `ratio_min`, `ratio_max`,
         `approx_kl_k3` (k3 estimate of KL(pi_old || pi_theta) from the element log-ratios) and, when
-        K <= 64, `ratio_mean_per_step` and `clipfrac_per_step` (`[K]`).
+        K <= 64, per-step rows `[K]` over the masked elements of each column: `ratio_mean_per_step`,
+        `ratio_std_per_step`, `clipfrac_per_step` (the ratio the objective uses: GSPO's sequence ratio,
+        GRPO-Guard's normalised one), `raw_ratio_mean_per_step`, `raw_ratio_std_per_step` (the plain
+        `exp(logp - old_logp)`) and `count_per_step` (masked elements per column, to pool several calls).
     """
     objective = get_objective(name)
     agg = hparams.pop("agg", objective.agg)
@@ -473,9 +489,10 @@ def _metrics(ratio, terms: Surrogate, log_ratio, mask, fmask) -> dict[str, torch
     ]
     per_step_wanted = ratio.shape[-1] <= PER_STEP_METRICS_MAX_K
     if per_step_wanted:
-        per_step = (torch.stack(rows) * fmask).sum(1)  # [5, K]: masked sums over the batch
+        raw_shifted = torch.expm1(lr)  # the plain element ratio - 1
+        per_step = (torch.stack([*rows, raw_shifted, raw_shifted * raw_shifted]) * fmask).sum(1)  # [7, K]
         count_per_step = fmask.sum(0)  # [K]
-        sums, count = per_step.sum(1), count_per_step.sum()
+        sums, count = per_step[:5].sum(1), count_per_step.sum()
     else:
         flat = fmask.flatten()
         sums, count = torch.stack([torch.dot(row.flatten(), flat) for row in rows]), flat.sum()
@@ -494,7 +511,11 @@ def _metrics(ratio, terms: Surrogate, log_ratio, mask, fmask) -> dict[str, torch
         "approx_kl_k3": k3,
     }
     if per_step_wanted:
-        per_step = per_step[:3] / count_per_step.clamp_min(1.0)  # [3, K]: high, low, ratio - 1
-        metrics["clipfrac_per_step"] = per_step[0] + per_step[1]
-        metrics["ratio_mean_per_step"] = per_step[2] + 1
+        means = per_step / count_per_step.clamp_min(1.0)  # [7, K]: high, low, r-1, (r-1)^2, k3, raw-1, (raw-1)^2
+        metrics["clipfrac_per_step"] = means[0] + means[1]
+        metrics["ratio_mean_per_step"] = means[2] + 1
+        metrics["ratio_std_per_step"] = torch.addcmul(means[3], means[2], means[2], value=-1).clamp_min(0.0).sqrt()
+        metrics["raw_ratio_mean_per_step"] = means[5] + 1
+        metrics["raw_ratio_std_per_step"] = torch.addcmul(means[6], means[5], means[5], value=-1).clamp_min(0.0).sqrt()
+        metrics["count_per_step"] = count_per_step
     return metrics

@@ -28,6 +28,8 @@ def ref_aggregate(loss, mask, agg, norm_len=None):
     if agg == "seq_mean_token_sum_norm":
         length = loss.shape[1] if norm_len is None else norm_len
         return sum(s for s, _ in rows) / (len(rows) * length)
+    if agg == "sum":
+        return sum(s for s, _ in rows)
     raise ValueError(agg)
 
 
@@ -58,8 +60,9 @@ def ref_gppo(logp, old_logp, adv, mask, *, clip_eps_low=0.2, clip_eps_high=0.28,
     )
 
 
-def ref_clamp(logp, old_logp, adv, mask, *, eps=1e-4):
-    return -adv * torch.clamp(torch.exp(logp - old_logp), 1 - eps, 1 + eps)
+def ref_clamp(logp, old_logp, adv, mask, *, clip_eps_low=1e-4, clip_eps_high=None):
+    high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    return -adv * torch.clamp(torch.exp(logp - old_logp), 1 - clip_eps_low, 1 + high)
 
 
 def ref_reinforce(logp, old_logp, adv, mask):

@@ -124,10 +124,12 @@ def test_spo_hand_values():
 
 
 def test_clamp_cuts_gradient_for_both_signs():
-    assert one("clamp", 1.5, 1.0, eps=0.2)[:2] == pytest.approx((-1.2, 0.0))
-    assert one("clamp", 1.1, 1.0, eps=0.2)[:2] == pytest.approx((-1.1, -1.1))
+    assert one("clamp", 1.5, 1.0, clip_eps_low=0.2)[:2] == pytest.approx((-1.2, 0.0))
+    assert one("clamp", 1.1, 1.0, clip_eps_low=0.2)[:2] == pytest.approx((-1.1, -1.1))
     # A<0 and r above the band: PPO keeps the gradient (1.5) here, clamp does not
-    assert one("clamp", 1.5, -1.0, eps=0.2)[:2] == pytest.approx((1.2, 0.0))
+    assert one("clamp", 1.5, -1.0, clip_eps_low=0.2)[:2] == pytest.approx((1.2, 0.0))
+    # an asymmetric band: 1.25 lies inside (0.8, 1.3) and keeps its gradient
+    assert one("clamp", 1.25, 1.0, clip_eps_low=0.2, clip_eps_high=0.3)[:2] == pytest.approx((-1.25, -1.25))
     assert one("ppo", 1.5, -1.0, clip_eps_low=0.2)[1] == pytest.approx(1.5)
 
 
@@ -183,6 +185,7 @@ def test_aggregation_modes_reference_table():
         "seq_mean_token_mean": 1.5,
         "seq_mean_token_sum": 3.5,
         "seq_mean_token_sum_norm": 0.875,
+        "sum": 7.0,
     }
     for agg, value in expected.items():
         loss, _ = compute_policy_loss("reinforce", lp, lp, adv, mask, agg=agg)
@@ -190,6 +193,39 @@ def test_aggregation_modes_reference_table():
     # Dr.GRPO's constant L can be set explicitly: 7 / (2 * 7) = 0.5
     loss, _ = compute_policy_loss("reinforce", lp, lp, adv, mask, agg="seq_mean_token_sum_norm", norm_len=7)
     assert loss.item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_aggregation_is_a_mask_weighted_sum(agg):
+    # aggregate(l) == sum(aggregation_weights(mask) * l) for any l: what lets a loop split the K axis
+    from flowrl.core import aggregate, aggregation_weights
+
+    g = torch.Generator().manual_seed(1)
+    loss = torch.randn(5, 7, generator=g, dtype=torch.float64)
+    mask = torch.rand(5, 7, generator=g) > 0.4
+    mask[2] = False  # an empty row does not count as a sequence
+    weights = aggregation_weights(mask, agg, norm_len=9 if agg == "seq_mean_token_sum_norm" else None)
+    assert weights.shape == (5, 7) and (weights[~mask] == 0).all()
+    expected = aggregate(loss, mask, agg, norm_len=9)
+    torch.testing.assert_close((weights.double() * loss).sum(), expected, rtol=1e-6, atol=1e-12)
+
+
+def test_per_step_metrics_hand_values():
+    # two steps; column 0: ratios 1.1 and 0.9 (mean 1, std 0.1); column 1: one masked element, ratio 1.2
+    lp = torch.zeros(2, 2, dtype=torch.float64)
+    old = -torch.log(torch.tensor([[1.1, 1.2], [0.9, 5.0]], dtype=torch.float64))
+    mask = torch.tensor([[True, True], [True, False]])
+    _, m = compute_policy_loss("ppo", lp, old, torch.tensor([1.0, 1.0], dtype=torch.float64), mask, clip_eps_low=0.15)
+    torch.testing.assert_close(m["ratio_mean_per_step"], torch.tensor([1.0, 1.2], dtype=torch.float64))
+    torch.testing.assert_close(m["ratio_std_per_step"], torch.tensor([0.1, 0.0], dtype=torch.float64))
+    assert m["count_per_step"].tolist() == [2.0, 1.0] and m["clipfrac_per_step"].tolist() == [0.0, 1.0]
+    torch.testing.assert_close(m["raw_ratio_mean_per_step"], m["ratio_mean_per_step"])
+    # GSPO: the objective's ratio is the row's geometric mean, the raw one stays per element
+    _, m = compute_policy_loss("gspo", lp, old, torch.ones(2, dtype=torch.float64), mask)
+    geo = math.sqrt(1.1 * 1.2)
+    torch.testing.assert_close(m["ratio_mean_per_step"], torch.tensor([(geo + 0.9) / 2, geo], dtype=torch.float64))
+    torch.testing.assert_close(m["raw_ratio_mean_per_step"], torch.tensor([1.0, 1.2], dtype=torch.float64))
+    assert get_objective("gspo").elementwise is False and get_objective("grpo_guard").elementwise is True
 
 
 def test_equal_length_invariants():
@@ -220,7 +256,7 @@ PARITY_HPARAMS = {
     "cispo": {"clip_eps_low": 0.3, "clip_eps_high": 0.2},
     "spo": {"eps": 0.15},
     "gppo": {"beta_low": 0.5, "beta_high": 0.75},
-    "clamp": {"eps": 0.2},
+    "clamp": {"clip_eps_low": 0.2, "clip_eps_high": 0.25},
     "reinforce": {},
     "grpo_guard": {"clip_eps_low": 0.05},
 }

@@ -26,14 +26,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flowrl.config import load_config  # noqa: E402
-from flowrl.trainers import build_trainer  # noqa: E402
+from flowrl.trainers import build_trainer, load_config  # noqa: E402
 
 
 def network_work(trainer, rollout) -> float:
     """Seconds of the bare network calls one epoch makes (same shapes, same number of calls)."""
     cfg = trainer.config
-    chunk, steps = cfg.sampling.train_batch_size, cfg.sampling.num_steps
+    chunk, steps = cfg.sampling.forward_batch_size, cfg.sampling.num_steps
     n = len(rollout)
     model = trainer.policy.model
     cond = {k: v[rollout.prompt_ids] for k, v in rollout.cond.items()}
@@ -43,7 +42,7 @@ def network_work(trainer, rollout) -> float:
     c = {k: v[:chunk].repeat(rows // chunk, *([1] * (v.ndim - 1))) for k, v in cond.items()}
     call = lambda: trainer.policy.adapter.forward(x, t, c, cfg.sampling.guidance_scale, model=model)  # noqa: E731
     chunks = -(-n // chunk)
-    trained_steps = trainer.train_steps(rollout, 0).shape[1]
+    trained_steps = trainer.train_elements(rollout, 0).shape[1]
     start = time.perf_counter()
     with torch.no_grad():
         for _ in range(steps * chunks):
@@ -58,16 +57,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "digits" / "grpo_guard.yaml"))
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_bench.json"))
     args = parser.parse_args()
-    config = load_config(args.config, ["run.log_with=[]", "run.output_dir=/tmp/flowrl-train-bench"])
+    config = load_config(args.config, ["run.log_with=[]", "run.output_dir=/tmp/flowrl-train-bench", *args.set])
     trainer = build_trainer(config)
     epoch_times, work_times = [], []
     for epoch in range(args.epochs + 1):  # the first epoch warms up (and is not counted)
         start = time.perf_counter()
         trainer.train_epoch(epoch)
         elapsed = time.perf_counter() - start
-        rollout = trainer._last_rollout
+        rollout = trainer.last_epoch[0]
         work = network_work(trainer, rollout)
         if epoch:
             epoch_times.append(elapsed)
@@ -76,6 +76,7 @@ def main():
     result = {
         "benchmark": "train_bench",
         "config": str(Path(args.config).relative_to(ROOT)) if Path(args.config).is_relative_to(ROOT) else args.config,
+        "overrides": args.set,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),

@@ -19,7 +19,8 @@ import math
 import statistics
 from pathlib import Path
 
-from flowrl.config import ConfigError, load_config, read_yaml, to_dict
+from flowrl.config import ConfigError, read_yaml, to_dict
+from flowrl.trainers import load_config
 
 
 def parse_grid(items: list[str]) -> dict[str, list[str]]:

@@ -8,9 +8,9 @@ import sys
 
 def _catalog() -> dict[str, dict[str, str]]:
     """Section title -> {name: one-line description} for every registry."""
-    import rewards
-    from flowrl import core
+    from flowrl import core, rewards
     from flowrl.policies import SAMPLERS
+    from flowrl.policies.adapters import MODEL_FAMILIES
     from flowrl.trainers import TRAINERS
 
     return {
@@ -20,6 +20,7 @@ def _catalog() -> dict[str, dict[str, str]]:
         "step selections": core.STEP_SELECTIONS.describe(),
         "step weightings": core.STEP_WEIGHTINGS.describe(),
         "samplers": SAMPLERS.describe(),
+        "model families": MODEL_FAMILIES.describe(),
         "rewards": rewards.REWARDS.describe(),
         "trainers": TRAINERS.describe(),
     }
@@ -47,8 +48,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from flowrl.config import ConfigError, load_config
-    from flowrl.trainers import build_trainer
+    from flowrl.config import ConfigError
+    from flowrl.trainers import build_trainer, load_config
 
     try:
         config = load_config(args.config, args.set or [])
@@ -69,8 +70,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from flowrl import checkpoint
-    from flowrl.config import ConfigError, load_config
-    from flowrl.trainers import build_trainer
+    from flowrl.config import ConfigError
+    from flowrl.trainers import build_trainer, load_config
 
     target = Path(args.target)
     run_dir = target if target.is_dir() else None

@@ -1,7 +1,11 @@
 """Typed run configs: dataclasses with a docstring per field, filled from YAML plus `--set key=value` overrides.
 
-YAML files only override defaults. An unknown key fails with a message naming it, the close matches and the
-valid keys; a value of the wrong type or outside a `Literal` fails naming the key and the valid choices.
+The sections every trainer shares (`model`, `sampling`, `prompts`, `rewards`, `objective`, `advantage`, `kl`,
+`steps`, `eval`, `optim`, `run`) and their base `TrainerConfig` live here; each trainer's config subclasses it
+in its own module, and `flowrl.trainers.load_config` picks the class from the `trainer` key. YAML files only
+override defaults. An unknown key fails with a message naming it, the close matches and the valid keys (a key
+of an earlier version names its new place); a value of the wrong type or outside a `Literal` fails naming the
+key and the valid choices.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
@@ -30,8 +34,9 @@ class ConfigError(ValueError):
 class ModelConfig:
     name: str = "digits"
     """`digits` (the embedded offline world), or a diffusers hub id / local folder (SD3.5, Flux.1, SD1.x)."""
-    family: Literal["sd3", "flux", "unet"] | None = None
-    """Model family for hub ids (`sd3`, `flux`, `unet`); detected from `model_index.json` for folders."""
+    family: str | None = None
+    """Model family for hub ids (`sd3`, `flux`, `unet`: `flowrl list model_families`); detected from
+    `model_index.json` for folders."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Weights dtype (bf16 for SD3.5/Flux on GPU; log-prob math is fp32 regardless)."""
     lora_rank: int = 0
@@ -47,6 +52,12 @@ class ModelConfig:
     digits_pretrain_steps: int = 220
     """Digits world only: pretraining steps of the base model (few, so RL has headroom)."""
 
+    def __post_init__(self):
+        if self.family is not None:
+            from flowrl.policies.adapters import MODEL_FAMILIES
+
+            MODEL_FAMILIES.get(self.family)  # an unknown family fails naming the registered ones
+
 
 @dataclasses.dataclass
 class SamplingConfig:
@@ -57,23 +68,28 @@ class SamplingConfig:
     noise_level: float = 0.7
     """The sampler's noise (`flow_sde` a, `dance_sde` eta, `cps` a, `ddim` eta)."""
     sampler: str = "flow_sde"
-    """Step kernel: `flow_sde`, `dance_sde`, `cps` (flow models) or `ddim` (UNets)."""
+    """Step kernel: `flow_sde`, `dance_sde`, `cps`, `ode` (flow models) or `ddim` (UNets)."""
     sde_window: tuple[int, int] | None = None
     """Stochastic steps `[start, end)`; the others are ODE steps (MixGRPO / Flow-GRPO-Fast). None: all."""
     height: int | None = None
     """Image height (default: the model's)."""
     width: int | None = None
     """Image width (default: the model's)."""
-    train_batch_size: int = 32
-    """Rows per network forward, in rollouts and in training minibatches (equal, so ratios are exactly 1)."""
+    forward_batch_size: int = 32
+    """Rows per network forward, in rollouts and when re-scoring; training minibatches have this many samples
+    too, so a minibatch re-scores in the chunks it was sampled in."""
     reward_overlap: int = 1
     """Sample the epoch in this many sequential parts and score each finished part on reward threads
-    (`rewards.RewardExecutor`) while the next part samples; 1: sample everything, then score. Each part draws
-    its noise from its own seeded stream, so runs with different values sample different trajectories."""
+    (`flowrl.rewards.RewardExecutor`) while the next part samples; 1: sample everything, then score. Each part
+    draws its noise from its own seeded stream, so runs with different values sample different trajectories."""
 
     def __post_init__(self):
         if self.reward_overlap < 1:
             raise ValueError(f"sampling.reward_overlap must be >= 1, got {self.reward_overlap}")
+        if self.num_steps < 1:
+            raise ValueError("sampling.num_steps must be >= 1")
+        if self.forward_batch_size < 1:
+            raise ValueError("sampling.forward_batch_size must be >= 1")
 
 
 @dataclasses.dataclass
@@ -130,6 +146,11 @@ class OptimConfig:
     """Gradient-norm clipping (None: off)."""
     gradient_accumulation: int = 1
     """Minibatches per optimizer step (each minibatch contributes all its trained steps)."""
+    backward: Literal["whole", "per_step"] = "whole"
+    """`whole`: one loss and one backward per minibatch over all its trained steps `[b, k]`. `per_step`: one
+    backward per step column, so only one step's activations are in memory (large models); the gradient is
+    the same (exact up to float rounding), and objectives that couple the steps (GSPO) pay one extra
+    no-grad pass to fix their coefficients `dL/dlogp` first."""
 
 
 @dataclasses.dataclass
@@ -156,6 +177,230 @@ class RunConfig:
     """Force the CPU even when a GPU is present."""
 
 
+@dataclasses.dataclass
+class ObjectiveConfig:
+    """The policy objective of the shared core (`flowrl.core.compute_policy_loss`)."""
+
+    selector: ClassVar[str] = "name"
+    name: str = "ppo"
+    """A registered objective (`flowrl list objectives`): ppo, grpo, dapo, gspo, sapo, cispo, clamp, ..."""
+    clip_eps_low: float | None = None
+    """Lower clip range; None keeps the objective's own default (`docs/objectives.md`). Image log-probs are
+    means over latent elements, so image clip ranges are tiny (Flow-GRPO: 1e-4 at SD3.5's 512 px)."""
+    clip_eps_high: float | None = None
+    """Upper clip range; None keeps the objective's own default (for most: equal to the lower one)."""
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Other hyper-parameters of the objective (`dual_clip_c`, sapo's `tau_pos`, spo's `eps`, ...)."""
+    agg: str | None = None
+    """Aggregation over the `[B, K]` elements (`token_mean`, `seq_mean_token_mean`, ...); None: the objective's."""
+
+    def __post_init__(self):
+        from flowrl.core import AGGREGATIONS, get_objective
+
+        objective = get_objective(self.name)
+        params = [*objective.hparams, *objective.required]
+        for key in ("clip_eps_low", "clip_eps_high"):
+            if getattr(self, key) is not None and key not in params:
+                raise ValueError(f"objective {self.name!r} has no {key}; its hyper-parameters are "
+                                 f"{', '.join(params) or 'none'} (set them in objective.kwargs)")  # fmt: skip
+        for key in self.kwargs:
+            if key in ("clip_eps_low", "clip_eps_high", "agg"):
+                raise ValueError(f"set {key} as objective.{key}, not in objective.kwargs")
+            if key not in params:
+                raise unknown_name_error("hyper-parameter", key, params, where=f"for objective {self.name!r}")
+        if self.agg is not None and self.agg not in AGGREGATIONS:
+            raise unknown_name_error("aggregation", self.agg, list(AGGREGATIONS))
+
+    def hparams(self) -> dict[str, Any]:
+        """The hyper-parameters set here (the objective's own defaults fill in the rest)."""
+        out = {k: getattr(self, k) for k in ("clip_eps_low", "clip_eps_high", "agg") if getattr(self, k) is not None}
+        return {**out, **self.kwargs}
+
+
+@dataclasses.dataclass
+class AdvantageConfig:
+    """How a sample's advantage comes from its rewards (`flowrl list` shows the estimators)."""
+
+    selector: ClassVar[str] = "estimator"
+    estimator: Literal["group", "batch", "leave_one_out", "per_prompt", "raw"] = "group"
+    """`group`: z-score within each prompt's group (GRPO, Flow-GRPO); `batch`: over the whole batch;
+    `leave_one_out`: the mean of the group's other samples as baseline (RLOO, LOOP); `per_prompt`: DDPO's
+    running per-prompt statistics (saved in checkpoints); `raw`: the reward itself (a learned baseline is
+    subtracted later: DPOK's value network, FIND's calibration network)."""
+    std: Literal["group", "global", "none"] = "group"
+    """Scale: the group's std, one std over the epoch (Flow-GRPO's `global_std`), or none (Dr.GRPO). For
+    `leave_one_out`, `group` divides by the group's std and `global` is not available."""
+    eps: float = 1e-4
+    """Added to the std."""
+    clip: float | None = None
+    """Clip advantages to `[-clip, clip]` (Flow-GRPO, DDPO: 5)."""
+    unbiased: bool = True
+    """Sample (unbiased) std; Flow-GRPO and DDPO use numpy's population std."""
+    buffer_size: int = 16
+    """`per_prompt`: rewards remembered per prompt (DDPO: 16)."""
+    min_count: int = 16
+    """`per_prompt`: rewards a prompt needs before its own statistics replace the batch's (DDPO: 16)."""
+
+    def __post_init__(self):
+        if self.estimator == "leave_one_out" and self.std == "global":
+            raise ValueError("advantage.std=global does not apply to leave_one_out; use group or none")
+        if self.estimator == "per_prompt" and not 1 <= self.min_count <= self.buffer_size:
+            raise ValueError("advantage.per_prompt needs 1 <= min_count <= buffer_size, "
+                             f"got min_count={self.min_count}, buffer_size={self.buffer_size}")  # fmt: skip
+        if self.clip is not None and self.clip <= 0:
+            raise ValueError("advantage.clip must be > 0 (or null)")
+
+
+@dataclasses.dataclass
+class KLConfig:
+    """The regulariser that keeps the policy near its reference (the pre-trained model, or FIND's prior)."""
+
+    beta: float = 0.0
+    """Its weight in the loss (0: off; Flow-GRPO: 0.04 GenEval/OCR, 0.01 PickScore; DPOK: 0.1)."""
+    form: str = "gaussian"
+    """How it is measured; each trainer lists its forms. Denoising steps: `gaussian` (the exact KL of the two
+    step kernels), `gaussian_dt` (Flow-GRPO's code: that KL times |dt|), `eps_mse` (DPOK's code: the squared
+    difference of the guided predictions); FIND: `proxy` (its released `mean(mu^2 + (sigma - 1)^2)`) or
+    `gaussian` (the exact KL of the noise policy to N(0, I)); AC-Flow: `w2` (the velocity MSE bound)."""
+    warmup_epochs: int = 0
+    """Epochs trained without it before it applies (DPOK's `kl_warmup`)."""
+
+    def __post_init__(self):
+        if self.beta < 0 or self.warmup_epochs < 0:
+            raise ValueError("kl.beta and kl.warmup_epochs must be >= 0")
+
+    def coef(self, epoch: int) -> float:
+        """beta from epoch `warmup_epochs` on, 0 before."""
+        return self.beta if epoch >= self.warmup_epochs else 0.0
+
+
+@dataclasses.dataclass
+class StepConfig:
+    """Which denoising steps train and how much each weighs: the axis users ablate."""
+
+    selection: str = "first_fraction"
+    """Which stochastic steps train: `all`, `first_fraction`, `window`, `random` (`flowrl list`)."""
+    fraction: float = 0.99
+    """`first_fraction`: the first int(n * fraction) stochastic steps (Flow-GRPO 0.99: 9 of 10)."""
+    window: tuple[int, int] | None = None
+    """`window`: positions [start, end) among the stochastic steps."""
+    k: int = 1
+    """`random`: steps per sample, drawn per epoch (DDPO's per-sample subset)."""
+    weighting: str = "uniform"
+    """Per-step loss weight: `uniform`, `inv_dt` (GRPO-Guard), `min_snr`, `sigma` (`flowrl list`)."""
+    normalize_weights: bool = False
+    """Rescale step weights to mean 1 over the steps (comparable learning rates across weightings)."""
+
+    def __post_init__(self):
+        from flowrl.core import STEP_SELECTIONS, STEP_WEIGHTINGS
+
+        STEP_SELECTIONS.get(self.selection)
+        STEP_WEIGHTINGS.get(self.weighting)
+
+
+RENAMED = {
+    "sampling.train_batch_size": "sampling.forward_batch_size",
+    "clip_eps_low": "objective.clip_eps_low",
+    "clip_eps_high": "objective.clip_eps_high",
+    "clip_eps": "objective.clip_eps_low",
+    "objective_kwargs": "objective.kwargs",
+    "kl_beta": "kl.beta",
+    "kl_weight": "kl.beta",
+    "kl_form": "kl.form",
+    "kl_warmup": "kl.warmup_epochs",
+    "adv_std": "advantage.std",
+    "adv_eps": "advantage.eps",
+    "adv_clip": "advantage.clip",
+    "adv_unbiased": "advantage.unbiased",
+    "adv_normalize_std": "advantage.std (group: divide by the group's std; none: do not)",
+    "tracker_buffer": "advantage.buffer_size",
+    "tracker_min_count": "advantage.min_count",
+}
+"""Keys of earlier flowrl versions and where each went (every trainer; trainers add their own)."""
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """What every trainer shares. Algorithm fields live in the subclasses (one per trainer).
+
+    A subclass lists the `kl.form`s it implements (`kl_forms`) and the shared sections it has no use for
+    (`unused`: setting one fails instead of being ignored).
+    """
+
+    kl_forms: ClassVar[tuple[str, ...]] = ("gaussian",)
+    unused: ClassVar[tuple[str, ...]] = ()
+    renamed: ClassVar[dict[str, str]] = RENAMED
+
+    trainer: str = ""
+    """Registered trainer name (`flowrl list trainers`)."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The policy's model."""
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    """Rollouts."""
+    prompts: PromptConfig = dataclasses.field(default_factory=PromptConfig)
+    """Prompt sets and the m x k grouping."""
+    rewards: list[RewardConfig] = dataclasses.field(default_factory=lambda: [RewardConfig()])
+    """Rewards and their weights."""
+    reward_aggregation: Literal["sum", "gdpo"] = "sum"
+    """`sum`: advantages of the weighted reward sum (Flow-GRPO); `gdpo`: each reward's advantages, weighted."""
+    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
+    """The policy objective and its trust region."""
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    """The advantage estimator."""
+    kl: KLConfig = dataclasses.field(default_factory=KLConfig)
+    """The regulariser to the reference."""
+    steps: StepConfig = dataclasses.field(default_factory=StepConfig)
+    """Which denoising steps train and their weights."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Evaluation on the test prompts."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """AdamW and gradient handling."""
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    """Run folder, epochs, seeds, logging, checkpoints."""
+    inner_epochs: int = 1
+    """Passes over each epoch's samples (PPO epochs)."""
+    drop_zero_std_groups: bool = True
+    """Skip training on groups whose advantages are all 0 (equal rewards under a group baseline: no signal)."""
+    ema_decay: float | None = None
+    """EMA of the trained weights for evaluation (Flow-GRPO: 0.9); None: off."""
+    ema_every: int = 8
+    """Optimizer steps between EMA updates (Flow-GRPO: 8)."""
+
+    def __post_init__(self):
+        p = self.prompts
+        checks = [
+            (self.run.epochs >= 1, "run.epochs must be >= 1"),
+            (p.prompts_per_epoch >= 1, "prompts.prompts_per_epoch must be >= 1"),
+            (p.group_size >= 1, "prompts.group_size must be >= 1"),
+            (self.inner_epochs >= 1, "inner_epochs must be >= 1"),
+            (self.optim.gradient_accumulation >= 1, "optim.gradient_accumulation must be >= 1"),
+            (len(self.rewards) >= 1, "rewards needs at least one reward"),
+            (0 <= self.run.max_bad_reward_frac <= 1, "run.max_bad_reward_frac must lie in [0, 1]"),
+            (self.ema_decay is None or 0 < self.ema_decay < 1, "ema_decay must lie in (0, 1)"),
+            (self.kl.form in self.kl_forms,
+             f"kl.form {self.kl.form!r} is not one of {self.trainer or 'this trainer'}'s: {', '.join(self.kl_forms)}"),
+            (self.advantage.estimator != "per_prompt" or self.reward_aggregation == "sum",
+             "advantage.estimator=per_prompt tracks the weighted reward sum; reward_aggregation must be 'sum'"),
+            (self.advantage.estimator != "leave_one_out" or p.group_size >= 2,
+             "the leave_one_out baseline needs prompts.group_size >= 2 (the k - 1 others of each sample)"),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        for name in self.unused:
+            section = getattr(self, name)
+            if section != type(section)():
+                raise ValueError(f"{self.trainer} does not use the {name} section; remove it from the config")
+
+    @classmethod
+    def renamed_keys(cls) -> dict[str, str]:
+        """Old config keys -> their new place (old keys fail with a message naming the new one)."""
+        merged = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(getattr(klass, "renamed", {}) or {})
+        return merged
+
+
 # ----------------------------------------------------------------------------------------------
 # dict <-> dataclass with validation
 # ----------------------------------------------------------------------------------------------
@@ -169,7 +414,7 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _convert(value: Any, tp, key: str) -> Any:
+def _convert(value: Any, tp, key: str, renamed: dict[str, str] | None = None) -> Any:
     """`value` checked against (and lightly converted to) the annotation `tp`."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -181,7 +426,7 @@ def _convert(value: Any, tp, key: str) -> Any:
         errors = []
         for option in (a for a in args if a is not type(None)):
             try:
-                return _convert(value, option, key)
+                return _convert(value, option, key, renamed)
             except ConfigError as err:
                 errors.append(str(err))
         if len(errors) == 1:
@@ -198,9 +443,14 @@ def _convert(value: Any, tp, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        selector = getattr(tp, "selector", None)
+        if selector and isinstance(value, str):
+            raise ConfigError(
+                f"{key} is a section: write {key}.{selector}: {value} (or {key}: {{{selector}: {value}}})"
+            )
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, prefix=key)
+        return from_dict(tp, value, prefix=key, renamed=renamed)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} must be a list, got {value!r}")
@@ -254,14 +504,20 @@ def _merge(base: dict, update: dict) -> dict:
     return merged
 
 
-def from_dict(cls, data: dict, prefix: str = ""):
-    """Build the dataclass `cls` from `data`, validating every key and value."""
+def from_dict(cls, data: dict, prefix: str = "", renamed: dict[str, str] | None = None):
+    """Build the dataclass `cls` from `data`, validating every key and value.
+
+    `renamed` maps keys of earlier versions (full dotted paths) to where they went: using one fails with a
+    message that names the new key.
+    """
     hints = typing.get_type_hints(cls)
     fields = _fields(cls)
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields or not fields[key].init:
+            if renamed and full in renamed:
+                raise ConfigError(f"config key {full!r} was renamed: use {renamed[full]}")
             valid = [n for n, f in fields.items() if f.init]
             where = f"in section {prefix!r}" if prefix else "at the top level"
             message = str(unknown_name_error("config key", key, valid, where=where))
@@ -269,9 +525,15 @@ def from_dict(cls, data: dict, prefix: str = ""):
         default = _default(fields[key])
         if dataclasses.is_dataclass(default) and isinstance(value, dict):
             # a partial section overrides the *field's* defaults (a trainer may change them, e.g. GRPO-Guard's
-            # step weighting), not the section class's
-            value = _merge(to_dict(default), value)
-        kwargs[key] = _convert(value, hints[key], full)
+            # step weighting), not the section class's; but a section that picks another algorithm piece
+            # (objective.name, advantage.estimator) starts from the class defaults, so the trainer's settings
+            # of its own piece (Flow-GRPO's clip range for ppo) do not leak into the chosen one
+            selector = getattr(type(default), "selector", None)
+            base = default
+            if selector and selector in value and value[selector] != getattr(default, selector):
+                base = type(default)(**{selector: getattr(default, selector)})
+            value = _merge(to_dict(base), value)
+        kwargs[key] = _convert(value, hints[key], full, renamed)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as err:
@@ -328,22 +590,6 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
     return data
-
-
-def load_config(source: str | Path | dict, overrides: list[str] = ()):
-    """A trainer config from a YAML file (or dict) plus overrides; its `trainer` key picks the config class."""
-    from flowrl.trainers import TRAINERS
-
-    data = read_yaml(source) if not isinstance(source, dict) else dict(source)
-    data = apply_overrides(data, list(overrides))
-    name = data.get("trainer")
-    if name is None:
-        raise ConfigError(f"the config must name its trainer (trainer: one of {', '.join(TRAINERS.names())})")
-    try:
-        trainer_cls = TRAINERS.get(name)
-    except ValueError as err:
-        raise ConfigError(f"trainer: {err}") from None
-    return from_dict(trainer_cls.config_class, data)
 
 
 def save_config(config, path: str | Path) -> None:

@@ -99,3 +99,32 @@ def _keys(history):
     for record in history:
         keys.extend(k for k in record if k not in keys)
     return keys
+
+
+def flat_config(config: dict) -> dict:
+    """A nested config dict as `{"a.b": value}` with plain values (what trackers take as hyper-parameters)."""
+    out = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        elif isinstance(value, (int, float, str, bool)):
+            out[prefix] = value
+        else:
+            out[prefix] = str(value)
+
+    walk("", config)
+    return out
+
+
+def summary_screen(summary: dict, output_dir) -> str:
+    """The table printed at the end of a run: every evaluation metric at start and end."""
+    lines = [f"\n== {summary['trainer']}: {summary['epochs']} epochs in {summary['wall_s']:.0f} s ==",
+             f"{'metric':<28}{'start':>10}{'end':>10}"]  # fmt: skip
+    for key, start in summary["eval_start"].items():
+        end = summary["eval_end"].get(key)
+        fmt = lambda v: f"{v:10.4f}" if isinstance(v, float) else f"{v!s:>10}"  # noqa: E731
+        lines.append(f"{key:<28}{fmt(start)}{fmt(end)}")
+    lines.append(f"run folder: {output_dir}  (summary.json, metrics.jsonl, plots/, images/, checkpoints/)")
+    return "\n".join(lines)

@@ -1,19 +1,21 @@
 import pytest
 import yaml
 
-from flowrl.config import ConfigError, apply_overrides, load_config, save_config, to_dict
-from flowrl.trainers import FlowGRPOConfig, GRPOGuardConfig
+from flowrl.config import ConfigError, apply_overrides, save_config, to_dict
+from flowrl.trainers import FlowGRPOConfig, GRPOGuardConfig, load_config
 
 
 def test_yaml_overrides_only_the_given_values(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"trainer": "grpo_guard", "sampling": {"num_steps": 6}, "clip_eps_low": 1e-3}))
+    data = {"trainer": "grpo_guard", "sampling": {"num_steps": 6}, "objective": {"clip_eps_low": 1e-3}}
+    path.write_text(yaml.safe_dump(data))
     config = load_config(path, ["run.epochs=3", "optim.betas=[0.8, 0.9]", "sampling.sde_window=[1, 4]"])
     assert isinstance(config, GRPOGuardConfig)
-    assert config.sampling.num_steps == 6 and config.clip_eps_low == 1e-3 and config.run.epochs == 3
+    assert config.sampling.num_steps == 6 and config.objective.clip_eps_low == 1e-3 and config.run.epochs == 3
     assert config.optim.betas == (0.8, 0.9) and config.sampling.sde_window == (1, 4)
     # untouched values keep GRPO-Guard's defaults
-    assert config.adv_std == "group" and config.steps.weighting == "inv_dt" and config.objective == "grpo_guard"
+    assert config.advantage.std == "group" and config.steps.weighting == "inv_dt"
+    assert config.objective.name == "grpo_guard"
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -35,20 +37,26 @@ def test_unknown_keys_name_the_key_and_close_matches():
 
 
 def test_invalid_values_name_the_key_and_choices():
-    with pytest.raises(ConfigError, match=r"invalid value 'batch' for adv_std; choose from 'group', 'global', 'none'"):
-        load_config({"trainer": "flow_grpo", "adv_std": "batch"})
+    with pytest.raises(ConfigError, match=r"invalid value 'batch' for advantage.std; choose from 'group', 'global'"):
+        load_config({"trainer": "flow_grpo", "advantage": {"std": "batch"}})
     with pytest.raises(ConfigError, match="sampling.num_steps must be an integer, got 'ten'"):
         load_config({"trainer": "flow_grpo"}, ["sampling.num_steps=ten"])
     with pytest.raises(ConfigError, match="run.cpu must be true or false"):
         load_config({"trainer": "flow_grpo", "run": {"cpu": "yes"}})
     with pytest.raises(ConfigError, match="unknown objective 'ppo2'"):
-        load_config({"trainer": "flow_grpo", "objective": "ppo2"})
+        load_config({"trainer": "flow_grpo", "objective": {"name": "ppo2"}})
     with pytest.raises(ConfigError, match="unknown step weighting 'snr'"):
         load_config({"trainer": "flow_grpo", "steps": {"weighting": "snr"}})
     with pytest.raises(ConfigError, match="run.epochs must be >= 1"):
         load_config({"trainer": "flow_grpo", "run": {"epochs": 0}})
     with pytest.raises(ConfigError, match="grpo_guard trains the grpo_guard objective"):
-        load_config({"trainer": "grpo_guard", "objective": "ppo"})
+        load_config({"trainer": "grpo_guard", "objective": {"name": "ppo"}})
+    with pytest.raises(ConfigError, match="objective 'sapo' has no clip_eps_low; its hyper-parameters are tau_pos"):
+        load_config({"trainer": "flow_grpo", "objective": {"name": "sapo", "clip_eps_low": 0.1}})
+    with pytest.raises(ConfigError, match="unknown hyper-parameter 'tau' for objective 'sapo'.*tau_pos"):
+        load_config({"trainer": "flow_grpo", "objective": {"name": "sapo", "kwargs": {"tau": 0.1}}})
+    with pytest.raises(ConfigError, match="unknown aggregation 'mean'"):
+        load_config({"trainer": "flow_grpo", "objective": {"agg": "mean"}})
 
 
 def test_trainer_key_is_required_and_checked(tmp_path):
@@ -66,7 +74,8 @@ def test_trainer_key_is_required_and_checked(tmp_path):
 def test_override_syntax():
     assert apply_overrides({"a": {"b": 1}}, ["a.c=null", "d=[1, 2]"]) == {"a": {"b": 1, "c": None}, "d": [1, 2]}
     # YAML 1.1 reads 1e-4 as a string; number fields accept it
-    assert load_config({"trainer": "flow_grpo", "clip_eps_low": "1e-4"}, ["optim.lr=3e-5"]).optim.lr == 3e-5
+    config = load_config({"trainer": "flow_grpo", "objective": {"clip_eps_low": "1e-4"}}, ["optim.lr=3e-5"])
+    assert config.optim.lr == 3e-5 and config.objective.clip_eps_low == 1e-4
     # ... and `no` as false; a choice spelled `no` accepts it
     assert load_config({"trainer": "flow_grpo"}, ["run.mixed_precision=no"]).run.mixed_precision == "no"
     with pytest.raises(ConfigError, match="must look like section.key=value"):
@@ -92,3 +101,46 @@ def test_partial_sections_keep_the_trainers_own_defaults():
     assert config.steps.weighting == "inv_dt" and config.steps.fraction == 0.5
     assert config.sampling.noise_level == 0.7 and config.sampling.num_steps == 4
     assert isinstance(load_config({"trainer": "flow_grpo"}), FlowGRPOConfig)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ({"clip_eps_low": 1e-3}, "objective.clip_eps_low"),
+        ({"kl_beta": 0.04}, "kl.beta"),
+        ({"kl_form": "flow_grpo"}, "kl.form"),
+        ({"adv_std": "group"}, "advantage.std"),
+        ({"tracker_buffer": 8}, "advantage.buffer_size"),
+        ({"objective_kwargs": {"dual_clip_c": 3}}, "objective.kwargs"),
+        ({"sampling": {"train_batch_size": 4}}, "sampling.forward_batch_size"),
+    ],
+)
+def test_keys_of_earlier_versions_name_their_new_place(old, new):
+    with pytest.raises(ConfigError, match=rf"was renamed: use {new}"):
+        load_config({"trainer": "flow_grpo", **old})
+    with pytest.raises(ConfigError, match="objective is a section: write objective.name: gspo"):
+        load_config({"trainer": "flow_grpo", "objective": "gspo"})
+
+
+def test_a_chosen_objective_keeps_its_own_defaults():
+    # Flow-GRPO's clip range belongs to its default objective (ppo); switching the objective brings the new
+    # objective's own preset bounds (GSPO: 3e-4 / 4e-4), unless the user sets them
+    gspo = load_config({"trainer": "flow_grpo", "objective": {"name": "gspo"}})
+    assert (gspo.objective.clip_eps_low, gspo.objective.clip_eps_high) == (None, None)
+    assert gspo.objective.hparams() == {}
+    ppo = load_config({"trainer": "flow_grpo", "objective": {"kwargs": {"dual_clip_c": 3.0}}})
+    assert ppo.objective.hparams() == {"clip_eps_low": 1e-4, "dual_clip_c": 3.0}
+    set_by_user = load_config({"trainer": "flow_grpo", "objective": {"name": "gspo", "clip_eps_low": 1e-3}})
+    assert set_by_user.objective.hparams() == {"clip_eps_low": 1e-3}
+    # the same for the advantage estimator: Flow-GRPO's global std and clip do not leak into leave-one-out
+    loo = load_config({"trainer": "flow_grpo", "advantage": {"estimator": "leave_one_out"}})
+    assert (loo.advantage.std, loo.advantage.clip) == ("group", None)
+
+
+def test_load_config_needs_no_import_cycle():
+    import subprocess
+    import sys
+
+    code = "import flowrl.config, sys; assert 'flowrl.trainers' not in sys.modules, sorted(sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

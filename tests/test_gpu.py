@@ -31,15 +31,14 @@ def test_low_precision_rollouts_rescore_exactly_on_cuda(build, guidance, dtype):
 
 
 def test_lora_training_epoch_on_cuda(tmp_path):
-    from flowrl.config import load_config
-    from flowrl.trainers import build_trainer
+    from flowrl.trainers import build_trainer, load_config
 
     pipe = tiny_sd3().to("cuda", torch.bfloat16)
     pipe.save_pretrained(tmp_path / "sd3")
     config = load_config({
         "trainer": "grpo_guard",
         "model": {"name": str(tmp_path / "sd3"), "dtype": "bf16", "lora_rank": 4, "max_sequence_length": 16},
-        "sampling": {"num_steps": 3, "height": 64, "width": 64, "train_batch_size": 4},
+        "sampling": {"num_steps": 3, "height": 64, "width": 64, "forward_batch_size": 4},
         "prompts": {"train": "simple_animals", "test": "simple_animals", "prompts_per_epoch": 2, "group_size": 4},
         "rewards": [{"name": "jpeg_compressibility"}],
         "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 2},

@@ -12,9 +12,8 @@ import pytest
 import torch
 import yaml
 
-from flowrl.config import load_config
 from flowrl.models import tiny_flux, tiny_sd3, tiny_unet
-from flowrl.trainers import build_trainer
+from flowrl.trainers import build_trainer, load_config
 from tests.rewards.tiny_models import imagereward_official_state, save_tiny_clip, write_bert_vocab
 
 
@@ -57,7 +56,7 @@ def test_recipe_trains_one_epoch_on_tiny_stand_ins(path, tiny_folders, tmp_path)
         "sampling.height=64",
         "sampling.width=64",
         "sampling.num_steps=3",
-        "sampling.train_batch_size=2",
+        "sampling.forward_batch_size=2",
         "prompts.prompts_per_epoch=2",
         "prompts.group_size=2",
         "optim.gradient_accumulation=1",

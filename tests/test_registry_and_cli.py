@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-import rewards
+from flowrl import rewards
 from flowrl.cli import main
 from flowrl.core import list_objectives
 from flowrl.registry import Registry

@@ -13,14 +13,15 @@ from pathlib import Path
 import torch
 
 
-FAMILIES = {
-    "sd3": "StableDiffusion3Pipeline",
-    "flux": "FluxPipeline",
-    "unet": "StableDiffusionPipeline",
-}
-"""flowrl family -> diffusers pipeline class."""
+def families() -> dict[str, str]:
+    """flowrl family -> diffusers pipeline class name, for every registered adapter (`MODEL_FAMILIES`)."""
+    from flowrl.policies.adapters import MODEL_FAMILIES
 
-_CLASS_TO_FAMILY = {cls: family for family, cls in FAMILIES.items()}
+    return {name: MODEL_FAMILIES.get(name).pipeline_class for name in MODEL_FAMILIES}
+
+
+def _family_of(pipeline_class: str) -> str | None:
+    return {cls: name for name, cls in families().items()}.get(pipeline_class)
 
 
 def _looks_local(name: str) -> bool:
@@ -33,11 +34,12 @@ def detect_family(path: str | Path) -> str:
     if not index.is_file():
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder: no model_index.json in it")
     name = json.loads(index.read_text()).get("_class_name", "")
-    if name not in _CLASS_TO_FAMILY:
+    family = _family_of(name)
+    if family is None:
         raise ValueError(
-            f"{index} describes a {name or 'unknown'} pipeline; flowrl supports {', '.join(FAMILIES.values())}"
+            f"{index} describes a {name or 'unknown'} pipeline; flowrl supports {', '.join(families().values())}"
         )
-    return _CLASS_TO_FAMILY[name]
+    return family
 
 
 def load_pipeline(
@@ -53,7 +55,8 @@ def load_pipeline(
     Args:
         name_or_path: a hub id (`stabilityai/stable-diffusion-3.5-medium`, `black-forest-labs/FLUX.1-dev`,
             `stable-diffusion-v1-5/stable-diffusion-v1-5`) or a folder written by `save_pretrained`.
-        family (`str`, *optional*): `sd3`, `flux` or `unet`; detected from `model_index.json` when omitted.
+        family (`str`, *optional*): `sd3`, `flux`, `unet` (or another registered family); detected from
+            `model_index.json` when omitted.
         dtype (`torch.dtype`, defaults to fp32): the components' dtype (bf16 on GPU for the large models).
         device: where to put the components.
         **kwargs: passed to `from_pretrained` (`revision`, `variant`, ...).
@@ -70,10 +73,10 @@ def load_pipeline(
         name = str(path)
     if family is None:
         pipeline_cls = diffusers.DiffusionPipeline
-    elif family in FAMILIES:
-        pipeline_cls = getattr(diffusers, FAMILIES[family])
+    elif family in families():
+        pipeline_cls = getattr(diffusers, families()[family])
     else:
-        raise ValueError(f"unknown model family {family!r}; choose from {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown model family {family!r}; choose from {', '.join(families())}")
     from packaging.version import Version
 
     # diffusers 0.42 renamed `torch_dtype` to `dtype`
@@ -88,8 +91,8 @@ def load_pipeline(
             "hub access, download the model elsewhere (`huggingface-cli download {name} --local-dir DIR`) and pass "
             "DIR instead; gated models (SD3.5, FLUX.1-dev) also need `huggingface-cli login`."
         ) from err
-    if type(pipe).__name__ not in _CLASS_TO_FAMILY:
-        raise ValueError(f"{name} is a {type(pipe).__name__}; flowrl supports {', '.join(FAMILIES.values())}")
+    if _family_of(type(pipe).__name__) is None:
+        raise ValueError(f"{name} is a {type(pipe).__name__}; flowrl supports {', '.join(families().values())}")
     pipe.to(device)
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):

@@ -19,11 +19,33 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from flowrl.registry import Registry
+
+
+MODEL_FAMILIES: Registry = Registry("model family")
+"""Family name -> adapter class; `register_family` adds one (a new architecture is one adapter class)."""
+
+
+def register_family(cls):
+    """Class decorator: register a `ModelAdapter` subclass under its `family` (and its pipeline class)."""
+    MODEL_FAMILIES.register(cls.family, cls, description=(cls.__doc__ or "").strip().splitlines()[0])
+    return cls
+
 
 class ModelAdapter(ABC):
-    """Base class. `encode` returns per-prompt conditioning; `forward` is one network call without CFG."""
+    """Base class. `encode` returns per-prompt conditioning; `forward` is one network call without CFG.
+
+    A family declares its name, the diffusers pipeline class it wraps (what `model_index.json` names), its
+    default LoRA targets and the prefix diffusers' LoRA loaders use for the trained network.
+    """
 
     family: str = ""
+    pipeline_class: str = ""
+    """The diffusers pipeline class name (`StableDiffusion3Pipeline`)."""
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    """Default LoRA target modules."""
+    lora_prefix: str = "transformer"
+    """The network's name in diffusers' LoRA files (`transformer`, `unet`)."""
     time_kind: str = "flow"  # "flow": sigma schedules and sde_step; "ddim": alphas and ddim_step
     default_sampler: str = "flow_sde"
 
@@ -97,10 +119,14 @@ def _decode_vae(pipeline, latents, shift: bool = True) -> torch.Tensor:
     return pipeline.image_processor.postprocess(image, output_type="pt")
 
 
+@register_family
 class SD3Adapter(ModelAdapter):
     """Stable Diffusion 3 / 3.5: `SD3Transformer2DModel`, CLIP-L + CLIP-G + T5, flow matching."""
 
     family = "sd3"
+    pipeline_class = "StableDiffusion3Pipeline"
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    """Flow-GRPO's SD3 set: the attention projections of both streams."""
 
     @property
     def model(self):
@@ -153,6 +179,7 @@ class SD3Adapter(ModelAdapter):
         return _decode_vae(self.pipeline, latents)
 
 
+@register_family
 class FluxAdapter(ModelAdapter):
     """Flux.1: `FluxTransformer2DModel` on 2x2-packed latents with image ids; guidance is an embedding.
 
@@ -161,6 +188,8 @@ class FluxAdapter(ModelAdapter):
     """
 
     family = "flux"
+    pipeline_class = "FluxPipeline"
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     @property
     def model(self):
@@ -227,10 +256,13 @@ class FluxAdapter(ModelAdapter):
         return _decode_vae(self.pipeline, spatial)
 
 
+@register_family
 class UNetAdapter(ModelAdapter):
     """SD1.x / SD2.x: `UNet2DConditionModel` with a DDIM scheduler (DDPO's sampler)."""
 
     family = "unet"
+    pipeline_class = "StableDiffusionPipeline"
+    lora_prefix = "unet"
     time_kind = "ddim"
     default_sampler = "ddim"
 
@@ -338,17 +370,12 @@ class CallableAdapter(ModelAdapter):
         return self.latent_shape[-2], self.latent_shape[-1]
 
 
-ADAPTERS = {
-    "StableDiffusion3Pipeline": SD3Adapter,
-    "FluxPipeline": FluxAdapter,
-    "StableDiffusionPipeline": UNetAdapter,
-}
-"""Pipeline class name -> adapter."""
-
-
 def adapter_for(pipeline, **kwargs) -> ModelAdapter:
-    """The adapter for a diffusers pipeline instance (SD3/3.5, Flux.1, SD1.x/2.x)."""
+    """The adapter for a diffusers pipeline instance (SD3/3.5, Flux.1, SD1.x/2.x: `MODEL_FAMILIES`)."""
     name = type(pipeline).__name__
-    if name not in ADAPTERS:
-        raise ValueError(f"no flowrl adapter for {name}; supported pipelines: {', '.join(ADAPTERS)}")
-    return ADAPTERS[name](pipeline, **kwargs)
+    for family in MODEL_FAMILIES:
+        cls = MODEL_FAMILIES.get(family)
+        if cls.pipeline_class == name:
+            return cls(pipeline, **kwargs)
+    supported = ", ".join(MODEL_FAMILIES.get(f).pipeline_class for f in MODEL_FAMILIES)
+    raise ValueError(f"no flowrl adapter for {name}; supported pipelines: {supported}")

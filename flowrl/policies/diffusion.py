@@ -7,8 +7,11 @@ same guidance, which is what every trainer differentiates.
 Exactness: a network's output for one sample can differ in the last bits with the batch it is computed in
 (different GEMM shapes pick different kernels; the anchors' most reported "ratio != 1" bug). The policy
 therefore runs every forward and step kernel on chunks of exactly `forward_batch_size` rows, padding the
-last chunk; a sample's numbers then depend only on its own inputs, and re-scoring a rollout at unchanged
-weights reproduces its log-probs bit for bit, whatever the batch composition.
+last chunk, so every call has the same shapes: re-scoring a rollout's chunks as sampled reproduces its
+log-probs bit for bit on any CPU or GPU. A sample re-scored at another position of a chunk (a shuffled
+minibatch) reproduces them bit for bit where the kernels do not depend on the row position (the digits
+world and the tiny SD3/Flux models on the machines tested) and to the last bits otherwise (some MKL/AVX2
+kernels), far inside any clip range.
 """
 
 from __future__ import annotations
@@ -23,68 +26,65 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from flowrl.policies.adapters import CallableAdapter, ModelAdapter, adapter_for
+from flowrl.policies.fpo import FPODraws
+from flowrl.policies.noise import NoiseDraws
+from flowrl.policies.rollout import Record, per_sample
 from flowrl.policies.sde import SAMPLERS, StepOutput, ddim_step, sde_step
 
 
 FLOW_SAMPLERS = ("flow_sde", "dance_sde", "cps", "ode")
-LORA_TARGETS = {
-    "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
-    "flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
-    "unet": ["to_q", "to_k", "to_v", "to_out.0"],
-    "callable": ["to_q", "to_k", "to_v", "to_out.0"],
-}
-"""Default LoRA target modules per family (Flow-GRPO's SD3 set: attention projections of both streams)."""
 
 
 @dataclass
-class Rollout:
-    """Sampled trajectories with everything needed to re-score them.
+class DiffusionRollout(Record):
+    """Sampled trajectories with everything needed to re-score them: the image modality's `Rollout`.
 
-    `B` samples, `T` denoising steps, latents `[C, h, w]`.
+    `B` samples, `T` denoising steps, latents `[C, h, w]` (Flux: packed tokens). The elements the core sees
+    are the T steps: `log_probs [B, T]` with `mask [B, T]` the stochastic ones.
     """
 
-    prompts: list[str]
+    prompts: list[str] = per_sample()
     """The prompt of each sample."""
-    prompt_ids: torch.Tensor
+    prompt_ids: torch.Tensor = per_sample()
     """`[B]` index of each sample's prompt in `unique_prompts` (the group id for group advantages)."""
-    unique_prompts: list[str]
-    """Distinct prompts in order of first appearance."""
-    latents: torch.Tensor
+    latents: torch.Tensor = per_sample()
     """`[B, T + 1, ...]` states `x_0` (noise) ... `x_T` in the model's dtype and layout (`[C, h, w]`; Flux:
     packed tokens `[h*w/4, 4C]`)."""
-    log_probs: torch.Tensor
+    log_probs: torch.Tensor = per_sample()
     """`[B, T]` fp32 log-probability of each transition under the behaviour policy (0 on deterministic steps)."""
-    sde_mask: torch.Tensor
-    """`[T]` bool: the steps that were stochastic (the trainable ones)."""
-    timesteps: torch.Tensor
-    """`[T]` timesteps as the network saw them."""
-    sigmas: torch.Tensor
-    """`[T + 1]` flow-matching noise levels (for DDIM: the noise level with the same signal-to-noise ratio)."""
-    stds: torch.Tensor
-    """`[T]` std of each step's Gaussian (0 on deterministic steps)."""
-    cond: dict[str, torch.Tensor]
-    """Conditioning of `unique_prompts` (`[P, ...]` each)."""
-    null_cond: dict[str, torch.Tensor] | None
-    """Conditioning of the negative prompt (`[1, ...]`) when classifier-free guidance is on."""
-    sampler: str
-    noise_level: float
-    guidance_scale: float
-    forward_batch_size: int
+    unique_prompts: list[str] = field(default_factory=list)
+    """Distinct prompts in order of first appearance."""
+    sampler: str = "flow_sde"
+    """The step kernel (`flowrl.policies.sde`) and its settings: the rollout's sampling recipe."""
+    noise_level: float = 0.0
+    guidance_scale: float = 1.0
+    forward_batch_size: int = 1
     """Rows per network forward at rollout; re-scoring uses the same so log-probs reproduce exactly."""
-    reduce: str
-    height: int
-    width: int
+    reduce: str = "mean"
+    height: int = 0
+    width: int = 0
+    sde_mask: torch.Tensor | None = None
+    """`[T]` bool: the steps that were stochastic (the trainable ones)."""
+    timesteps: torch.Tensor | None = None
+    """`[T]` timesteps as the network saw them."""
+    sigmas: torch.Tensor | None = None
+    """`[T + 1]` flow-matching noise levels (for DDIM: the noise level with the same signal-to-noise ratio)."""
+    stds: torch.Tensor | None = None
+    """`[T]` std of each step's Gaussian (0 on deterministic steps)."""
+    cond: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Conditioning of `unique_prompts` (`[P, ...]` each)."""
+    null_cond: dict[str, torch.Tensor] | None = None
+    """Conditioning of the negative prompt (`[1, ...]`) when classifier-free guidance is on."""
     static: dict = field(default_factory=dict)
     """Size-dependent network inputs (Flux's image ids)."""
-    images: torch.Tensor | None = None
+    images: torch.Tensor | None = per_sample(default=None)
     """`[B, 3, H, W]` decoded images in [0, 1]."""
-    means: torch.Tensor | None = None
+    means: torch.Tensor | None = per_sample(default=None)
     """`[B, T, ...]` fp32 behaviour-policy means of each step (`store_means=True`; GRPO-Guard needs them)."""
-    extras: dict = field(default_factory=dict)
-    """Per-sample tensors added by trainers (`[B, ...]`; selected along with the rows)."""
-
-    def __len__(self) -> int:
-        return len(self.prompts)
+    noise: NoiseDraws | None = per_sample(default=None)
+    """FIND: the initial noise drawn from the noise policy, its conditions and behaviour log-probabilities."""
+    draws: FPODraws | None = per_sample(default=None)
+    """Conditional flow-matching draws `(tau, eps)` per sample (AC-Flow; FPO also keeps the behaviour losses)."""
 
     @property
     def num_steps(self) -> int:
@@ -95,81 +95,63 @@ class Rollout:
         """Indices of the stochastic steps."""
         return self.sde_mask.nonzero().flatten()
 
-    def select(self, index) -> Rollout:
-        """The rollout restricted to the samples `index` (a slice, bool mask or index tensor/list)."""
-        if isinstance(index, slice):
-            index = torch.arange(len(self))[index]
-        index = torch.as_tensor(index)
-        if index.dtype == torch.bool:
-            index = index.nonzero().flatten()
-        rows = index.tolist()
-        changes = {}
-        for name in ("prompt_ids", "latents", "log_probs", "images", "means"):
-            value = getattr(self, name)
-            if value is not None:
-                changes[name] = value[index.to(value.device)]
-        changes["prompts"] = [self.prompts[i] for i in rows]
-        changes["extras"] = {k: v[index.to(v.device)] for k, v in self.extras.items()}
-        return replace(self, **changes)
+    @property
+    def mask(self) -> torch.Tensor:
+        """`[B, T]` bool: the stochastic steps of every sample."""
+        return self.sde_mask.unsqueeze(0).expand(len(self), -1)
+
+    @property
+    def group_ids(self) -> torch.Tensor:
+        """`[B]` the prompt of each sample (its index in `unique_prompts`)."""
+        return self.prompt_ids
 
     @classmethod
-    def cat(cls, parts: Sequence[Rollout]) -> Rollout:
+    def cat(cls, parts: Sequence[DiffusionRollout]) -> DiffusionRollout:
         """One rollout from `parts` sampled with the same settings (an epoch sampled in parts, in order).
 
-        Per-sample tensors are concatenated; each distinct prompt keeps the conditioning of its first part.
+        Per-sample fields are concatenated; each distinct prompt keeps the conditioning of its first part.
         """
         parts = list(parts)
-        if not parts:
-            raise ValueError("Rollout.cat needs at least one rollout")
-        first = parts[0]
-        for other in parts[1:]:
-            for name in (
-                "sampler",
-                "noise_level",
-                "guidance_scale",
-                "forward_batch_size",
-                "reduce",
-                "height",
-                "width",
-            ):
-                if getattr(other, name) != getattr(first, name):
-                    raise ValueError(f"cannot concatenate rollouts with different {name}: "
-                                     f"{getattr(first, name)!r} and {getattr(other, name)!r}")  # fmt: skip
-            for name in ("sde_mask", "timesteps", "sigmas", "stds"):
-                if not torch.equal(getattr(other, name), getattr(first, name)):
-                    raise ValueError(f"cannot concatenate rollouts with different {name}")
-            if set(other.extras) != set(first.extras):
-                raise ValueError(f"cannot concatenate rollouts with extras {sorted(first.extras)} and "
-                                 f"{sorted(other.extras)}")  # fmt: skip
-        prompts = [p for part in parts for p in part.prompts]
-        unique = list(dict.fromkeys(prompts))
+        joined = super().cat(parts, shared_from_first=("unique_prompts", "cond", "prompt_ids"))
+        unique = list(dict.fromkeys(joined.prompts))
         position = {p: i for i, p in enumerate(unique)}
         source = {}  # prompt -> (part, row in that part's cond)
         for part in parts:
             for j, p in enumerate(part.unique_prompts):
                 source.setdefault(p, (part, j))
-        cond = {k: torch.stack([source[p][0].cond[k][source[p][1]] for p in unique]) for k in first.cond}
+        cond = {k: torch.stack([source[p][0].cond[k][source[p][1]] for p in unique]) for k in parts[0].cond}
+        ids = torch.tensor([position[p] for p in joined.prompts])
+        return replace(joined, prompt_ids=ids, unique_prompts=unique, cond=cond)
 
-        def joined(name):
-            values = [getattr(part, name) for part in parts]
-            if all(v is None for v in values):
-                return None
-            if any(v is None for v in values):
-                raise ValueError(f"cannot concatenate rollouts where only some have {name}")
-            return torch.cat(values)
+    def to_transitions(self, rows: torch.Tensor, steps: torch.Tensor) -> Transitions:
+        """The single steps `x_t -> x_{t+1}` of samples `rows [n]` at steps `steps [n]` (a replay buffer's view).
 
-        return replace(
-            first,
-            prompts=prompts,
-            prompt_ids=torch.tensor([position[p] for p in prompts]),
-            unique_prompts=unique,
-            cond=cond,
-            latents=joined("latents"),
-            log_probs=joined("log_probs"),
-            images=joined("images"),
-            means=joined("means"),
-            extras={k: torch.cat([part.extras[k] for part in parts]) for k in first.extras},
-        )
+        `prompts` of the transitions are the samples' prompt texts' indices in `unique_prompts`.
+        """
+        dev = self.latents.device
+        r, s = rows.to(dev), steps.to(dev)
+        return Transitions(states=self.latents[r, s], next_states=self.latents[r, s + 1], steps=steps.cpu(),
+                           prompts=self.prompt_ids[rows.to(self.prompt_ids.device)].cpu(),
+                           log_probs=self.log_probs[r, s].float().cpu(), rewards=torch.zeros(len(rows)))  # fmt: skip
+
+
+@dataclass
+class Transitions(Record):
+    """`n` single denoising steps `x_t -> x_{t+1}` with what re-scoring and learning from them needs (DPOK's
+    replay buffer holds these; `DiffusionRollout.to_transitions` makes them)."""
+
+    states: torch.Tensor = per_sample()
+    """`[n, ...]` states `x_t` (the model's dtype and latent layout)."""
+    next_states: torch.Tensor = per_sample()
+    """`[n, ...]` the sampled next states `x_{t+1}`."""
+    steps: torch.Tensor = per_sample()
+    """`[n]` step indices t (long)."""
+    prompts: torch.Tensor = per_sample()
+    """`[n]` prompt indices (into a table the owner keeps)."""
+    log_probs: torch.Tensor = per_sample()
+    """`[n]` fp32 behaviour log-probabilities `log p_old(x_{t+1} | x_t, c)`."""
+    rewards: torch.Tensor = per_sample()
+    """`[n]` fp32 return of the trajectory the step belongs to (the reward or its advantage)."""
 
 
 @dataclass
@@ -267,12 +249,13 @@ class DiffusionPolicy:
     ) -> None:  # fmt: skip
         """Freeze the network and add a peft LoRA adapter (only its weights train).
 
-        `alpha` defaults to `rank` (scale 1; Flow-GRPO uses rank 32, alpha 64); `init="gaussian"` keeps the
-        adapter's output zero at first, so the policy starts exactly at the base model.
+        `target_modules` default to the family's (`ModelAdapter.lora_targets`; SD3/Flux: Flow-GRPO's attention
+        projections of both streams). `alpha` defaults to `rank` (scale 1; Flow-GRPO uses rank 32, alpha 64);
+        `init="gaussian"` keeps the adapter's output zero at first, so the policy starts exactly at the base.
         """
         from peft import LoraConfig
 
-        targets = list(target_modules or LORA_TARGETS[self.family])
+        targets = list(target_modules or self.adapter.lora_targets)
         config = LoraConfig(r=rank, lora_alpha=alpha or rank, lora_dropout=dropout, init_lora_weights=init,
                             target_modules=targets)  # fmt: skip
         self.model.requires_grad_(False)
@@ -292,7 +275,7 @@ class DiffusionPolicy:
         state = get_peft_model_state_dict(self.model)
         metadata = self.model.peft_config["default"].to_dict()
         metadata["target_modules"] = sorted(metadata["target_modules"])
-        key = "unet" if self.family == "unet" else "transformer"
+        key = self.adapter.lora_prefix
         self._pipeline_class().save_lora_weights(
             str(directory), **{f"{key}_lora_layers": state, f"{key}_lora_adapter_metadata": metadata}
         )
@@ -306,7 +289,7 @@ class DiffusionPolicy:
         if self.has_lora:
             self.model.delete_adapters("default")
         self.model.requires_grad_(False)
-        prefix = "unet" if self.family == "unet" else "transformer"
+        prefix = self.adapter.lora_prefix
         self.model.load_lora_adapter(
             str(path), weight_name="pytorch_lora_weights.safetensors", prefix=prefix, adapter_name="default"
         )
@@ -437,7 +420,7 @@ class DiffusionPolicy:
         latents: torch.Tensor | None = None,
         decode: bool = True,
         store_means: bool = False,
-    ) -> Rollout:
+    ) -> DiffusionRollout:
         """Sample one trajectory per prompt and record its per-step log-probabilities.
 
         Args:
@@ -513,7 +496,7 @@ class DiffusionPolicy:
             if store_means:
                 means.append(out.mean)
 
-        return Rollout(
+        return DiffusionRollout(
             prompts=prompts,
             prompt_ids=prompt_ids,
             unique_prompts=unique,
@@ -541,11 +524,11 @@ class DiffusionPolicy:
     # re-scoring
     # ------------------------------------------------------------------------------------------
 
-    def score(self, rollout: Rollout, steps, *, reference: bool = False) -> StepOutput:
+    def score(self, rollout: DiffusionRollout, steps, *, reference: bool = False) -> StepOutput:
         """Re-score stored transitions `x_t -> x_{t+1}` under the current weights (or the reference's).
 
         Args:
-            rollout (`Rollout`): from `rollout()` (possibly `select`-ed).
+            rollout (`DiffusionRollout`): from `rollout()` (possibly `select`-ed).
             steps: step indices: an `int` (that step for every sample), `[B]` (one step per sample) or
                 `[B, k]` (k steps per sample). Each must be a stochastic step of the rollout.
             reference (`bool`, defaults to `False`): score under the reference policy (no gradient).
@@ -568,19 +551,19 @@ class DiffusionPolicy:
         return StepOutput(*(torch.stack(parts, dim=1) for parts in zip(*columns)))
 
     def score_transitions(
-        self, rollout: Rollout, states: torch.Tensor, next_states: torch.Tensor, steps, cond: dict[str, torch.Tensor],
-        *, reference: bool = False, return_prediction: bool = False,
+        self, rollout: DiffusionRollout, states: torch.Tensor, next_states: torch.Tensor, steps,
+        cond: dict[str, torch.Tensor], *, reference: bool = False, return_prediction: bool = False,
     ):  # fmt: skip
         """Re-score single transitions `states -> next_states` that are not whole trajectories (replay buffers).
 
         The transitions must come from rollouts sampled like `rollout` (same sampler, noise level, guidance,
         number of steps and image size, hence the same schedule); `rollout` supplies those settings, the
         negative prompt's conditioning and the forward chunk size. Rows are scored in chunks of exactly
-        `rollout.forward_batch_size`, as at rollout, so an unchanged policy reproduces the stored log-probs bit
-        for bit whatever rows a minibatch holds (`score` is this function applied to a rollout's own rows).
+        `rollout.forward_batch_size`, as at rollout, so an unchanged policy reproduces the stored log-probs
+        (see the module docstring on exactness; `score` is this function applied to a rollout's own rows).
 
         Args:
-            rollout (`Rollout`): any rollout sampled with the transitions' settings.
+            rollout (`DiffusionRollout`): any rollout sampled with the transitions' settings.
             states, next_states (`torch.Tensor`): `[n, ...]` states `x_t` and the sampled `x_{t+1}`.
             steps: `[n]` step indices `t` (or an `int`); each must be a stochastic step of `rollout`.
             cond (`dict[str, torch.Tensor]`): per-row conditioning `[n, ...]` (`policy.encode(prompts)`).
@@ -615,7 +598,7 @@ class DiffusionPolicy:
             return out
         return out, predictions[0] if len(predictions) == 1 else torch.cat(predictions)
 
-    def velocity_fn(self, rollout: Rollout, num_draws: int, *, guidance_scale: float | None = None,
+    def velocity_fn(self, rollout: DiffusionRollout, num_draws: int, *, guidance_scale: float | None = None,
                     reference: bool = False):  # fmt: skip
         """A `velocity_fn(x_tau [B * N, C, h, w], tau [B * N])` over the rollout's prompts for FPO.
 
@@ -649,7 +632,7 @@ class DiffusionPolicy:
 
         return velocity
 
-    def log_prob(self, rollout: Rollout, steps, *, reference: bool = False) -> torch.Tensor:
+    def log_prob(self, rollout: DiffusionRollout, steps, *, reference: bool = False) -> torch.Tensor:
         """`[B, k]` log-probabilities of the stored transitions at `steps` (see `score`)."""
         return self.score(rollout, steps, reference=reference).log_prob
 
@@ -662,7 +645,7 @@ class DiffusionPolicy:
             yield model
 
     @staticmethod
-    def _step_index(rollout: Rollout, steps) -> torch.Tensor:
+    def _step_index(rollout: DiffusionRollout, steps) -> torch.Tensor:
         b, t = len(rollout), rollout.num_steps
         index = torch.as_tensor(steps, dtype=torch.long).cpu()
         if index.ndim == 0:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.core.ratios import LOG_RATIO_CLAMP
+from flowrl.policies.rollout import Record, per_sample
 
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -30,18 +31,16 @@ are contiguous), so per-sample conditioning is repeated with `repeat_interleave(
 
 
 @dataclass
-class FPODraws:
-    """The Monte-Carlo pairs drawn at rollout and the behaviour policy's losses on them."""
+class FPODraws(Record):
+    """The Monte-Carlo pairs `(tau, eps)` of conditional flow matching drawn per sample, and (FPO) the
+    behaviour policy's losses on them. AC-Flow keeps the same draws without losses."""
 
-    taus: torch.Tensor
+    taus: torch.Tensor = per_sample()
     """`[B, N]` noise levels in (0, 1)."""
-    noises: torch.Tensor
+    noises: torch.Tensor = per_sample()
     """`[B, N, ...]` standard normal noise, one per draw."""
-    old_losses: torch.Tensor
-    """`[B, N]` fp32 flow-matching losses of the behaviour policy."""
-
-    def select(self, index) -> FPODraws:
-        return FPODraws(self.taus[index], self.noises[index], self.old_losses[index])
+    old_losses: torch.Tensor | None = per_sample(default=None)
+    """`[B, N]` fp32 flow-matching losses of the behaviour policy (FPO's ratio needs them)."""
 
 
 def cfm_losses(velocity_fn: VelocityFn, actions: torch.Tensor, taus: torch.Tensor, noises: torch.Tensor):

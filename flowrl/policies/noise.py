@@ -8,11 +8,28 @@ embedding whose last layer starts at zero (so it too starts at the prior).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from flowrl.core.kl import diag_gaussian_kl
 from flowrl.core.ratios import gaussian_log_prob
+from flowrl.policies.rollout import Record, per_sample
+
+
+@dataclass
+class NoiseDraws(Record):
+    """Initial latents drawn from a noise policy (FIND's actions), kept beside the rollout they started."""
+
+    z: torch.Tensor = per_sample()
+    """`[B, C, h, w]` fp32 initial latents `z_T` (the actions)."""
+    condition: torch.Tensor = per_sample()
+    """`[B]` prompt ids (per-prompt tables) or `[B, E]` prompt embeddings: the noise policy's input."""
+    text: torch.Tensor = per_sample()
+    """`[B, E]` pooled prompt embeddings (what a calibration network sees)."""
+    log_probs: torch.Tensor = per_sample()
+    """`[B]` fp32 log-density of `z` under the behaviour policy (the ratio's denominator)."""
 
 
 class InitialNoisePolicy(nn.Module):

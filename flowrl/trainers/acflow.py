@@ -8,14 +8,19 @@ AC-Flow extends ORW-CFM-W2 (Fan et al., ICLR 2025, arXiv:2502.06061), whose rele
 with a critic on intermediate states. Only the abstract of AC-Flow is public; its three ingredients are
 implemented as follows (the formulas are flowrl's reconstruction, see `docs/algorithms/acflow.md`):
 
-1. **reward shaping**: `r~ = clip((r - mean) / (std + delta), -c_r, c_r)` over the batch or the prompt's group;
+1. **reward shaping**: `r~ = clip((r - mean) / (std + delta), -c_r, c_r)` over the batch or the prompt's group
+   (the `advantage` section: `batch`, `group` or `raw` with `eps` = delta and `clip` = c_r);
 2. a **critic** `V(x_t, t, c)` on states of the conditional path `x_t = (1 - t) x1 + t eps` of the generated
    samples, regressed on `r~`; the per-state advantage `A_t = clip(r~ - V(x_t, t, c), -c_A, c_A)`
-   (**advantage clipping**); during a **critic warm-up** the actor ignores the critic (it is trained on
+   (**advantage clipping**, `critic_clip`); during a **critic warm-up** the actor ignores the critic (it is trained on
    ORW-CFM-W2's reward weights `g(r~)`, or frozen);
-3. **generalized critic weighting** `w_t = g(A_t)` (`exp(beta A)`, its batch-normalised form, or a softplus) of
-   the flow-matching loss, plus the **W2 regulariser** `alpha ||v_theta - v_ref||^2` to the reference (the
-   frozen base: a frozen copy, or the network with its LoRA disabled).
+3. **generalized critic weighting** `w_t = g(A_t)` (`exp(beta A)`, its batch-normalised form, or a softplus;
+   `weight_fn`, beta = `temperature`) of the flow-matching loss, plus the **W2 regulariser**
+   `alpha ||v_theta - v_ref||^2` to the reference (`kl.beta` = alpha, `kl.form: w2`; the frozen base: a frozen
+   copy, or the network with its LoRA disabled).
+
+Each sample's elements are its `num_draws` stored `(t, eps)` draws (`CriticDraws` on the rollout), and the
+per-draw loss `w ||v_theta - u_t||^2 + alpha ||v_theta - v_ref||^2` goes through the shared `[b, K]` update.
 
 `V = 0`, `g = exp(beta .)` on raw rewards and no clipping give ORW-CFM-W2's loss exactly (tested).
 """
@@ -23,16 +28,20 @@ implemented as follows (the formulas are flowrl's reconstruction, see `docs/algo
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
+from flowrl.config import AdvantageConfig, KLConfig, TrainerConfig
 from flowrl.core import velocity_mse
 from flowrl.core.ratios import reduce_elements
+from flowrl.policies.fpo import FPODraws
+from flowrl.policies.rollout import per_sample
 from flowrl.policies.value import StateValueNet, pooled_text
-from flowrl.trainers.base import Trainer, TrainerConfig, seeded
+from flowrl.trainers.image import ImageTrainer
 from flowrl.trainers.registry import TRAINERS
-from rewards import combine_advantages
+from flowrl.trainers.state import seeded
+from flowrl.trainers.update import Terms
 
 
 WEIGHTINGS = ("exp", "exp_norm", "softplus")
@@ -56,27 +65,46 @@ def critic_weights(adv: torch.Tensor, kind: str, beta: float) -> torch.Tensor:
 
 
 @dataclasses.dataclass
+class CriticDraws(FPODraws):
+    """The epoch's `(t, eps)` draws per sample and the critic weight `g(A)` of each (0 on untrained rows)."""
+
+    weights: torch.Tensor | None = per_sample(default=None)
+    """`[B, N]` critic weights of the flow-matching loss."""
+
+
+@dataclasses.dataclass
 class ACFlowConfig(TrainerConfig):
+    kl_forms: ClassVar[tuple[str, ...]] = ("w2",)
+    unused: ClassVar[tuple[str, ...]] = ("objective", "steps")
+    renamed: ClassVar[dict[str, str]] = {
+        "adv_clip": "critic_clip",
+        "reward_clip": "advantage.clip",
+        "shaping": "advantage.estimator (batch, group or raw)",
+        "shaping_eps": "advantage.eps",
+        "alpha": "kl.beta",
+        "weighting": "weight_fn",
+        "beta": "temperature",
+    }
+
     trainer: str = "acflow"
+    advantage: AdvantageConfig = dataclasses.field(
+        default_factory=lambda: AdvantageConfig(estimator="batch", eps=1e-4, clip=3.0)
+    )
+    """The reward shaping `r~`: z-scored over the batch (`batch`), each prompt's group (`group`) or the raw
+    weighted reward (`raw`), clipped to `[-c_r, c_r]` with `clip` = c_r = 3."""
+    kl: KLConfig = dataclasses.field(default_factory=lambda: KLConfig(beta=1.0, form="w2"))
+    """alpha, the weight of the W2 regulariser `||v_theta - v_ref||^2` (ORW-CFM-W2's code: 1.0; 0 turns it off)."""
     num_draws: int = 2
-    """`(t, eps)` draws per sample and epoch on which the actor trains (the loop's "steps")."""
+    """`(t, eps)` draws per sample and epoch on which the actor trains (its elements)."""
     t_sampling: Literal["uniform", "logit_normal"] = "uniform"
     """Noise levels of the draws: `uniform` on (0, 1) (ORW-CFM-W2), or `logit_normal` (SD3's training density)."""
-    shaping: Literal["batch", "group", "none"] = "batch"
-    """Reward shaping: z-score over the epoch's batch, over each prompt's group, or the raw weighted reward."""
-    shaping_eps: float = 1e-4
-    """Added to the std of the shaping z-score."""
-    reward_clip: float | None = 3.0
-    """`c_r`: clip the shaped reward to `[-c_r, c_r]` (None: off)."""
-    adv_clip: float | None = 2.0
+    critic_clip: float | None = 2.0
     """`c_A`: clip the advantage `r~ - V` to `[-c_A, c_A]` (None: off)."""
-    weighting: Literal["exp", "exp_norm", "softplus"] = "exp_norm"
+    weight_fn: Literal["exp", "exp_norm", "softplus"] = "exp_norm"
     """`g`: `exp` (`exp(beta A)`, ORW-CFM-W2), `exp_norm` (normalised to mean 1 over the epoch's draws),
     `softplus` (`softplus(beta A) / log 2`)."""
-    beta: float = 1.0
-    """Temperature of `g` (ORW-CFM-W2's code: 0.5 on raw rewards)."""
-    alpha: float = 1.0
-    """Weight of the W2 regulariser `||v_theta - v_ref||^2` (ORW-CFM-W2's code: 1.0; 0 turns it off)."""
+    temperature: float = 1.0
+    """beta, the temperature of `g` (ORW-CFM-W2's code: 0.5 on raw rewards)."""
     critic_warmup_epochs: int = 5
     """Epochs during which only the critic learns to guide; the actor follows `warmup_actor`."""
     warmup_actor: Literal["reward_weighted", "frozen"] = "reward_weighted"
@@ -94,11 +122,11 @@ class ACFlowConfig(TrainerConfig):
             (self.num_draws >= 1, "num_draws must be >= 1"),
             (self.critic_warmup_epochs >= 0, "critic_warmup_epochs must be >= 0"),
             (self.critic_steps >= 0, "critic_steps must be >= 0"),
-            (self.alpha >= 0, "alpha must be >= 0"),
-            (self.reward_clip is None or self.reward_clip > 0, "reward_clip must be > 0 (or null)"),
-            (self.adv_clip is None or self.adv_clip > 0, "adv_clip must be > 0 (or null)"),
-            (self.shaping != "group" or self.prompts.group_size >= 2,
-             "shaping: group needs prompts.group_size >= 2 (a group of one has no spread)"),
+            (self.critic_clip is None or self.critic_clip > 0, "critic_clip must be > 0 (or null)"),
+            (self.advantage.estimator in ("batch", "group", "raw"),
+             f"acflow shapes rewards with advantage.estimator batch, group or raw, not {self.advantage.estimator!r}"),
+            (self.advantage.estimator != "group" or self.prompts.group_size >= 2,
+             "advantage.estimator=group needs prompts.group_size >= 2 (a group of one has no spread)"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
@@ -108,19 +136,18 @@ class ACFlowConfig(TrainerConfig):
 @TRAINERS.register(
     "acflow", description="AC-Flow: critic-weighted flow matching with W2 regularisation (arXiv:2510.18072)"
 )
-class ACFlowTrainer(Trainer):
+class ACFlowTrainer(ImageTrainer):
     """AC-Flow; see the module docstring and `ACFlowConfig`."""
 
     config_class = ACFlowConfig
-    needs_sde = False  # the actor trains on final samples; ODE rollouts are fine
+    uses_objective = False  # critic-weighted flow matching, not a ratio objective
+    requires_stochastic = False  # the actor trains on final samples; ODE rollouts are fine
 
     def setup(self):
         c, s = self.config, self.config.sampling
         if self.policy.adapter.time_kind != "flow":
             family = self.policy.family
             raise ValueError(f"acflow needs a flow-matching (velocity) model; a {family} model predicts noise")
-        if c.alpha and not (self.policy.has_lora or self.policy.reference_model is not None):
-            self.policy.freeze_reference()  # full fine-tuning: the W2 reference is a frozen copy of the base
         default_h, default_w = self.policy.adapter.default_size()
         probe = self.policy.adapter.initial_latents(1, s.height or default_h, s.width or default_w, torch.Generator())
         channels = probe.shape[1] if probe.ndim == 4 else probe.shape[-1]  # [C, h, w] or packed [L, D]
@@ -135,18 +162,6 @@ class ACFlowTrainer(Trainer):
     # ------------------------------------------------------------------------------------------
     # the pieces
     # ------------------------------------------------------------------------------------------
-
-    def compute_advantages(self, rewards, group_ids, prompts=None):
-        """The shaped reward `r~` (the critic's target and, in the warm-up, the actor's weight input)."""
-        c = self.config
-        if c.shaping == "none":
-            shaped = self.combined_reward(rewards).float()
-            if c.reward_clip is not None:
-                shaped = shaped.clamp(-c.reward_clip, c.reward_clip)
-            return shaped, {"shaped_mean": float(shaped.mean()), "shaped_std": float(shaped.std(unbiased=False))}
-        groups = group_ids if c.shaping == "group" else torch.zeros_like(group_ids)
-        return combine_advantages(rewards, self.reward_weights, groups, mode=self.config.reward_aggregation,
-                                  std="group", eps=c.shaping_eps, clip=c.reward_clip)  # fmt: skip
 
     def draw_times(self, shape, generator: torch.Generator) -> torch.Tensor:
         """Noise levels `t` in (0, 1): uniform, or logit-normal (`sigmoid` of a standard normal)."""
@@ -175,7 +190,7 @@ class ACFlowTrainer(Trainer):
         net, optimizer = self.aux["critic"]
         x1, text = rollout.latents[:, -1].float(), self._text(rollout)
         target = shaped.to(x1.device).float()
-        generator = seeded(self.config.run.seed, epoch, 6, self.accelerator.process_index)
+        generator = seeded(self.config.run.seed, epoch, 6, self.processes.rank)
         net.train()
         losses = []
         for _ in range(self.config.critic_steps):
@@ -190,18 +205,17 @@ class ACFlowTrainer(Trainer):
         return {"critic/loss": losses[-1]} if losses else {}
 
     @torch.no_grad()
-    def critic_advantages(self, rollout, shaped: torch.Tensor) -> torch.Tensor:
-        """`[B, N]` advantages `clip(r~ - V(x_t, t, c), -c_A, c_A)` at the stored draws."""
+    def critic_advantages(self, rollout, shaped: torch.Tensor, draws: FPODraws) -> torch.Tensor:
+        """`[B, N]` advantages `clip(r~ - V(x_t, t, c), -c_A, c_A)` at the draws."""
         net, _ = self.aux["critic"]
-        taus, noises = rollout.extras["taus"], rollout.extras["noises"]
-        b, n = taus.shape
+        b, n = draws.taus.shape
         x1 = rollout.latents[:, -1].float().repeat_interleave(n, dim=0)
         text = self._text(rollout).repeat_interleave(n, dim=0)
-        x_t = self.conditional_path(x1, taus.reshape(-1), noises.reshape(b * n, *noises.shape[2:]))
-        values = net(x_t, taus.reshape(-1).to(x1.device), text).reshape(b, n).cpu()
+        x_t = self.conditional_path(x1, draws.taus.reshape(-1), draws.noises.reshape(b * n, *draws.noises.shape[2:]))
+        values = net(x_t, draws.taus.reshape(-1).to(x1.device), text).reshape(b, n).cpu()
         adv = shaped[:, None] - values
-        if self.config.adv_clip is not None:
-            adv = adv.clamp(-self.config.adv_clip, self.config.adv_clip)
+        if self.config.critic_clip is not None:
+            adv = adv.clamp(-self.config.critic_clip, self.config.critic_clip)
         return adv
 
     # ------------------------------------------------------------------------------------------
@@ -210,7 +224,7 @@ class ACFlowTrainer(Trainer):
 
     def update(self, rollout, shaped, trainable, epoch):
         """Critic steps, then (after the warm-up, or with `warmup_actor: reward_weighted`) the actor's weighted
-        flow-matching steps on `num_draws` stored `(t, eps)` per sample."""
+        flow-matching steps on `num_draws` draws per sample."""
         c = self.config
         rows = trainable.nonzero().flatten()
         stats = self.train_critic(rollout.select(rows), shaped[rows], epoch)
@@ -218,50 +232,57 @@ class ACFlowTrainer(Trainer):
         stats["critic/warmup"] = float(warm)
         if warm and c.warmup_actor == "frozen":
             return stats
-        stats.update(self.weigh_draws(rollout, shaped, rows, epoch))
-        return {**stats, **super().update(rollout, shaped, trainable, epoch)}
+        draws, weigh_stats = self.weigh_draws(rollout, shaped, rows, epoch)
+        rollout = dataclasses.replace(rollout, draws=draws)
+        return {**stats, **weigh_stats, **super().update(rollout, shaped, trainable, epoch)}
 
-    def weigh_draws(self, rollout, shaped: torch.Tensor, rows: torch.Tensor, epoch: int) -> dict:
-        """Draw `num_draws` `(t, eps)` per sample and weigh each by `g(A)` (by `g(r~)` during the warm-up);
-        `taus [B, N]`, `noises [B, N, ...]` and `weights [B, N]` (0 on untrained rows) go to `rollout.extras`."""
+    def weigh_draws(self, rollout, shaped: torch.Tensor, rows: torch.Tensor, epoch: int) -> tuple[CriticDraws, dict]:
+        """`num_draws` `(t, eps)` per sample, each weighed by `g(A)` (by `g(r~)` during the warm-up)."""
         c = self.config
         x1 = rollout.latents[:, -1]
-        generator = seeded(c.run.seed, epoch, 5, self.accelerator.process_index)
+        generator = seeded(c.run.seed, epoch, 5, self.processes.rank)
         taus = self.draw_times((len(rollout), c.num_draws), generator)
         noises = torch.randn((len(rollout), c.num_draws, *x1.shape[1:]), generator=generator)
-        rollout.extras.update(taus=taus, noises=noises)
+        draws = CriticDraws(taus=taus, noises=noises)
         if epoch < c.critic_warmup_epochs:  # ORW-CFM-W2's reward weighting while the critic matures
             adv = shaped[:, None].expand(-1, c.num_draws).float()
         else:
-            adv = self.critic_advantages(rollout, shaped.float())
+            adv = self.critic_advantages(rollout, shaped.float(), draws)
         weights = torch.zeros_like(adv)
-        weights[rows] = critic_weights(adv[rows], c.weighting, c.beta)
-        rollout.extras["weights"] = weights
+        weights[rows] = critic_weights(adv[rows], c.weight_fn, c.temperature)
         a, w = adv[rows], weights[rows]
-        clipped = (a.abs() >= c.adv_clip).float().mean() if c.adv_clip is not None else 0.0
-        return {"adv/critic_mean": a.mean(), "adv/critic_std": a.std(unbiased=False), "adv/critic_clip_frac": clipped,
-                "weight/max": w.max(), "weight/min": w.min()}  # fmt: skip
+        clipped = (a.abs() >= c.critic_clip).float().mean() if c.critic_clip is not None else 0.0
+        stats = {"adv/critic_mean": a.mean(), "adv/critic_std": a.std(unbiased=False), "adv/critic_clip_frac": clipped,
+                 "weight/max": w.max(), "weight/min": w.min()}  # fmt: skip
+        return dataclasses.replace(draws, weights=weights), stats
 
-    def train_steps(self, rollout, epoch):
-        """The stored draws play the loop's steps: each sample trains on draws `0 .. num_draws - 1`."""
+    def num_elements(self, rollout) -> int:
+        return self.config.num_draws
+
+    def train_elements(self, rollout, epoch):
+        """Each sample trains on its draws `0 .. num_draws - 1`."""
         return torch.arange(self.config.num_draws).expand(len(rollout), -1)
 
-    def step_loss(self, batch, advantages, steps):
-        c = self.config
-        rows = torch.arange(len(batch))
-        taus = batch.extras["taus"][rows, steps]  # [b]
-        noises = batch.extras["noises"][rows, steps]  # [b, ...]
-        weights = batch.extras["weights"][rows, steps]  # [b]
-        x1 = batch.latents[:, -1].float()
+    def score(self, batch, index):
+        """`w ||v_theta(x_t) - (eps - x1)||^2` and `alpha ||v_theta - v_ref||^2` at the draws `index [b, c]`."""
+        b, c = index.shape
+        rows = torch.arange(b).repeat(c)  # column-major: each column's b rows are one forward chunk
+        draw = index.t().reshape(-1)
+        pairs = batch.select(rows)
+        taus, noises = batch.draws.taus[rows, draw], batch.draws.noises[rows, draw]  # [n], [n, ...]
+        weights = batch.draws.weights[rows, draw]  # [n]
+        x1 = pairs.latents[:, -1].float()
         x_t = self.conditional_path(x1, taus, noises)
         target = noises.to(x1.device) - x1  # u_t = eps - x1
-        v = self.velocity(batch, x_t, taus)
-        cfm = reduce_elements((v.float() - target) ** 2, "mean")  # [b], mean over latent elements (as ORW-CFM-W2)
-        # w_t ||v_theta - u_t||^2 + alpha ||v_theta - v_ref||^2, averaged over the samples
-        per_sample = weights.to(cfm.device) * cfm
-        metrics = {"cfm_loss": cfm.mean().detach(), "weight_mean": weights.mean()}
-        if c.alpha:
-            w2 = velocity_mse(v, self.velocity(batch, x_t, taus, reference=True))  # [b]
-            per_sample = per_sample + c.alpha * w2
-            metrics["w2_loss"] = w2.mean().detach()
-        return per_sample.mean(), metrics
+        v = self.velocity(pairs, x_t, taus)
+        cfm = reduce_elements((v.float() - target) ** 2, "mean")  # [n], mean over latent elements (as ORW-CFM-W2)
+        # w_t ||v_theta - u_t||^2 + alpha ||v_theta - v_ref||^2
+        terms = Terms(
+            loss=weights.to(cfm.device) * cfm, logs={"cfm_loss": cfm.detach(), "weight_mean": weights.to(cfm.device)}
+        )
+        alpha = self.config.kl.coef(self.state.epoch)
+        if alpha:
+            w2 = velocity_mse(v, self.velocity(pairs, x_t, taus, reference=True))  # [n]
+            terms.penalty = alpha * w2
+            terms.logs["w2_loss"] = w2.detach()
+        return Terms.from_tensors({k: v.reshape(c, b).t() for k, v in terms.tensors().items()})

@@ -12,42 +12,55 @@ KL of the final images. As released (google-research/dpok `train_online_pg.py`),
    `rho = p_theta(x_{t+1}|x_t) / p_old(x_{t+1}|x_t)`: the **clamp** (not PPO's min) passes gradient only while
    `rho` lies inside the band, for either sign of A, so stale transitions contribute only their KL.
 
-The KL is the exact Gaussian KL of the step kernels (`kl_form: gaussian`) or the released code's unweighted
-MSE of the (guided) network predictions (`kl_form: eps_mse`). docs/algorithms/dpok.md records what is
-confirmed and what is chosen.
+In flowrl's terms: the `advantage` estimator is `raw` (the value network is the baseline), the `objective` is
+the core's `clamp`, the transitions are a view of the rollout (`DiffusionRollout.to_transitions`), and each
+buffer minibatch goes through the shared `[b, K]` update with one element per transition (its step). The
+KL is `kl.form: gaussian` (the exact KL of the step kernels) or the released code's `eps_mse` (unweighted MSE
+of the guided predictions). docs/algorithms/dpok.md records what is confirmed and what is chosen.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from contextlib import nullcontext
-from typing import Literal
+from typing import ClassVar
 
 import torch
 
-from flowrl.config import OptimConfig, PromptConfig
-from flowrl.core import compute_policy_loss, gaussian_mean_kl
-from flowrl.core.ratios import reduce_elements
-from flowrl.policies.sde import StepOutput
+from flowrl.config import (
+    AdvantageConfig,
+    KLConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    PromptConfig,
+    StepConfig,
+    TrainerConfig,
+)
+from flowrl.policies.diffusion import Transitions
 from flowrl.policies.value import StateValueNet, pooled_text
-from flowrl.trainers.base import EpochStats, Trainer, TrainerConfig, seeded
+from flowrl.trainers.image import STEP_KL_FORMS, ImageTrainer
 from flowrl.trainers.registry import TRAINERS
+from flowrl.trainers.state import seeded
+from flowrl.trainers.update import EpochStats, Terms
 
 
 @dataclasses.dataclass
 class DPOKConfig(TrainerConfig):
+    kl_forms: ClassVar[tuple[str, ...]] = STEP_KL_FORMS
+
     trainer: str = "dpok"
+    objective: ObjectiveConfig = dataclasses.field(
+        default_factory=lambda: ObjectiveConfig(name="clamp", clip_eps_low=1e-4)
+    )
+    """The ratio clamp `[1 - eps, 1 + eps]`, eps 1e-4 (DPOK, for SD1.5's 16,384 latent elements)."""
+    advantage: AdvantageConfig = dataclasses.field(default_factory=lambda: AdvantageConfig(estimator="raw"))
+    """The reward itself: the value network `V(x_t, t, c)` is DPOK's baseline (`use_value`)."""
+    kl: KLConfig = dataclasses.field(default_factory=lambda: KLConfig(beta=0.1, form="gaussian"))
+    """beta 0.1 (multi-prompt; single prompt 0.01); `gaussian` (the exact step KL) or `eps_mse` (DPOK's code)."""
+    steps: StepConfig = dataclasses.field(default_factory=lambda: StepConfig(selection="all"))
+    """Every stochastic step of every sample goes into the buffer (DPOK)."""
     reward_weight: float = 1000.0
     """alpha, the weight of the policy-gradient term (DPOK multi-prompt: 1000; single prompt: 10)."""
-    kl_weight: float = 0.1
-    """beta, the weight of the per-step KL to the pre-trained model (multi-prompt: 0.1; single prompt: 0.01)."""
-    kl_form: Literal["gaussian", "eps_mse"] = "gaussian"
-    """`gaussian`: the exact KL of the step kernels; `eps_mse`: DPOK's code, the mean squared difference of the
-    guided network predictions (noise for UNets, velocity for flow models), which drops the per-step weight."""
-    kl_warmup: int = 0
-    """Epochs trained without the KL before it applies (0: from the start; DPOK's `kl_warmup` k is k + 1 here)."""
-    clip_eps: float = 1e-4
-    """Half-width of the ratio clamp `[1 - eps, 1 + eps]` (DPOK: 1e-4 for SD1.5's 16,384 latent elements)."""
     buffer_size: int = 1000
     """Replay-buffer capacity in single-step transitions, FIFO, shared by every process (DPOK: 1000)."""
     policy_steps: int = 5
@@ -79,57 +92,20 @@ class DPOKConfig(TrainerConfig):
     def __post_init__(self):
         super().__post_init__()
         checks = [
-            (self.clip_eps > 0, "clip_eps must be > 0"),
             (self.buffer_size >= 1, "buffer_size must be >= 1"),
             (self.policy_steps >= 1, "policy_steps must be >= 1"),
             (self.policy_batch_size >= 1, "policy_batch_size must be >= 1"),
             (self.value_steps >= 1, "value_steps must be >= 1"),
             (self.value_updates >= 1, "value_updates must be >= 1"),
             (self.value_batch_size >= 1, "value_batch_size must be >= 1"),
-            (self.kl_weight >= 0, "kl_weight must be >= 0"),
-            (self.kl_warmup >= 0, "kl_warmup must be >= 0"),
             (self.inner_epochs == 1, "dpok draws policy_steps random buffer minibatches; inner_epochs must be 1"),
             (not self.drop_zero_std_groups, "dpok stores every valid transition; drop_zero_std_groups must be false"),
             (self.reward_aggregation == "sum", "dpok learns the weighted reward sum (reward_aggregation: sum)"),
+            (self.objective.name != "grpo_guard", "the replay buffer keeps no behaviour means for grpo_guard"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-
-
-# ----------------------------------------------------------------------------------------------
-# the replay buffer
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Transitions:
-    """`n` single denoising steps `x_t -> x_{t+1}` with what DPOK needs to re-score and to learn from them."""
-
-    states: torch.Tensor
-    """`[n, ...]` states `x_t` (the model's dtype and latent layout)."""
-    next_states: torch.Tensor
-    """`[n, ...]` the sampled next states `x_{t+1}`."""
-    steps: torch.Tensor
-    """`[n]` step indices t (long)."""
-    prompts: torch.Tensor
-    """`[n]` prompt indices into the trainer's prompt table (long)."""
-    log_probs: torch.Tensor
-    """`[n]` fp32 behaviour log-probabilities `log p_old(x_{t+1} | x_t, c)`."""
-    rewards: torch.Tensor
-    """`[n]` fp32 final reward `r(x_0, c)` of the trajectory the step belongs to."""
-
-    FIELDS = ("states", "next_states", "steps", "prompts", "log_probs", "rewards")
-
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def select(self, index) -> Transitions:
-        return Transitions(**{name: getattr(self, name)[index] for name in self.FIELDS})
-
-    @classmethod
-    def cat(cls, parts: list[Transitions]) -> Transitions:
-        return cls(**{name: torch.cat([getattr(p, name) for p in parts]) for name in cls.FIELDS})
 
 
 class ReplayBuffer:
@@ -150,7 +126,7 @@ class ReplayBuffer:
 
     def push(self, transitions: Transitions) -> None:
         """Append `transitions` (oldest first) and drop the oldest beyond the capacity."""
-        cpu = Transitions(**{name: getattr(transitions, name).detach().cpu() for name in Transitions.FIELDS})
+        cpu = transitions.to("cpu")
         data = cpu if self.data is None else Transitions.cat([self.data, cpu])
         self.data = data.select(slice(max(0, len(data) - self.capacity), None))
 
@@ -162,45 +138,17 @@ class ReplayBuffer:
         return self.data.select(index)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        if self.data is None:
-            return {}
-        return {name: getattr(self.data, name) for name in Transitions.FIELDS}
+        return {} if self.data is None else self.data.state_dict()[1]
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.data = Transitions(**{name: tensors[name] for name in Transitions.FIELDS}) if tensors else None
-
-
-# ----------------------------------------------------------------------------------------------
-# the KL regulariser
-# ----------------------------------------------------------------------------------------------
-
-
-def step_kl(form: str, out: StepOutput, ref: StepOutput, prediction=None, ref_prediction=None,
-            reduce: str = "mean") -> torch.Tensor:  # fmt: skip
-    """`[n]` per-step KL term of DPOK between the current and the reference step kernels.
-
-    `gaussian`: `KL(N(mu, s^2) || N(mu_ref, s^2)) = red_d (mu - mu_ref)^2 / (2 s^2)` (both kernels share the std
-    `s`), the term of DPOK's objective (eq. 9's per-step KL upper bound). `eps_mse`: `red_d (e - e_ref)^2` of the
-    guided network predictions, what DPOK's code adds (`kl_regularizer`); for a DDIM kernel it is the exact KL
-    divided by `w_t = (sqrt(1 - a' - s^2) - sqrt(a' (1 - a) / a))^2 / (2 s^2)`.
-    """
-    if form == "gaussian":
-        return gaussian_mean_kl(out.mean, ref.mean, out.std, reduce=reduce)
-    if form == "eps_mse":
-        return reduce_elements((prediction.float() - ref_prediction.float()) ** 2, reduce)
-    raise ValueError(f"kl form must be 'gaussian' or 'eps_mse', got {form!r}")
-
-
-# ----------------------------------------------------------------------------------------------
-# the trainer
-# ----------------------------------------------------------------------------------------------
+        self.data = Transitions.from_state_dict({}, tensors) if tensors else None
 
 
 @TRAINERS.register(
     "dpok",
     description="DPOK: clamped policy gradient from a replay buffer, value baseline, per-step KL (arXiv:2305.16381)",
 )
-class DPOKTrainer(Trainer):
+class DPOKTrainer(ImageTrainer):
     """DPOK; see the module docstring and `DPOKConfig`."""
 
     config_class = DPOKConfig
@@ -212,8 +160,6 @@ class DPOKTrainer(Trainer):
         self.prompt_table = list(dict.fromkeys(str(p) for p in self.train_prompts))
         self.prompt_index = {text: i for i, text in enumerate(self.prompt_table)}
         self.settings = None  # the current epoch's rollout: sampler settings and schedule for re-scoring
-        if c.kl_weight and not (self.policy.has_lora or self.policy.reference_model is not None):
-            self.policy.freeze_reference()  # full fine-tuning: the reference is a frozen copy of the base
         self.value_net = None
         if c.use_value:
             text_dim = pooled_text(self.policy.encode(self.prompt_table[:1])).shape[-1]
@@ -224,59 +170,52 @@ class DPOKTrainer(Trainer):
     def auxiliary_modules(self):
         return {"value": (self.value_net, self.config.value_lr)} if self.value_net is not None else {}
 
-    def compute_advantages(self, rewards, group_ids, prompts=None):
-        """The combined final reward of each sample: DPOK's advantages are per transition (`r - V`), at update."""
-        return self.combined_reward(rewards), {}
-
-    def kl_coef(self, epoch: int) -> float:
-        """beta after the warm-up epochs, 0 before."""
-        return self.config.kl_weight if epoch >= self.config.kl_warmup else 0.0
-
     # ------------------------------------------------------------------------------------------
     # buffer, value, policy
     # ------------------------------------------------------------------------------------------
 
-    def transitions(self, rollout, rewards: torch.Tensor, keep: torch.Tensor) -> Transitions:
-        """Every stochastic step of every kept sample, gathered from all processes, trajectory by trajectory.
+    def transitions(self, rollout, returns: torch.Tensor, keep: torch.Tensor, epoch: int = 0) -> Transitions:
+        """The trained steps (`steps`) of every kept sample, from every process, trajectory by trajectory.
 
         (DPOK appends step-major; trajectory order means that an epoch larger than the buffer loses whole
         trajectories rather than all its early steps.)
         """
-        ids = torch.tensor([self.prompt_index[p] for p in rollout.prompts])
-        latents, log_probs = self._gather(rollout.latents), self._gather(rollout.log_probs)  # [N, T+1, ...], [N, T]
-        ids, rewards = self._gather(ids), self._gather(rewards.float())
-        rows = self._gather(keep.long()).bool().nonzero().flatten()
-        steps = rollout.sde_steps.cpu()
-        r, s = rows.repeat_interleave(len(steps)), steps.repeat(len(rows))
-        return Transitions(states=latents[r, s], next_states=latents[r, s + 1], steps=s, prompts=ids[r],
-                           log_probs=log_probs[r, s].float(), rewards=rewards[r].float())  # fmt: skip
+        index = self.train_elements(rollout, epoch)  # [B, k]
+        rows = torch.arange(len(rollout)).repeat_interleave(index.shape[1])
+        local = rollout.to_transitions(rows, index.reshape(-1))
+        table = torch.tensor([self.prompt_index[p] for p in rollout.unique_prompts])
+        local = dataclasses.replace(local, prompts=table[local.prompts], rewards=returns[rows].float())
+        gathered = Transitions(
+            **{f: self.processes.gather(getattr(local, f)) for f in Transitions.per_sample_fields()}
+        )
+        return gathered.select(self.processes.gather(keep[rows].long()).bool())
 
     def conditioning(self, prompts: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-row conditioning `[n, ...]` of prompt indices (cached text embeddings)."""
         return self.policy.encode([self.prompt_table[i] for i in prompts.tolist()])
 
-    def value(self, batch: Transitions, cond: dict | None = None) -> torch.Tensor:
+    def value(self, batch: Transitions) -> torch.Tensor:
         """`[n]` baseline `V(x_t, sigma_t, c)` of buffer transitions."""
         module, _ = self.aux["value"]
         device = self.accelerator.device
-        cond = self.conditioning(batch.prompts) if cond is None else cond
         sigmas = self.settings.sigmas.cpu()[batch.steps]
-        return module(batch.states.to(device), sigmas.to(device), pooled_text(cond).to(device))
+        text = pooled_text(self.conditioning(batch.prompts))
+        return module(batch.states.to(device), sigmas.to(device), text.to(device))
 
     def update(self, rollout, advantages: torch.Tensor, trainable: torch.Tensor, epoch: int) -> dict:
         """Push the epoch's transitions, fit the value network, then `policy_steps` clamped-PG steps."""
         self.settings = rollout
-        self.buffer.push(self.transitions(rollout, advantages, trainable))
+        self.buffer.push(self.transitions(rollout, advantages, trainable, epoch))
         stats = EpochStats()
         stats.add_scalar("buffer_size", len(self.buffer))
-        rank = self.accelerator.process_index
+        rank = self.processes.rank
         if self.value_net is not None:
             self.update_value(seeded(self.config.run.seed, epoch, 20, rank), stats)
         self.update_policy(seeded(self.config.run.seed, epoch, 21, rank), stats)
         return stats.summary()
 
     def update_value(self, generator: torch.Generator, stats: EpochStats) -> None:
-        """`value_updates` optimizer steps, each on `value_steps` minibatches of MSE to the final reward."""
+        """`value_updates` optimizer steps, each on `value_steps` minibatches of MSE to the stored returns."""
         c = self.config
         module, optimizer = self.aux["value"]
         module.train()
@@ -292,54 +231,43 @@ class DPOKTrainer(Trainer):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+    def advantage(self, batch: Transitions) -> torch.Tensor:
+        """`[n]` `r - V(x_t, t, c)` of buffer transitions (`r` without the value network)."""
+        advantages = batch.rewards.to(self.accelerator.device)
+        if self.value_net is not None:
+            with torch.no_grad():
+                advantages = advantages - self.value(batch).float()
+        return advantages
+
     def update_policy(self, generator: torch.Generator, stats: EpochStats) -> None:
-        """`policy_steps` optimizer steps, each over `optim.gradient_accumulation` random buffer minibatches."""
+        """`policy_steps` optimizer steps, each over `optim.gradient_accumulation` random buffer minibatches
+        of one element each (the transition's step): the shared `[b, K]` update."""
         c = self.config
         n = c.optim.gradient_accumulation
         self.model.train()
         for _ in range(c.policy_steps):
-            for i in range(n):
+            for _ in range(n):
                 batch = self.buffer.sample(c.policy_batch_size, generator)
-                cond = self.conditioning(batch.prompts)
-                advantages = batch.rewards.to(self.accelerator.device)
-                if self.value_net is not None:
-                    with torch.no_grad():
-                        advantages = advantages - self.value(batch, cond).float()
+                advantages = self.advantage(batch)
                 stats.add_scalar("advantage_mean", advantages.mean())
                 stats.add_scalar("advantage_abs", advantages.abs().mean())
-                sync = i == n - 1
-                with nullcontext() if sync else self.accelerator.no_sync(self.model), self.accelerator.autocast():
-                    loss, metrics = self.step_loss(batch, advantages, batch.steps, cond=cond)
-                    self.accelerator.backward(loss / n)  # the minibatches have equal size: an exact mean
-                stats.add(metrics, loss, batch.steps)
-            stats.add_scalar("grad_norm", self._optimizer_step())
+                # -alpha A clamp(rho): alpha scales the advantage; the minibatches have equal size, so 1/n each
+                # is the exact mean over the window
+                index = batch.steps[:, None]
+                stats.add(self.train_minibatch(batch, index, c.reward_weight * advantages, scale=1 / n))
+            stats.add_scalar("grad_norm", self.optimizer_step())
 
-    def step_loss(self, batch: Transitions, advantages, steps, cond=None):
-        """`mean(-alpha A clamp(rho, 1 - eps, 1 + eps)) + beta mean(KL_t)` of buffer transitions `batch`."""
-        c = self.config
+    def num_elements(self, batch) -> int:
+        return self.settings.num_steps if isinstance(batch, Transitions) else batch.num_steps
+
+    def score(self, batch, index: torch.Tensor) -> Terms:
+        """Buffer transitions (one element each: their step) re-scored against the current epoch's settings."""
+        if not isinstance(batch, Transitions):
+            return super().score(batch, index)
         device = self.accelerator.device
-        cond = self.conditioning(batch.prompts) if cond is None else cond
-        states, next_states = batch.states.to(device), batch.next_states.to(device)
-        eps_mse = c.kl_weight > 0 and c.kl_form == "eps_mse"
-        scored = self.policy.score_transitions(self.settings, states, next_states, steps, cond,
-                                               return_prediction=eps_mse)  # fmt: skip
-        out, prediction = scored if eps_mse else (scored, None)
-        old = batch.log_probs.to(out.log_prob.device)[:, None]  # [n, 1]
-        pg_loss, metrics = compute_policy_loss("clamp", out.log_prob[:, None], old, advantages.to(old.device),
-                                               eps=c.clip_eps)  # fmt: skip
-        metrics = {k: v for k, v in metrics.items() if not k.endswith("_per_step")}
-        metrics["approx_kl"] = metrics.pop("approx_kl_k3")
-        metrics["pg_loss"] = pg_loss.detach()
-        metrics["_ratio"] = (out.log_prob.detach() - old[:, 0]).exp()  # [n], per denoising step in the log
-        loss = c.reward_weight * pg_loss
-        if c.kl_weight > 0:
-            scored = self.policy.score_transitions(self.settings, states, next_states, steps, cond, reference=True,
-                                                   return_prediction=eps_mse)  # fmt: skip
-            ref, ref_prediction = scored if eps_mse else (scored, None)
-            kl = step_kl(c.kl_form, out, ref, prediction, ref_prediction, reduce=self.policy.reduce)  # [n]
-            loss = loss + self.kl_coef(self.epoch) * kl.mean()
-            metrics["kl"] = kl.mean().detach()
-        return loss, metrics
+        terms = self.transition_terms(self.settings, batch.states.to(device), batch.next_states.to(device),
+                                      batch.steps, self.conditioning(batch.prompts), batch.log_probs)  # fmt: skip
+        return Terms.from_tensors({k: v[:, None] for k, v in terms.tensors().items()})
 
     # ------------------------------------------------------------------------------------------
     # checkpoints: the buffer is resumable state (the value network and its optimizer are accelerate's)

@@ -13,27 +13,44 @@ image is the environment of a one-step MDP, so the log-probability of the action
    proxy `mean(mu^2 + (sigma - 1)^2)` or the exact `KL(pi_theta || N(0, I))`; sigma is clamped to
    `>= min_std` after every optimizer step.
 
+In flowrl's terms: the `advantage` estimator is `raw` (the calibration network is the baseline), the
+`objective` the core's `clamp`, `kl` the proximity term (`proxy` or the exact `gaussian` KL to the prior),
+and each sample has one element, its initial noise (kept as typed `NoiseDraws` on the rollout).
 `docs/algorithms/find.md` records what is confirmed by the released code and what flowrl chose.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
 
-from flowrl.core import compute_policy_loss, gaussian_log_prob
-from flowrl.policies.noise import InitialNoisePolicy
+from flowrl.config import AdvantageConfig, KLConfig, ObjectiveConfig, TrainerConfig
+from flowrl.core import gaussian_log_prob
+from flowrl.policies.noise import InitialNoisePolicy, NoiseDraws
 from flowrl.policies.value import pooled_text
-from flowrl.trainers.base import Trainer, TrainerConfig
+from flowrl.trainers.image import ImageTrainer
 from flowrl.trainers.registry import TRAINERS
+from flowrl.trainers.update import Terms
 
 
 @dataclasses.dataclass
 class FINDConfig(TrainerConfig):
+    kl_forms: ClassVar[tuple[str, ...]] = ("proxy", "gaussian")
+    unused: ClassVar[tuple[str, ...]] = ("steps",)
+
     trainer: str = "find"
+    objective: ObjectiveConfig = dataclasses.field(
+        default_factory=lambda: ObjectiveConfig(name="clamp", clip_eps_low=0.2)
+    )
+    """The ratio clamp `[1 - eps, 1 + eps]` with FIND's eps 0.2 (on element-mean log-densities)."""
+    advantage: AdvantageConfig = dataclasses.field(default_factory=lambda: AdvantageConfig(estimator="raw"))
+    """The reward itself: FIND's baseline is the calibration network `V(mu, sigma, c)`."""
+    kl: KLConfig = dataclasses.field(default_factory=lambda: KLConfig(beta=0.01, form="proxy"))
+    """`lambda_KL` 0.01 on FIND's released `mean(mu^2 + (sigma - 1)^2)` (`proxy`); `gaussian`: the exact
+    `KL(pi_theta || N(0, I))`, element mean."""
     drop_zero_std_groups: bool = False
     """Off: the calibration network, not the group, is FIND's baseline, so equal rewards still carry signal."""
     noise_policy: Literal["per_prompt", "conditioned"] = "per_prompt"
@@ -48,14 +65,8 @@ class FINDConfig(TrainerConfig):
     """The ratio's denominator: `prior`, the initial `N(0, I)` as in FIND's released code (a trust region
     around the pretrained prior); `previous`, the policy that sampled the epoch (PPO-style: ratio 1 at the
     start of every epoch, exactly for tables, to the last bits for the MLP)."""
-    clip_eps: float = 0.2
-    """Clamp range of the ratio (`clamp` objective; FIND: 0.2 on element-mean log-densities)."""
     reward_weight: float = 10.0
     """`lambda_r`, the scale of the calibrated advantage `r - V` (FIND: 10)."""
-    kl_weight: float = 0.01
-    """`lambda_KL`, the weight of the proximity term (FIND: 0.01)."""
-    kl_form: Literal["proxy", "exact"] = "proxy"
-    """`proxy`: FIND's released `mean(mu^2 + (sigma - 1)^2)`; `exact`: `KL(pi_theta || N(0, I))`, element mean."""
     calibration_hidden: int = 256
     """Width of the calibration MLP (FIND: three hidden layers of 256)."""
     calibration_lr: float = 1e-4
@@ -71,7 +82,6 @@ class FINDConfig(TrainerConfig):
         checks = [
             (self.model.lora_rank == 0, "find keeps the diffusion model frozen: model.lora_rank must be 0"),
             (self.min_std > 0, "min_std must be > 0"),
-            (self.clip_eps > 0, "clip_eps must be > 0"),
             (self.calibration_steps >= 0, "calibration_steps must be >= 0"),
             (self.noise_hidden >= 1 and self.calibration_hidden >= 1, "hidden sizes must be >= 1"),
         ]
@@ -117,11 +127,12 @@ class CalibrationNet(nn.Module):
 @TRAINERS.register(
     "find", description="FIND: a Gaussian policy over the initial noise of a frozen sampler (arXiv:2407.19453)"
 )
-class FINDTrainer(Trainer):
+class FINDTrainer(ImageTrainer):
     """FIND; see the module docstring and `FINDConfig`."""
 
     config_class = FINDConfig
-    needs_sde = False  # the policy is over the initial noise; the sampler may be the ODE
+    requires_stochastic = False  # the policy is over the initial noise; the sampler may be the ODE
+    kl_to_reference = False  # the regulariser compares the noise policy with the N(0, I) prior
 
     # ------------------------------------------------------------------------------------------
     # the pieces: noise policy, calibration network, conditions
@@ -139,7 +150,8 @@ class FINDTrainer(Trainer):
         with torch.random.fork_rng(devices=[]):  # initial weights from run.seed, whatever ran before
             torch.manual_seed(c.run.seed)
             size = {"num_prompts": len(texts)} if c.noise_policy == "per_prompt" else {"embed_dim": text_dim}
-            self.noise_policy = FINDNoisePolicy(self.latent_shape, kl_form=c.kl_form, hidden=c.noise_hidden,
+            kl_form = "proxy" if c.kl.form == "proxy" else "exact"
+            self.noise_policy = FINDNoisePolicy(self.latent_shape, kl_form=kl_form, hidden=c.noise_hidden,
                                                 min_std=c.min_std, reduce=self.policy.reduce, **size)  # fmt: skip
             numel = int(torch.tensor(self.latent_shape).prod())
             self.calibration = CalibrationNet(numel, text_dim, hidden=c.calibration_hidden)
@@ -179,8 +191,7 @@ class FINDTrainer(Trainer):
     # ------------------------------------------------------------------------------------------
 
     def sample_part(self, texts, generator):
-        """`texts` through the frozen sampler from `z_T ~ pi_theta`; `z_T`, the conditions and the old
-        log-probs ride along in `rollout.extras`."""
+        """`texts` through the frozen sampler from `z_T ~ pi_theta`; the draws ride along as `rollout.noise`."""
         s = self.config.sampling
         condition, text = self.conditions(texts)
         z = self.initial_latents(condition, generator, s.height, s.width)
@@ -193,40 +204,35 @@ class FINDTrainer(Trainer):
                 old = gaussian_log_prob(action, torch.zeros_like(action), 1.0, reduce=self.policy.reduce)
             else:
                 old = self.noise_policy.log_prob(action, condition)
-        rollout.extras.update(z=action, condition=condition, text=text, old_log_prob=old.float())
-        return rollout
-
-    def compute_advantages(self, rewards, group_ids, prompts=None):
-        """The weighted reward itself: FIND's baseline is the calibration network, applied in `update`
-        (it needs each sample's noise parameters and prompt embedding)."""
-        return self.combined_reward(rewards).float(), {}
+        return dataclasses.replace(rollout, noise=NoiseDraws(z=action, condition=condition, text=text,
+                                                             log_probs=old.float()))  # fmt: skip
 
     def update(self, rollout, advantages, trainable, epoch):
         """Calibration steps on the epoch's rewards, then the policy update with `A = lambda_r (r - V)`."""
         c = self.config
         rewards, rows = advantages, trainable.nonzero().flatten()
-        batch = rollout.select(rows)
+        draws = rollout.noise.select(rows)
         with torch.no_grad():
-            mean, std = self.noise_policy.params(batch.extras["condition"])
-        text, target = batch.extras["text"], rewards[rows].to(mean.device)
+            mean, std = self.noise_policy.params(draws.condition)
+        target = rewards[rows].to(mean.device)
         net, optimizer = self.aux["calibration"]
         net.train()
         losses = []
         for _ in range(c.calibration_steps):
-            loss = (net(mean, std, text) - target).pow(2).mean()
+            loss = (net(mean, std, draws.text) - target).pow(2).mean()
             self.accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
         net.eval()
         with torch.no_grad():
-            baseline = net(mean, std, text)
+            baseline = net(mean, std, draws.text)
         calibrated = torch.zeros_like(rewards)
         calibrated[rows] = c.reward_weight * (target - baseline).cpu()
         stats = super().update(rollout, calibrated, trainable, epoch)
         with torch.no_grad():
-            kl = self.noise_policy.kl_to_prior(batch.extras["condition"])
-            mean, std = self.noise_policy.params(batch.extras["condition"])
+            kl = self.noise_policy.kl_to_prior(draws.condition)
+            mean, std = self.noise_policy.params(draws.condition)
         adv = calibrated[rows]
         return {
             **stats,
@@ -239,26 +245,25 @@ class FINDTrainer(Trainer):
             "noise/std_mean": std.mean(),
         }
 
-    def train_steps(self, rollout, epoch):
-        """One step per sample: the initial noise (index 0)."""
+    def num_elements(self, rollout) -> int:
+        return 1
+
+    def train_elements(self, rollout, epoch):
+        """One element per sample: its initial noise."""
         return torch.zeros(len(rollout), 1, dtype=torch.long)
 
-    def step_loss(self, batch, advantages, steps):
-        c = self.config
-        log_prob, regulariser = self.model(batch.extras["z"], batch.extras["condition"])  # [b], [b]
-        old = batch.extras["old_log_prob"]
-        adv = advantages.to(log_prob.device)
-        # FIND: -lambda_r (r - V) clamp(rho, 1 - eps, 1 + eps) (lambda_r is already in adv) + lambda_KL R
-        loss, metrics = compute_policy_loss("clamp", log_prob[:, None], old[:, None], adv, eps=c.clip_eps)
-        loss = loss + c.kl_weight * regulariser.mean()
-        metrics = {k: v for k, v in metrics.items() if not k.endswith("_per_step")}
-        metrics["regulariser"] = regulariser.mean().detach()
-        metrics["_ratio"] = metrics["_raw_ratio"] = (log_prob.detach() - old).exp()
-        metrics["approx_kl"] = metrics.pop("approx_kl_k3")
-        return loss, metrics
+    def score(self, batch, index):
+        """`log pi_theta(z | c)` against the stored `log pi_old`, and the regulariser `kl.beta * R` (`[b, 1]`)."""
+        log_prob, regulariser = self.model(batch.noise.z, batch.noise.condition)  # [b], [b]
+        old = batch.noise.log_probs.to(log_prob.device)
+        terms = Terms(logp=log_prob[:, None], old_logp=old[:, None], logs={"regulariser": regulariser[:, None]})
+        coef = self.config.kl.coef(self.state.epoch)
+        if coef:
+            terms.penalty = coef * regulariser[:, None]
+        return terms
 
-    def _optimizer_step(self):
-        norm = super()._optimizer_step()
+    def optimizer_step(self):
+        norm = super().optimizer_step()
         self.noise_policy.clamp_std_()  # FIND: sigma >= min_std after every optimizer step
         return norm
 

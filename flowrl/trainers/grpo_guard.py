@@ -10,28 +10,31 @@ policy), and each step's loss is divided by `|dt|` to equalise step gradients. D
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
-from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer, StepConfig
+from flowrl.config import AdvantageConfig, ObjectiveConfig, StepConfig
+from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowrl.trainers.registry import TRAINERS
 
 
 @dataclasses.dataclass
 class GRPOGuardConfig(FlowGRPOConfig):
     trainer: str = "grpo_guard"
-    objective: str = "grpo_guard"
-    """The core's grpo_guard objective: PPO-clip on the RatioNorm-ed log-ratio."""
-    clip_eps_low: float = 2e-6
-    """GRPO-Guard's clip range for SD3.5 at 512 px (4e-6 for PickScore); scale it with the latent size."""
-    adv_std: Literal["group", "global", "none"] = "group"
+    objective: ObjectiveConfig = dataclasses.field(
+        default_factory=lambda: ObjectiveConfig(name="grpo_guard", clip_eps_low=2e-6)
+    )
+    """The core's grpo_guard objective (PPO-clip on the RatioNorm-ed log-ratio), GRPO-Guard's clip range for
+    SD3.5 at 512 px (4e-6 for PickScore); scale it with the latent size."""
+    advantage: AdvantageConfig = dataclasses.field(
+        default_factory=lambda: AdvantageConfig(std="group", clip=5.0, unbiased=False)
+    )
     """Per-group std (`global_std=False` in the released config)."""
     steps: StepConfig = dataclasses.field(default_factory=lambda: StepConfig(weighting="inv_dt"))
     """First 99% of the steps, each weighted 1/|dt|."""
 
     def __post_init__(self):
         super().__post_init__()
-        if self.objective != "grpo_guard":
-            raise ValueError(f"grpo_guard trains the grpo_guard objective; got objective={self.objective!r}")
+        if self.objective.name != "grpo_guard":
+            raise ValueError(f"grpo_guard trains the grpo_guard objective; got objective.name={self.objective.name!r}")
 
 
 @TRAINERS.register(
@@ -41,4 +44,3 @@ class GRPOGuardTrainer(FlowGRPOTrainer):
     """GRPO-Guard; see the module docstring. Rollouts keep each step's behaviour mean for RatioNorm."""
 
     config_class = GRPOGuardConfig
-    store_means = True

@@ -121,9 +121,12 @@ def test_initial_noise_policy_starts_at_the_prior_and_gradients_are_closed_form(
     # d/dmu log pi = (z - mu) / sigma^2 / D ; d/dsigma = ((z - mu)^2 / sigma^3 - 1 / sigma) / D
     torch.testing.assert_close(policy.mean.grad[0], z[0] / 4)
     torch.testing.assert_close(policy.std.grad[0], (z[0] ** 2 - 1) / 4)
-    # the old-policy ratio is exactly 1 at the initial parameters
-    old = policy.log_prob(z, ids).detach()
-    assert torch.equal(policy.log_prob(z, ids), old)
+    # the policy starts at the prior: FIND's ratio against the prior N(0, I) is exactly 1 before any update
+    from flowrl.core import gaussian_log_prob
+
+    prior = gaussian_log_prob(z, torch.zeros_like(z), 1.0)
+    assert torch.equal(InitialNoisePolicy((4,), num_prompts=1).log_prob(z, ids), prior)
+    assert torch.equal(InitialNoisePolicy((4,), embed_dim=3).log_prob(z, torch.randn(1, 3)), prior)
 
 
 def test_initial_noise_policy_std_floor():

@@ -1,24 +1,25 @@
+import dataclasses
 import json
 import math
 
 import pytest
 import torch
 
-import rewards
-from flowrl.config import ConfigError, load_config
+from flowrl import rewards
+from flowrl.config import ConfigError
 from flowrl.policies import DiffusionPolicy
 from flowrl.policies.fpo import cfm_losses
-from flowrl.trainers import build_trainer
+from flowrl.trainers import build_trainer, load_config
 from flowrl.trainers.acflow import critic_weights
 
 from .conftest import make_trainer
 
 
 def acflow_config(tmp_path, overrides=(), **top):
-    """`tiny_config`'s world and sizes for AC-Flow (which has no `clip_eps_low`), sampling with the ODE."""
+    """`tiny_config`'s world and sizes for AC-Flow, sampling with the ODE."""
     data = {
         "trainer": "acflow",
-        "sampling": {"num_steps": 4, "guidance_scale": 2.0, "train_batch_size": 8, "sampler": "ode"},
+        "sampling": {"num_steps": 4, "guidance_scale": 2.0, "forward_batch_size": 8, "sampler": "ode"},
         "prompts": {"prompts_per_epoch": 4, "group_size": 4},
         "eval": {"every": 1, "samples_per_prompt": 2, "max_prompts": 4, "metrics": ["digits_gold"]},
         "optim": {"lr": 1e-3, "gradient_accumulation": 2},
@@ -62,22 +63,22 @@ def test_weighting_functions_are_positive_finite_and_normalised_as_documented():
 
 def test_reward_shaping_hand_values(tiny_world, tmp_path):
     r = {"digits_alignment": torch.tensor([0.0, 1.0, 2.0, 3.0])}
-    groups = torch.tensor([0, 0, 1, 1])
-    batch = make_trainer(tiny_world, acflow_config(tmp_path, ["shaping=batch", "reward_clip=1.0"]))
-    shaped, _ = batch.compute_advantages(r, groups)
+    groups, prompts = torch.tensor([0, 0, 1, 1]), ["a", "a", "b", "b"]
+    batch = make_trainer(tiny_world, acflow_config(tmp_path, ["advantage.estimator=batch", "advantage.clip=1.0"]))
+    shaped, _ = batch.compute_advantages(r, groups, prompts)
     z = 1.5 / (math.sqrt(5 / 3) + 1e-4)  # (3 - 1.5) / unbiased std of (0, 1, 2, 3)
     assert shaped.tolist() == pytest.approx([-1.0, -0.5 / 1.5 * z, 0.5 / 1.5 * z, 1.0], abs=1e-6)
-    group = make_trainer(tiny_world, acflow_config(tmp_path, ["shaping=group", "reward_clip=null"]))
-    shaped, _ = group.compute_advantages(r, groups)
+    group = make_trainer(tiny_world, acflow_config(tmp_path, ["advantage.estimator=group", "advantage.clip=null"]))
+    shaped, _ = group.compute_advantages(r, groups, prompts)
     g = 0.5 / (math.sqrt(0.5) + 1e-4)  # each pair: mean +- 0.5, unbiased std sqrt(0.5)
     assert shaped.tolist() == pytest.approx([-g, g, -g, g], abs=1e-6)
-    raw = make_trainer(tiny_world, acflow_config(tmp_path, ["shaping=none", "reward_clip=2.5"]))
-    assert raw.compute_advantages(r, groups)[0].tolist() == [0.0, 1.0, 2.0, 2.5]
+    raw = make_trainer(tiny_world, acflow_config(tmp_path, ["advantage.estimator=raw", "advantage.clip=2.5"]))
+    assert raw.compute_advantages(r, groups, prompts)[0].tolist() == [0.0, 1.0, 2.0, 2.5]
 
 
 def test_critic_targets_and_clipped_advantages(tiny_world, tmp_path):
-    trainer = make_trainer(tiny_world, acflow_config(tmp_path, ["critic_steps=1", "adv_clip=1.0", "num_draws=3"]))
-    rollout, _, _ = trainer.sample(0)
+    trainer = make_trainer(tiny_world, acflow_config(tmp_path, ["critic_steps=1", "critic_clip=1.0", "num_draws=3"]))
+    rollout, _, _ = trainer.collector.sample(0)
     shaped = torch.linspace(-3, 3, len(rollout))
     _constant_critic(trainer, 0.5)
     # the critic regresses the shaped reward: its (first) loss is mean((0.5 - r~)^2)
@@ -85,22 +86,22 @@ def test_critic_targets_and_clipped_advantages(tiny_world, tmp_path):
     assert stats["critic/loss"] == pytest.approx((0.5 - shaped).pow(2).mean().item(), rel=1e-6)
     _constant_critic(trainer, 0.5)
     rows = torch.arange(len(rollout))
-    trainer.weigh_draws(rollout, shaped, rows, epoch=1)  # after the warm-up: the critic's advantages
-    adv = trainer.critic_advantages(rollout, shaped)
+    draws, _ = trainer.weigh_draws(rollout, shaped, rows, epoch=1)  # after the warm-up: the critic's advantages
+    adv = trainer.critic_advantages(rollout, shaped, draws)
     assert adv.shape == (len(rollout), 3) and adv.abs().max() <= 1.0
     assert torch.allclose(adv, (shaped - 0.5).clamp(-1, 1)[:, None].expand(-1, 3))
-    assert torch.allclose(rollout.extras["weights"], critic_weights(adv, "exp_norm", 1.0))
+    assert torch.allclose(draws.weights, critic_weights(adv, "exp_norm", 1.0))
 
 
 def test_warmup_weights_ignore_the_critic(tiny_world, tmp_path):
-    config = acflow_config(tmp_path, ["critic_warmup_epochs=2", "weighting=exp", "beta=0.5"])
+    config = acflow_config(tmp_path, ["critic_warmup_epochs=2", "weight_fn=exp", "temperature=0.5"])
     trainer = make_trainer(tiny_world, config)
-    rollout, _, _ = trainer.sample(0)
+    rollout, _, _ = trainer.collector.sample(0)
     shaped, rows = torch.linspace(-1, 1, len(rollout)), torch.arange(len(rollout))
     for value in (0.0, 3.0):  # whatever the critic says, the warm-up weight is g(r~) = exp(beta r~)
         _constant_critic(trainer, value)
-        trainer.weigh_draws(rollout, shaped, rows, epoch=1)
-        assert torch.allclose(rollout.extras["weights"], torch.exp(0.5 * shaped)[:, None].expand(-1, 2))
+        draws, _ = trainer.weigh_draws(rollout, shaped, rows, epoch=1)
+        assert torch.allclose(draws.weights, torch.exp(0.5 * shaped)[:, None].expand(-1, 2))
 
 
 def test_frozen_warmup_leaves_the_actor_bit_identical(tiny_world, tmp_path):
@@ -119,26 +120,28 @@ def test_frozen_warmup_leaves_the_actor_bit_identical(tiny_world, tmp_path):
 
 def test_reduction_to_orw_cfm_w2(tiny_world, tmp_path):
     """V = 0, g = exp(beta r) on raw rewards, no clipping: exactly ORW-CFM-W2's loss (markerthu/orw-cfm)."""
-    overrides = ["shaping=none", "reward_clip=null", "adv_clip=null", "weighting=exp", "beta=0.5", "alpha=1.0",
-                 "critic_warmup_epochs=0", "critic_steps=0"]  # fmt: skip
+    overrides = ["advantage.estimator=raw", "advantage.clip=null", "critic_clip=null", "weight_fn=exp",
+                 "temperature=0.5", "kl.beta=1.0", "critic_warmup_epochs=0", "critic_steps=0"]  # fmt: skip
     trainer = make_trainer(tiny_world, acflow_config(tmp_path, overrides))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # move the actor off the reference so that the W2 term is not zero
         for p in trainer.policy.model.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=g))
     _constant_critic(trainer, 0.0)
-    rollout, prompts, _ = trainer.sample(0)
+    rollout, prompts, _ = trainer.collector.sample(0)
     raw = torch.rand(len(rollout), generator=g)
-    shaped, _ = trainer.compute_advantages({"digits_alignment": raw}, torch.zeros(len(rollout), dtype=torch.long))
+    shaped, _ = trainer.compute_advantages({"digits_alignment": raw}, torch.zeros(len(rollout), dtype=torch.long),
+                                           [str(p) for p in prompts])  # fmt: skip
     assert torch.equal(shaped, raw)
-    trainer.weigh_draws(rollout, shaped, torch.arange(len(rollout)), epoch=0)
-    steps = torch.ones(len(rollout), dtype=torch.long)  # the second stored draw of every sample
-    loss, metrics = trainer.step_loss(rollout, shaped, steps)
+    draws, _ = trainer.weigh_draws(rollout, shaped, torch.arange(len(rollout)), epoch=0)
+    rollout = dataclasses.replace(rollout, draws=draws)
+    second = torch.ones(len(rollout), 1, dtype=torch.long)  # the second stored draw of every sample
+    loss, metrics = trainer.minibatch_loss(rollout, second, None)
     actor = [p for p in trainer.policy.model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, actor, allow_unused=True)
 
     # ORW-CFM-W2 written out with the policy's own FPO machinery and an independent base model as reference
-    taus, noises = rollout.extras["taus"][:, 1], rollout.extras["noises"][:, 1]
+    taus, noises = draws.taus[:, 1], draws.noises[:, 1]
     x1 = rollout.latents[:, -1]
     velocity = trainer.policy.velocity_fn(rollout, 1)
     reference = tiny_world.policy(forward_batch_size=8).velocity_fn(rollout, 1)
@@ -156,16 +159,17 @@ def test_reduction_to_orw_cfm_w2(tiny_world, tmp_path):
 
 
 def test_w2_term_is_zero_at_the_reference(tiny_world, tmp_path):
-    trainer = make_trainer(tiny_world, acflow_config(tmp_path, ["alpha=1.0"]))
-    rollout, _, _ = trainer.sample(0)
-    trainer.weigh_draws(rollout, torch.linspace(-1, 1, len(rollout)), torch.arange(len(rollout)), epoch=0)
-    steps = torch.zeros(len(rollout), dtype=torch.long)
+    trainer = make_trainer(tiny_world, acflow_config(tmp_path, ["kl.beta=1.0"]))
+    rollout, _, _ = trainer.collector.sample(0)
+    draws, _ = trainer.weigh_draws(rollout, torch.linspace(-1, 1, len(rollout)), torch.arange(len(rollout)), 0)
+    rollout = dataclasses.replace(rollout, draws=draws)
+    first = torch.zeros(len(rollout), 1, dtype=torch.long)
     actor = [p for p in trainer.policy.model.parameters() if p.requires_grad]
-    loss, metrics = trainer.step_loss(rollout, None, steps)
+    loss, metrics = trainer.minibatch_loss(rollout, first, None)
     assert metrics["w2_loss"].item() == 0.0
     with_w2 = torch.autograd.grad(loss, actor, allow_unused=True)
-    trainer.config.alpha = 0.0
-    loss0, metrics0 = trainer.step_loss(rollout, None, steps)
+    trainer.config.kl.beta = 0.0
+    loss0, metrics0 = trainer.minibatch_loss(rollout, first, None)
     assert "w2_loss" not in metrics0 and loss0.item() == loss.item()
     for a, b in zip(with_w2, torch.autograd.grad(loss0, actor, allow_unused=True)):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -173,7 +177,7 @@ def test_w2_term_is_zero_at_the_reference(tiny_world, tmp_path):
 
 def test_velocity_follows_the_policys_velocity_fn(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, acflow_config(tmp_path))
-    rollout, _, _ = trainer.sample(0)
+    rollout, _, _ = trainer.collector.sample(0)
     x, t = torch.randn(rollout.latents[:, -1].shape), torch.rand(len(rollout))
     with torch.no_grad():
         assert torch.allclose(trainer.velocity(rollout, x, t), trainer.policy.velocity_fn(rollout, 1)(x, t), atol=1e-6)
@@ -211,9 +215,15 @@ def test_resume_is_exact_including_the_critic(tiny_world, tmp_path):
 
 def test_config_and_model_checks(tiny_world, unet_pipe, tmp_path):
     with pytest.raises(ConfigError, match="group_size >= 2"):
-        acflow_config(tmp_path, ["shaping=group", "prompts.group_size=1"])
-    with pytest.raises(ConfigError, match="weighting"):
-        acflow_config(tmp_path, ["weighting=identity"])
+        acflow_config(tmp_path, ["advantage.estimator=group", "prompts.group_size=1"])
+    with pytest.raises(ConfigError, match="weight_fn"):
+        acflow_config(tmp_path, ["weight_fn=identity"])
+    with pytest.raises(ConfigError, match="'alpha' was renamed: use kl.beta"):
+        acflow_config(tmp_path, ["alpha=0.5"])
+    with pytest.raises(ConfigError, match="'adv_clip' was renamed: use critic_clip"):
+        acflow_config(tmp_path, ["adv_clip=0.5"])
+    with pytest.raises(ConfigError, match="acflow does not use the objective section"):
+        acflow_config(tmp_path, ["objective.name=gspo"])
     config = acflow_config(tmp_path)
     fns = {"digits_alignment": rewards.get("digits_alignment", classifiers=tiny_world.classifiers)}
     with pytest.raises(ValueError, match="needs a flow-matching"):
@@ -232,11 +242,11 @@ def test_trains_with_lora_on_tiny_sd3_and_flux_pipelines(family, tmp_path):
     pipe = (tiny_sd3 if family == "sd3" else tiny_flux)(seed=1)
     policy = DiffusionPolicy.from_pipeline(pipe, forward_batch_size=2, max_sequence_length=16)
     policy.add_lora(rank=4)
-    overrides = ["sampling.num_steps=2", "sampling.train_batch_size=2", "prompts.prompts_per_epoch=2",
+    overrides = ["sampling.num_steps=2", "sampling.forward_batch_size=2", "prompts.prompts_per_epoch=2",
                  "prompts.group_size=2", "eval.max_prompts=1", "run.epochs=1", "rewards=[{name: brightness}]",
                  "eval.metrics=[]", "critic_warmup_epochs=0", "optim.gradient_accumulation=1"]  # fmt: skip
     config = acflow_config(tmp_path, overrides, sampling={"num_steps": 2, "guidance_scale": 3.5,
-                                                          "train_batch_size": 2, "sampler": "ode"})  # fmt: skip
+                                                          "forward_batch_size": 2, "sampler": "ode"})  # fmt: skip
     trainer = build_trainer(config, policy=policy, reward_fns={"brightness": _brightness}, eval_fns={})
     assert policy.reference_model is None  # LoRA: the reference is the base with its adapter disabled
     names = [n for n, p in policy.model.named_parameters() if p.requires_grad]

@@ -6,25 +6,33 @@ import math
 import pytest
 import torch
 
-from flowrl.config import ConfigError, load_config
-from flowrl.trainers import build_trainer
-from flowrl.trainers.base import EpochStats, seeded
-from flowrl.trainers.dpok import ReplayBuffer, Transitions, step_kl
+from flowrl.config import ConfigError
+from flowrl.policies import Transitions
+from flowrl.trainers import build_trainer, load_config
+from flowrl.trainers.dpok import ReplayBuffer
+from flowrl.trainers.image import step_kl
+from flowrl.trainers.state import seeded
+from flowrl.trainers.update import EpochStats
 
 from .conftest import make_trainer, tiny_config
 
 
-def dpok_config(tmp_path, overrides=(), **top):
+def dpok_config(tmp_path, overrides=(), clip=1e-2, kl=0.1, **top):
     """`tiny_config`'s 2-epoch digits run (4 prompts x 4 samples, 4 steps, CFG 2) at DPOK's tiny sizes.
 
     64 transitions per epoch into a buffer of 48, so the FIFO drops transitions during the run. Weight decay as
     the other trainers' tiny runs: the 1-layer transformer's last context query projection does not reach the
-    output, so only weight decay moves it.
+    output, so only weight decay moves it. `clip` is the clamp's half-width, `kl` the KL's beta (or a dict).
     """
-    tiny = {"clip_eps": 1e-2, "buffer_size": 48, "policy_steps": 2, "policy_batch_size": 8, "value_batch_size": 16,
-            "value_steps": 2, "value_hidden": 16, "optim": {"lr": 1e-3, "gradient_accumulation": 2,
-                                                            "weight_decay": 1e-4}}  # fmt: skip
+    tiny = {"objective": {"clip_eps_low": clip}, "kl": kl if isinstance(kl, dict) else {"beta": kl},
+            "buffer_size": 48, "policy_steps": 2, "policy_batch_size": 8, "value_batch_size": 16, "value_steps": 2,
+            "value_hidden": 16, "optim": {"lr": 1e-3, "gradient_accumulation": 2, "weight_decay": 1e-4}}  # fmt: skip
     return tiny_config("dpok", tmp_path, overrides, **{**tiny, **top})
+
+
+def step_loss(trainer, batch, adv):
+    """DPOK's loss of buffer transitions `batch` with advantages `adv` (alpha applied) and its metrics."""
+    return trainer.minibatch_loss(batch, batch.steps[:, None], trainer.config.reward_weight * adv)
 
 
 def _rows(values):
@@ -44,7 +52,7 @@ def _consistent(t):
 
 def _fresh_batch(trainer, n=11, seed=0):
     """`n` random transitions of one fresh epoch-0 rollout (the trainer's settings set as in `update`)."""
-    rollout, _, _ = trainer.sample(0)
+    rollout, _, _ = trainer.collector.sample(0)
     trainer.settings = rollout
     rewards = torch.linspace(0, 1, len(rollout))
     fresh = trainer.transitions(rollout, rewards, torch.ones(len(rollout), dtype=torch.bool))
@@ -91,7 +99,8 @@ def test_buffer_sampling_is_seeded_distinct_and_round_trips():
     assert sorted(buffer.sample(99, torch.Generator()).steps.tolist()) == list(range(40))  # at most everything
     restored = ReplayBuffer(100)
     restored.load_state_dict(buffer.state_dict())
-    assert all(torch.equal(getattr(restored.data, k), getattr(buffer.data, k)) for k in Transitions.FIELDS)
+    fields = Transitions.per_sample_fields()
+    assert all(torch.equal(getattr(restored.data, k), getattr(buffer.data, k)) for k in fields)
     empty = ReplayBuffer(3)
     empty.load_state_dict({})
     assert len(empty) == 0
@@ -99,7 +108,7 @@ def test_buffer_sampling_is_seeded_distinct_and_round_trips():
 
 def test_transitions_are_every_stochastic_step_of_the_kept_samples(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, dpok_config(tmp_path))
-    rollout, _, _ = trainer.sample(0)
+    rollout, _, _ = trainer.collector.sample(0)
     rewards = torch.arange(16.0) / 16
     keep = torch.ones(16, dtype=torch.bool)
     keep[3] = False  # e.g. a NaN reward
@@ -119,18 +128,20 @@ def test_transitions_are_every_stochastic_step_of_the_kept_samples(tiny_world, t
 
 
 def test_fresh_transitions_rescore_exactly_and_the_kl_starts_at_zero(tiny_world, tmp_path):
-    trainer = make_trainer(tiny_world, dpok_config(tmp_path, kl_weight=0.1))
+    trainer = make_trainer(tiny_world, dpok_config(tmp_path, kl=0.1))
     assert trainer.policy.reference_model is not None  # full fine-tuning: a frozen copy of the base
     batch = _fresh_batch(trainer, n=11)  # 11 random rows of 64: chunks of 8 with padding, any order
-    loss, metrics = trainer.step_loss(batch, torch.ones(11), batch.steps)
-    assert torch.equal(metrics["_ratio"], torch.ones(11))  # bit-exact: rho = 1 before any update
+    loss, metrics = step_loss(trainer, batch, torch.ones(11))
+    assert metrics["ratio_min"] == metrics["ratio_max"] == 1  # bit-exact: rho = 1 before any update
     assert metrics["clipfrac"] == 0 and metrics["kl"] == 0
     assert loss.item() == pytest.approx(-trainer.config.reward_weight)  # -alpha mean(A clamp(1)) with A = 1
+    # one element per transition, at its denoising step: the per-step rows count the steps of the minibatch
+    assert metrics["count_per_step"].tolist() == torch.bincount(batch.steps, minlength=4).float().tolist()
 
 
 def test_value_net_regresses_the_stored_final_rewards(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, dpok_config(tmp_path, value_lr=1e-2, value_steps=1, value_batch_size=32))
-    rollout, _, _ = trainer.sample(0)
+    rollout, _, _ = trainer.collector.sample(0)
     trainer.settings = rollout
     trainer.buffer.push(trainer.transitions(rollout, torch.full((16,), 0.7), torch.ones(16, dtype=torch.bool)))
     # the logged value loss is the MSE of V(x_t, sigma_t, c) to the stored rewards of the sampled transitions
@@ -148,14 +159,14 @@ def test_value_net_regresses_the_stored_final_rewards(tiny_world, tmp_path):
 
 
 def test_clamp_gates_the_gradient_outside_the_band_for_both_signs(tiny_world, tmp_path):
-    trainer = make_trainer(tiny_world, dpok_config(tmp_path, kl_weight=0.0, clip_eps=1e-2))
+    trainer = make_trainer(tiny_world, dpok_config(tmp_path, kl=0.0, clip=1e-2))
     batch = _fresh_batch(trainer, n=8)
     alpha = trainer.config.reward_weight
 
     def grad_norm(shift, sign):
         shifted = batch.select(slice(None))
         shifted.log_probs = batch.log_probs - shift  # rho = exp(shift), exactly, for every transition
-        loss, metrics = trainer.step_loss(shifted, sign * torch.ones(8), batch.steps)
+        loss, metrics = step_loss(trainer, shifted, sign * torch.ones(8))
         assert metrics["ratio_mean"].item() == pytest.approx(math.exp(shift), rel=1e-6)
         return _norm(_grads(trainer, loss))
 
@@ -164,7 +175,7 @@ def test_clamp_gates_the_gradient_outside_the_band_for_both_signs(tiny_world, tm
         assert grad_norm(0.02, sign) == 0 and grad_norm(-0.02, sign) == 0  # outside: no gradient, either sign
     # at rho = 1 the gradient is REINFORCE with the reward weight: -alpha mean(A grad log p)
     adv = torch.linspace(-1, 1, 8)
-    loss, _ = trainer.step_loss(batch, adv, batch.steps)
+    loss, _ = step_loss(trainer, batch, adv)
     out = trainer.policy.score_transitions(trainer.settings, batch.states, batch.next_states, batch.steps,
                                            trainer.conditioning(batch.prompts))  # fmt: skip
     reinforce = -alpha * (adv * out.log_prob).mean()
@@ -173,7 +184,7 @@ def test_clamp_gates_the_gradient_outside_the_band_for_both_signs(tiny_world, tm
 
 
 def test_gaussian_kl_matches_torch_distributions_and_warms_up(tiny_world, tmp_path):
-    trainer = make_trainer(tiny_world, dpok_config(tmp_path, kl_weight=0.5, kl_warmup=1, clip_eps=1e-3))
+    trainer = make_trainer(tiny_world, dpok_config(tmp_path, kl={"beta": 0.5, "warmup_epochs": 1}, clip=1e-3))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # move the policy away from its frozen reference
         for p in trainer.params:
@@ -194,18 +205,20 @@ def test_gaussian_kl_matches_torch_distributions_and_warms_up(tiny_world, tmp_pa
     far = batch.select(slice(None))
     far.log_probs = batch.log_probs - 1.0  # every ratio far outside the clamp: only the KL can have a gradient
     adv = torch.ones(8)
-    trainer.epoch = 0
-    loss0, metrics0 = trainer.step_loss(far, adv, far.steps)
+    trainer.state.epoch = 0
+    loss0, metrics0 = step_loss(trainer, far, adv)
     alpha = trainer.config.reward_weight
-    assert metrics0["kl"] > 0 and loss0.item() == pytest.approx(alpha * metrics0["pg_loss"].item())
+    # far outside the clamp the value is -alpha A (1 - eps) for every row: the objective's part, nothing else
+    assert metrics0["kl"] > 0 and loss0.item() == pytest.approx(metrics0["pg_loss"].item())
+    assert metrics0["pg_loss"].item() == pytest.approx(-alpha * (1 + 1e-3), rel=1e-6)
     assert _norm(_grads(trainer, loss0)) == 0
-    trainer.epoch = 1
-    loss1, metrics1 = trainer.step_loss(far, adv, far.steps)
+    trainer.state.epoch = 1
+    loss1, metrics1 = step_loss(trainer, far, adv)
     assert loss1.item() == pytest.approx(loss0.item() + 0.5 * metrics1["kl"].item(), rel=1e-5)
     kl_grad = _grads(trainer, 0.5 * step_kl("gaussian", trainer.policy.score_transitions(*args), ref).mean())
     for a, b in zip(_grads(trainer, loss1), kl_grad):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
-    assert trainer.kl_coef(0) == 0.0 and trainer.kl_coef(1) == 0.5
+    assert trainer.config.kl.coef(0) == 0.0 and trainer.config.kl.coef(1) == 0.5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +227,7 @@ def test_gaussian_kl_matches_torch_distributions_and_warms_up(tiny_world, tmp_pa
 
 
 def test_two_epoch_run_trains_every_parameter_and_the_value_net(tiny_world, tmp_path):
-    trainer = make_trainer(tiny_world, dpok_config(tmp_path, kl_weight=0.1))
+    trainer = make_trainer(tiny_world, dpok_config(tmp_path, kl=0.1))
     value = trainer.aux["value"][0]
     before = [p.detach().clone() for p in trainer.params]
     value_before = [p.detach().clone() for p in value.parameters()]
@@ -233,7 +246,7 @@ def test_two_epoch_run_trains_every_parameter_and_the_value_net(tiny_world, tmp_
 def test_resume_is_exact_including_the_value_net_and_the_buffer(tiny_world, tmp_path):
     def run(folder, epochs, resume=False):
         # a buffer of 100 > 64 transitions per epoch: the resumed run needs the checkpoint's buffer
-        config = dpok_config(folder, overrides=[f"run.epochs={epochs}"], kl_weight=0.1, buffer_size=100)
+        config = dpok_config(folder, overrides=[f"run.epochs={epochs}"], kl=0.1, buffer_size=100)
         trainer = make_trainer(tiny_world, config)
         trainer.train(resume=resume)
         return trainer
@@ -245,7 +258,7 @@ def test_resume_is_exact_including_the_value_net_and_the_buffer(tiny_world, tmp_
         assert torch.equal(a, b)
     for a, b in zip(straight.aux["value"][0].parameters(), resumed.aux["value"][0].parameters()):
         assert torch.equal(a, b)
-    for name in Transitions.FIELDS:
+    for name in Transitions.per_sample_fields():
         assert torch.equal(getattr(straight.buffer.data, name), getattr(resumed.buffer.data, name)), name
     history = lambda path: [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     a, b = history(tmp_path / "a"), history(tmp_path / "b")
@@ -256,7 +269,12 @@ def test_without_value_the_advantage_is_the_reward(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, dpok_config(tmp_path, overrides=["run.epochs=1"], use_value=False))
     assert trainer.aux == {} and trainer.value_net is None
     record = trainer.train_epoch(0)
-    assert record["advantage_mean"] >= 0 and "value_loss" not in record  # digits alignment lies in [0, 1]
+    # A = r exactly: the logged mean advantage of the sampled transitions is a mean of this epoch's rewards
+    assert "value_loss" not in record and record["advantage_mean"] == pytest.approx(
+        float(record["reward/mean"]), abs=0.2
+    )
+    batch = trainer.buffer.sample(8, seeded(1))
+    assert torch.equal(trainer.advantage(batch), batch.rewards)
 
 
 def test_config_checks(tmp_path):
@@ -264,11 +282,14 @@ def test_config_checks(tmp_path):
         dpok_config(tmp_path, inner_epochs=2)
     with pytest.raises(ConfigError, match="drop_zero_std_groups must be false"):
         dpok_config(tmp_path, drop_zero_std_groups=True)
-    with pytest.raises(ConfigError, match="kl_form"):
-        dpok_config(tmp_path, kl_form="k3")
+    with pytest.raises(ConfigError, match="kl.form 'k3' is not one of dpok's: gaussian, gaussian_dt, eps_mse"):
+        dpok_config(tmp_path, kl={"form": "k3"})
+    with pytest.raises(ConfigError, match="'kl_weight' was renamed: use kl.beta"):
+        dpok_config(tmp_path, kl_weight=0.1)
     defaults = load_config({"trainer": "dpok"})
     assert (defaults.optim.lr, defaults.optim.max_grad_norm, defaults.optim.gradient_accumulation) == (1e-5, 0.1, 12)
-    assert (defaults.reward_weight, defaults.kl_weight, defaults.clip_eps) == (1000, 0.1, 1e-4)
+    assert (defaults.reward_weight, defaults.kl.beta, defaults.objective.clip_eps_low) == (1000, 0.1, 1e-4)
+    assert (defaults.objective.name, defaults.advantage.estimator) == ("clamp", "raw")
     assert (defaults.buffer_size, defaults.policy_steps, defaults.value_batch_size) == (1000, 5, 256)
 
 
@@ -290,13 +311,14 @@ def test_ddim_unet_with_lora(tmp_path):
     config = load_config({
         "trainer": "dpok",
         "sampling": {"num_steps": 3, "guidance_scale": 2.0, "noise_level": 1.0, "sampler": "ddim",
-                     "train_batch_size": 2},
+                     "forward_batch_size": 2},
         "prompts": {"train": prompts, "test": prompts, "prompts_per_epoch": 2, "group_size": 2},
         "rewards": [{"name": "brightness"}],
         "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 2},
         "optim": {"lr": 1e-3, "gradient_accumulation": 2},
         "run": {"epochs": 2, "save_every": 0, "images_every": 0, "log_with": [], "output_dir": str(tmp_path / "run")},
-        "kl_form": "eps_mse", "clip_eps": 1e-2, "policy_steps": 2, "policy_batch_size": 2, "value_batch_size": 8,
+        "kl": {"beta": 0.1, "form": "eps_mse"}, "objective": {"clip_eps_low": 1e-2}, "policy_steps": 2,
+        "policy_batch_size": 2, "value_batch_size": 8,
         "value_hidden": 16,
     })  # fmt: skip
     policy = DiffusionPolicy.from_pipeline(tiny_unet(), forward_batch_size=2)
@@ -305,8 +327,8 @@ def test_ddim_unet_with_lora(tmp_path):
     assert trainer.policy.reference_model is None  # the reference is the UNet with its LoRA disabled
 
     batch = _fresh_batch(trainer, n=5)
-    _, metrics = trainer.step_loss(batch, torch.ones(5), batch.steps)
-    assert torch.equal(metrics["_ratio"], torch.ones(5)) and metrics["kl"] == 0  # exact DDIM re-scoring
+    _, metrics = step_loss(trainer, batch, torch.ones(5))
+    assert metrics["ratio_min"] == metrics["ratio_max"] == 1 and metrics["kl"] == 0  # exact DDIM re-scoring
 
     # eps_mse is the exact Gaussian KL without DDIM's per-step weight w_t (analytic, sec. 5.2 of the notes)
     g = torch.Generator().manual_seed(1)
@@ -324,7 +346,8 @@ def test_ddim_unet_with_lora(tmp_path):
     a_prev = torch.where(prev >= 0, scheduler.alphas_cumprod[prev.clamp(min=0)], scheduler.final_alpha_cumprod)
     s = out.std
     w = ((1 - a_prev - s**2).sqrt() - (a_prev * (1 - a) / a).sqrt()) ** 2 / (2 * s**2)
-    gaussian, mse = step_kl("gaussian", out, ref), step_kl("eps_mse", out, ref, eps, ref_eps)
+    gaussian = step_kl("gaussian", out, ref)
+    mse = step_kl("eps_mse", out, ref, prediction=eps, ref_prediction=ref_eps)
     assert (mse > 0).all()
     torch.testing.assert_close(gaussian, w * mse, rtol=1e-3, atol=1e-9)
 

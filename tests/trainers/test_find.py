@@ -4,18 +4,19 @@ import math
 import pytest
 import torch
 
-from flowrl.config import ConfigError, load_config
-from flowrl.trainers.base import seeded
+from flowrl.config import ConfigError
+from flowrl.trainers import load_config
 from flowrl.trainers.find import FINDNoisePolicy
+from flowrl.trainers.state import seeded
 
 from .conftest import make_trainer, tiny_config
 
 
 def find_config(tmp_path, overrides=(), **top):
-    """`tiny_config`'s world and sizes for FIND (which has no `clip_eps_low`), sampling with the ODE."""
+    """`tiny_config`'s world and sizes for FIND, sampling with the ODE."""
     data = {
         "trainer": "find",
-        "sampling": {"num_steps": 4, "guidance_scale": 2.0, "train_batch_size": 8, "sampler": "ode"},
+        "sampling": {"num_steps": 4, "guidance_scale": 2.0, "forward_batch_size": 8, "sampler": "ode"},
         "prompts": {"prompts_per_epoch": 4, "group_size": 4},
         "eval": {"every": 1, "samples_per_prompt": 2, "max_prompts": 4, "metrics": ["digits_gold"]},
         "optim": {"lr": 1e-2, "gradient_accumulation": 1, "weight_decay": 0.0},
@@ -35,8 +36,8 @@ def _weights(module):
 @pytest.mark.parametrize("old_policy", ["prior", "previous"])
 def test_noise_policy_starts_at_the_prior_with_ratio_exactly_one(tiny_world, tmp_path, variant, old_policy):
     trainer = make_trainer(tiny_world, find_config(tmp_path, [f"noise_policy={variant}", f"old_policy={old_policy}"]))
-    rollout, prompts, _ = trainer.sample(0)
-    z, condition = rollout.extras["z"], rollout.extras["condition"]
+    rollout, prompts, _ = trainer.collector.sample(0)
+    z, condition = rollout.noise.z, rollout.noise.condition
     # at the prior z_T is exactly the noise the base model would have drawn for this epoch
     base_noise = trainer.policy.adapter.initial_latents(len(prompts), 8, 8, seeded(trainer.config.run.seed, 0, 2, 0))
     assert torch.equal(z, base_noise.float())
@@ -44,14 +45,15 @@ def test_noise_policy_starts_at_the_prior_with_ratio_exactly_one(tiny_world, tmp
     # hand-computed N(0, I) log-density, averaged over the 64 latent elements
     expected = -(z**2).flatten(1).mean(-1) / 2 - 0.5 * math.log(2 * math.pi)
     assert torch.allclose(log_prob, expected, atol=1e-6)
-    assert torch.equal(log_prob, rollout.extras["old_log_prob"]) and torch.equal(regulariser, torch.zeros(len(z)))
+    assert torch.equal(log_prob, rollout.noise.log_probs) and torch.equal(regulariser, torch.zeros(len(z)))
     adv = torch.linspace(-1, 1, len(z))
-    loss, metrics = trainer.step_loss(rollout, adv, torch.zeros(len(z), dtype=torch.long))
-    assert torch.equal(metrics["_ratio"], torch.ones(len(z))) and metrics["clipfrac"] == 0
+    zeros = torch.zeros(len(z), 1, dtype=torch.long)
+    loss, metrics = trainer.minibatch_loss(rollout, zeros, adv)
+    assert metrics["ratio_min"] == metrics["ratio_max"] == 1 and metrics["clipfrac"] == 0
     assert loss.item() == pytest.approx(-adv.mean().item(), abs=1e-7)  # -A clamp(1) + 0.01 * 0
     minibatch = torch.randperm(len(z), generator=torch.Generator().manual_seed(0))[:5]  # any rows, any order
-    _, metrics = trainer.step_loss(rollout.select(minibatch), adv[minibatch], torch.zeros(5, dtype=torch.long))
-    assert torch.equal(metrics["_ratio"], torch.ones(5))
+    _, metrics = trainer.minibatch_loss(rollout.select(minibatch), zeros[:5], adv[minibatch])
+    assert metrics["ratio_min"] == metrics["ratio_max"] == 1
 
 
 @pytest.mark.parametrize("variant", ["per_prompt", "conditioned"])
@@ -62,13 +64,15 @@ def test_previous_policy_ratio_is_one_for_any_minibatch_after_training(tiny_worl
     before = _weights(trainer.noise_policy)
     trainer.train()
     assert all(not torch.equal(a, b) for a, b in zip(before, _weights(trainer.noise_policy)))  # left the prior
-    rollout, _, _ = trainer.sample(1)
+    rollout, _, _ = trainer.collector.sample(1)
     for rows in (torch.arange(8), torch.tensor([13, 2, 7, 0, 9]), torch.tensor([5])):
-        _, metrics = trainer.step_loss(rollout.select(rows), torch.ones(len(rows)), torch.zeros(len(rows), dtype=int))
+        zeros = torch.zeros(len(rows), 1, dtype=torch.long)
+        _, metrics = trainer.minibatch_loss(rollout.select(rows), zeros, torch.ones(len(rows)))
+        low, high = metrics["ratio_min"].item(), metrics["ratio_max"].item()
         if variant == "per_prompt":
-            assert torch.equal(metrics["_ratio"], torch.ones(len(rows)))
+            assert low == high == 1
         else:
-            assert torch.allclose(metrics["_ratio"], torch.ones(len(rows)), rtol=0, atol=1e-6)
+            assert abs(low - 1) <= 1e-6 and abs(high - 1) <= 1e-6
 
 
 def test_regulariser_proxy_and_exact_kl_hand_values():
@@ -92,24 +96,25 @@ def test_regulariser_proxy_and_exact_kl_hand_values():
 
 def test_calibrated_advantages_and_calibration_targets(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, find_config(tmp_path, ["calibration_steps=1", "noise_policy=conditioned"]))
-    rollout, _, _ = trainer.sample(0)
+    rollout, _, _ = trainer.collector.sample(0)
     net, _ = trainer.aux["calibration"]
     with torch.no_grad():  # V = 0.25 everywhere before the calibration step
         net.net[-1].weight.zero_()
         net.net[-1].bias.fill_(0.25)
     rewards = torch.linspace(0, 1, len(rollout))
-    condition, text = rollout.extras["condition"], rollout.extras["text"]
+    condition, text = rollout.noise.condition, rollout.noise.text
     with torch.no_grad():
         mean, std = trainer.noise_policy.params(condition)
-    rollout.extras["row"] = torch.arange(len(rollout))  # to find each minibatch's samples
     seen = torch.full((len(rollout),), float("nan"))
-    step_loss = trainer.step_loss
+    train_minibatch = trainer.train_minibatch
 
-    def recording(batch, adv, steps):
-        seen[batch.extras["row"]] = adv
-        return step_loss(batch, adv, steps)
+    def recording(batch, index, adv, *, scale):
+        # the rows of a minibatch: its z match the rollout's (each sample has its own noise)
+        rows = [int((rollout.noise.z == z).flatten(1).all(1).nonzero()) for z in batch.noise.z]
+        seen[rows] = adv
+        return train_minibatch(batch, index, adv, scale=scale)
 
-    trainer.step_loss = recording
+    trainer.train_minibatch = recording
     stats = trainer.update(rollout, rewards, torch.ones(len(rollout), dtype=torch.bool), 0)
     # the calibration step regressed V onto the observed rewards: its loss is mean((0.25 - r)^2)
     assert stats["calibration/loss"] == pytest.approx((0.25 - rewards).pow(2).mean().item(), rel=1e-5)
@@ -127,7 +132,7 @@ def test_sigma_is_clamped_after_every_optimizer_step(tiny_world, tmp_path):
         group["lr"] = 10.0  # an adversarial step: sigma 1 -> about -9
     policy.mean.grad = torch.zeros_like(policy.mean)
     policy.std.grad = torch.ones_like(policy.std)
-    trainer._optimizer_step()
+    trainer.optimizer_step()
     assert torch.equal(policy.std, torch.full_like(policy.std, 0.01))
     assert torch.isfinite(policy.log_prob(torch.zeros(1, 1, 8, 8), torch.zeros(1, dtype=torch.long))).all()
 
@@ -163,7 +168,7 @@ def test_noise_mean_moves_towards_a_rewarded_direction(tiny_world, tmp_path):
     def brightness(images, prompts, **_):
         return images.float().mean(dim=(1, 2, 3))
 
-    config = find_config(tmp_path, ["run.epochs=4", "run.save_every=0", "run.images_every=0", "kl_weight=0"])
+    config = find_config(tmp_path, ["run.epochs=4", "run.save_every=0", "run.images_every=0", "kl.beta=0"])
     trainer = make_trainer(tiny_world, config, reward_fns={"digits_alignment": brightness})
     trainer.train()
     history = trainer.log.history
@@ -190,6 +195,10 @@ def test_config_checks():
         find_config(None, ["model.lora_rank=4"])
     with pytest.raises(ConfigError, match="noise_policy"):
         find_config(None, ["noise_policy=table"])
+    with pytest.raises(ConfigError, match="find does not use the steps section"):
+        find_config(None, ["steps.selection=all"])
+    with pytest.raises(ConfigError, match="kl.form 'gaussian_dt' is not one of find's: proxy, gaussian"):
+        find_config(None, ["kl.form=gaussian_dt"])
 
 
 def _brightness(images, prompts, **_):
@@ -204,7 +213,7 @@ def test_trains_on_tiny_sd3_and_flux_pipelines(family, tmp_path):
 
     pipe = (tiny_sd3 if family == "sd3" else tiny_flux)(seed=1)
     policy = DiffusionPolicy.from_pipeline(pipe, forward_batch_size=2, max_sequence_length=16)
-    overrides = ["sampling.num_steps=2", "sampling.train_batch_size=2", "prompts.prompts_per_epoch=2",
+    overrides = ["sampling.num_steps=2", "sampling.forward_batch_size=2", "prompts.prompts_per_epoch=2",
                  "prompts.group_size=2", "eval.max_prompts=1", "run.epochs=1", "rewards=[{name: brightness}]",
                  "eval.metrics=[]", "noise_policy=conditioned"]  # fmt: skip
     config = find_config(tmp_path, overrides)

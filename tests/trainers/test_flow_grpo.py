@@ -7,8 +7,8 @@ from .conftest import make_trainer, tiny_config
 
 
 def test_per_prompt_advantages_use_the_batch_then_each_prompts_history(tiny_world, tmp_path):
-    config = tiny_config("flow_grpo", tmp_path, overrides=["advantage=per_prompt", "tracker_buffer=3",
-                                                           "tracker_min_count=3", "adv_clip=null"])  # fmt: skip
+    overrides = ["advantage.estimator=per_prompt", "advantage.buffer_size=3", "advantage.min_count=3"]
+    config = tiny_config("flow_grpo", tmp_path, overrides=overrides)
     trainer = make_trainer(tiny_world, config)
     r = {"digits_alignment": torch.tensor([1.0, 3.0, 0.0, 4.0])}
     adv, _ = trainer.compute_advantages(r, torch.tensor([0, 0, 1, 1]), ["a", "a", "b", "b"])
@@ -19,30 +19,34 @@ def test_per_prompt_advantages_use_the_batch_then_each_prompts_history(tiny_worl
     # buffers now a: [1, 3, 5] (mean 3, std sqrt(8/3)) and b: [0, 4, 8] (mean 4, std sqrt(32/3))
     expected = torch.tensor([(5 - 3) / ((8 / 3) ** 0.5 + 1e-4), (8 - 4) / ((32 / 3) ** 0.5 + 1e-4)])
     assert torch.allclose(adv, expected)
-    assert list(trainer.tracker.buffers["a"]) == [1.0, 3.0, 5.0]
+    assert list(trainer.advantages.tracker.buffers["a"]) == [1.0, 3.0, 5.0]
 
 
 def test_per_prompt_tracker_is_checkpointed_and_resume_is_exact(tiny_world, tmp_path):
-    args = ["advantage=per_prompt", "tracker_buffer=8", "tracker_min_count=4"]
+    args = ["advantage.estimator=per_prompt", "advantage.buffer_size=8", "advantage.min_count=4"]
     straight = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "a", overrides=[*args, "run.epochs=3"]))
     straight.train()
     make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "b", overrides=[*args, "run.epochs=2"])).train()
     resumed = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "b", overrides=[*args, "run.epochs=3"]))
     resumed.train(resume=True)
-    assert resumed.tracker.state_dict() == straight.tracker.state_dict()
+    assert resumed.advantages.tracker.state_dict() == straight.advantages.tracker.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(straight.params, resumed.params))
     # a group-advantage run cannot silently resume a tracker run's checkpoint the other way round
     other = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "c", overrides=[*args, "run.epochs=1"]))
     state, tensors = straight.state_dict()
-    del state["adv_tracker"]
+    del state["advantage"]
     with pytest.raises(CheckpointError, match="per-prompt tracker"):
         other.load_state_dict(state, tensors)
 
 
 def test_per_prompt_config_errors(tmp_path):
     with pytest.raises(ValueError, match="reward_aggregation must be 'sum'"):
-        tiny_config("flow_grpo", tmp_path, overrides=["advantage=per_prompt"], reward_aggregation="gdpo")
-    with pytest.raises(ValueError, match="tracker_min_count <= tracker_buffer"):
-        tiny_config("flow_grpo", tmp_path, overrides=["advantage=per_prompt", "tracker_min_count=32"])
-    with pytest.raises(ValueError, match="advantage"):
-        tiny_config("flow_grpo", tmp_path, overrides=["advantage=running"])
+        tiny_config("flow_grpo", tmp_path, overrides=["advantage.estimator=per_prompt"], reward_aggregation="gdpo")
+    with pytest.raises(ValueError, match="min_count <= buffer_size"):
+        tiny_config("flow_grpo", tmp_path, overrides=["advantage.estimator=per_prompt", "advantage.min_count=32"])
+    with pytest.raises(ValueError, match="invalid value 'running' for advantage.estimator"):
+        tiny_config("flow_grpo", tmp_path, overrides=["advantage.estimator=running"])
+    with pytest.raises(ValueError, match="advantage is a section: write advantage.estimator: per_prompt"):
+        tiny_config("flow_grpo", tmp_path, overrides=["advantage=per_prompt"])
+    with pytest.raises(ValueError, match=r"'tracker_buffer' was renamed: use advantage.buffer_size"):
+        tiny_config("flow_grpo", tmp_path, overrides=["tracker_buffer=3"])

@@ -1,0 +1,124 @@
+"""Collecting an epoch of images: prompts, sharded sampling, rewards scored (overlapped with sampling).
+
+`ImageCollector` is the image modality's collector: the epoch's m x k prompts (the same list on every
+process, drawn from `(seed, epoch)`), this process's contiguous share sampled by the trainer's
+`sample_part`, optionally in parts whose rewards are scored on threads while the next part samples. The
+reward models themselves (`flowrl.trainers.scoring.Rewards`) serve every modality; a text or control
+collector brings its own sampling and reuses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+
+from flowrl.policies.diffusion import DiffusionRollout
+from flowrl.rewards import RewardExecutor, check_output
+from flowrl.trainers.scoring import Rewards, texts_and_metadata
+from flowrl.trainers.state import Processes, seeded
+
+
+@dataclasses.dataclass
+class Collected:
+    """One epoch's samples and rewards."""
+
+    rollout: DiffusionRollout
+    """This process's samples."""
+    prompts: list
+    """The epoch's prompts, every process's (`[N]`)."""
+    local: slice
+    """This process's rows of `prompts`."""
+    rewards: dict[str, torch.Tensor]
+    """Reward name -> `[N]` scores of every process's samples."""
+    times: dict[str, float]
+    """Seconds spent sampling and then waiting for the rewards."""
+
+
+class ImageCollector:
+    """An epoch of images and their rewards.
+
+    Args:
+        sample_part (`Callable`): `sample_part(texts, generator) -> DiffusionRollout`: one sampling call.
+        rewards (`Rewards`): the training rewards.
+        processes (`Processes`): this process's share.
+        train_prompts (`list`): the training prompt set (`flowrl.prompts.Prompt`s).
+        prompts_per_epoch, group_size (`int`): m distinct prompts per epoch, k samples each.
+        seed (`int`): `run.seed`.
+        reward_overlap (`int`): sample in this many parts, scoring each finished part while the next samples.
+    """
+
+    def __init__(self, *, sample_part: Callable[[list[str], torch.Generator], DiffusionRollout], rewards: Rewards,
+                 processes: Processes, train_prompts: list, prompts_per_epoch: int, group_size: int, seed: int,
+                 reward_overlap: int = 1):  # fmt: skip
+        if not train_prompts:
+            raise ValueError("the training prompt set is empty")
+        self.sample_part, self.rewards, self.processes = sample_part, rewards, processes
+        self.train_prompts, self.m, self.k = train_prompts, prompts_per_epoch, group_size
+        self.seed, self.reward_overlap = seed, reward_overlap
+
+    def epoch_prompts(self, epoch: int) -> list:
+        """This epoch's m prompts, each repeated k times (the same list on every process)."""
+        g = seeded(self.seed, epoch, 1)
+        order = torch.randperm(len(self.train_prompts), generator=g).tolist()
+        while len(order) < self.m:  # fewer prompts than m: cycle through a reshuffle
+            order += torch.randperm(len(self.train_prompts), generator=g).tolist()
+        return [self.train_prompts[i] for i in order[: self.m] for _ in range(self.k)]
+
+    def sample(self, epoch: int, on_part=None) -> tuple[DiffusionRollout, list, slice]:
+        """Rollout of this process's share of the epoch's prompts; returns `(rollout, prompts, local)`.
+
+        The share is sampled in `reward_overlap` parts (each from its own seeded noise stream), and
+        `on_part(part, part_prompts)` runs after each.
+        """
+        prompts = self.epoch_prompts(epoch)
+        local = self.processes.local_slice(len(prompts))
+        mine = prompts[local]
+        n = min(self.reward_overlap, len(mine))
+        bounds = [len(mine) * i // n for i in range(n + 1)]
+        parts = []
+        for i in range(n):
+            rows = slice(bounds[i], bounds[i + 1])
+            stream = (i,) if n > 1 else ()  # n = 1 keeps the single-call stream
+            generator = seeded(self.seed, epoch, 2, self.processes.rank, *stream)
+            part = self.sample_part([str(p) for p in mine[rows]], generator)
+            if on_part is not None:
+                on_part(part, mine[rows])
+            parts.append(part)
+        rollout = parts[0] if n == 1 else DiffusionRollout.cat(parts)
+        return rollout, prompts, local
+
+    def collect(self, epoch: int) -> Collected:
+        """`sample` and the gathered rewards of its images, scored while sampling when `reward_overlap` > 1."""
+        start = time.time()
+        if self.reward_overlap == 1:
+            rollout, prompts, local = self.sample(epoch)
+            sampled = time.time()
+            rewards = self.rewards.score(rollout.images, prompts[local])
+        else:
+            rollout, prompts, local, rewards, sampled = self._collect_overlapped(epoch)
+        times = {"time/sample_s": sampled - start, "time/reward_s": time.time() - sampled}
+        return Collected(rollout, prompts, local, rewards, times)
+
+    def _collect_overlapped(self, epoch: int):
+        """`sample` in parts, each part's rewards scored on one thread per reward while later parts sample."""
+        executors = {name: RewardExecutor(fn, max_workers=1) for name, fn in self.rewards.fns.items()}
+        pending = []  # (rows in the part, {name: Future})
+
+        def submit(part, part_prompts):
+            texts, metadata = texts_and_metadata(part_prompts)
+            pending.append((len(texts), {name: ex.submit(part.images, texts, **metadata)
+                                         for name, ex in executors.items()}))  # fmt: skip
+
+        try:
+            rollout, prompts, local = self.sample(epoch, on_part=submit)
+            sampled = time.time()
+            local_scores = {name: torch.cat([check_output(name, futures[name].result(), rows)
+                                             for rows, futures in pending]) for name in executors}  # fmt: skip
+        finally:
+            for ex in executors.values():
+                ex.shutdown(wait=True)
+        rewards = {name: self.processes.gather(v) for name, v in local_scores.items()}
+        return rollout, prompts, local, rewards, sampled

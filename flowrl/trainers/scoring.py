@@ -1,0 +1,60 @@
+"""The run's reward models, for every modality: scored on this process, gathered, checked, combined."""
+
+from __future__ import annotations
+
+import torch
+
+from flowrl.rewards import check_output
+from flowrl.rewards.multi import weighted_sum
+from flowrl.trainers.state import Processes
+
+
+def texts_and_metadata(prompts: list) -> tuple[list[str], dict[str, list]]:
+    """Prompt texts and their metadata as per-sample lists (`Prompt` objects or plain strings)."""
+    texts = [str(p) for p in prompts]
+    keys = dict.fromkeys(k for p in prompts for k in getattr(p, "metadata", {}))
+    return texts, {k: [getattr(p, "metadata", {}).get(k) for p in prompts] for k in keys}
+
+
+class Rewards:
+    """The run's training rewards: scored per process, gathered, checked and combined.
+
+    Args:
+        fns (`dict[str, Callable]`): reward name -> `reward(outputs, prompts, **metadata) -> [B]`.
+        weights (`dict[str, float]`): reward name -> weight in the combined reward (0: logged only).
+        processes (`Processes`): for gathering.
+        max_bad_frac (`float`): an epoch with more NaN/inf rewards than this fraction aborts.
+    """
+
+    def __init__(self, fns: dict, weights: dict[str, float], processes: Processes, max_bad_frac: float = 0.1):
+        unknown = sorted(set(weights) - set(fns))
+        if unknown:
+            raise ValueError(f"no reward function for {unknown}")
+        self.fns, self.weights, self.processes, self.max_bad_frac = fns, weights, processes, max_bad_frac
+
+    def score(self, outputs, prompts: list, fns: dict | None = None) -> dict[str, torch.Tensor]:
+        """Each reward on this process's outputs (prompt metadata as keyword arguments), gathered: `{name: [N]}`."""
+        texts, metadata = texts_and_metadata(prompts)
+        return {name: self.processes.gather(check_output(name, fn(outputs, texts, **metadata), len(texts)))
+                for name, fn in (fns or self.fns).items()}  # fmt: skip
+
+    def combined(self, rewards: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The weighted sum of the training rewards."""
+        return weighted_sum(rewards, self.weights, len(next(iter(rewards.values()))))
+
+    def check(self, rewards: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """Valid-sample mask (finite under every reward) and counts; aborts past `max_bad_frac`."""
+        valid = torch.ones_like(next(iter(rewards.values())), dtype=torch.bool)
+        bad = {}
+        for name, r in rewards.items():
+            finite = torch.isfinite(r)
+            bad[name] = int((~finite).sum())
+            valid &= finite
+        frac = 1 - valid.float().mean().item()
+        if frac > self.max_bad_frac:
+            detail = ", ".join(f"{name}: {count}" for name, count in bad.items() if count)
+            raise RuntimeError(
+                f"{frac:.0%} of this epoch's rewards are NaN/inf ({detail} of {len(valid)} samples), more than "
+                f"run.max_bad_reward_frac={self.max_bad_frac}; check the reward model(s)"
+            )
+        return valid, {"bad_rewards": int((~valid).sum()), **{f"bad_rewards/{k}": v for k, v in bad.items() if v}}

@@ -23,6 +23,7 @@ from flowrl.core.kl import (
     velocity_mse,
 )
 from flowrl.core.objectives import (
+    IMAGE_SCALE,
     OBJECTIVES,
     Objective,
     Surrogate,
@@ -48,6 +49,7 @@ from flowrl.core.steps import (
 
 __all__ = [
     "ADVANTAGES",
+    "IMAGE_SCALE",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "OBJECTIVES",

@@ -40,14 +40,16 @@ class Surrogate(NamedTuple):
         value (`torch.Tensor`): loss value `v[B, K]` (to be minimised).
         coef (`torch.Tensor`): `dv/dx[B, K]`, the derivative with respect to the log-ratio.
         clipped_high (`torch.Tensor`): bool `[B, K]`, the upper trust-region bound is binding.
-        clipped_low (`torch.Tensor`): bool `[B, K]`, the lower trust-region bound is binding (disjoint from
-            `clipped_high`, so that `clipfrac = clipfrac_high + clipfrac_low`).
+        clipped_low (`torch.Tensor`): bool `[B, K]`, the lower trust-region bound is binding.
+        clipped_dual (`torch.Tensor`, *optional*): bool `[B, K]`, the dual clip's cap is binding (A < 0, r > c).
+            The three are disjoint, so `clipfrac = clipfrac_high + clipfrac_low + clipfrac_dual`.
     """
 
     value: torch.Tensor
     coef: torch.Tensor
     clipped_high: torch.Tensor
     clipped_low: torch.Tensor
+    clipped_dual: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class Objective:
     """Hyper-parameters the surrogate takes (cached at registration)."""
     needs_logp: bool = False
     """Whether the surrogate's value depends on `log pi_theta` itself (CISPO), not only on the ratio."""
+    image_hparams: dict[str, Any] = field(default_factory=dict)
+    """Defaults for image policies, whose log-probs are means over latent elements (see `register_objective`);
+    image trainers use them for every hyper-parameter the user does not set."""
     elementwise: bool = True
     """Whether each element's loss depends on that element's inputs alone (PPO, GRPO-Guard). False when the
     log-ratio couples the K axis (GSPO's sequence ratio): a loop that splits K must then fix the coefficients
@@ -93,6 +98,7 @@ def register_objective(
     agg: str = "token_mean",
     description: str | None = None,
     elementwise: bool | None = None,
+    image: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Objective:
     """Register an objective under `name`.
@@ -107,6 +113,10 @@ def register_objective(
         description (`str`, *optional*): one line for `flowrl list`; defaults to the surrogate's docstring.
         elementwise (`bool`, *optional*): whether element `(i, t)`'s loss depends on element `(i, t)`'s inputs
             only; defaults to True for the identity log-ratio and False for any other estimator.
+        image (`dict`, *optional*): image-scale defaults. An image policy's per-step log-prob is a mean over its
+            D latent elements, so its ratios sit far closer to 1 than a token's: trust-region widths shrink and
+            temperatures grow by the factor that maps PPO's text clip 0.2 to Flow-GRPO's image clip 1e-4
+            (SD3.5 at 512 px), `IMAGE_SCALE` = 5e-4. Hyper-parameters not listed keep their defaults.
         **overrides: hyper-parameter defaults that differ from the surrogate's (presets such as `dapo`).
     """
     if agg not in AGGREGATIONS:
@@ -122,6 +132,9 @@ def register_objective(
         if key not in params:
             raise unknown_name_error("hyper-parameter", key, list(params), where=f"for objective {name!r}")
     params.update(overrides)
+    for key in image or {}:
+        if key not in params:
+            raise unknown_name_error("hyper-parameter", key, list(params), where=f"for objective {name!r} (image)")
     required = tuple(k for k, v in params.items() if v is inspect.Parameter.empty)
     defaults = {k: v for k, v in params.items() if v is not inspect.Parameter.empty}
     objective = Objective(
@@ -136,6 +149,7 @@ def register_objective(
         ratio_params=tuple(ratio_params),
         surrogate_params=tuple(surrogate_params),
         needs_logp=needs_logp,
+        image_hparams=dict(image or {}),
         elementwise=elementwise,
     )
     OBJECTIVES.register(name, objective, description=objective.description)
@@ -219,7 +233,7 @@ def ppo_clip(ratio, adv, *, clip_eps_low: float = 0.2, clip_eps_high: float | No
     value = torch.where(binding, -adv * ratio.clamp(low, high), unclipped)
     coef = torch.where(binding, 0.0, unclipped)  # dl/dlog r = -A r on the unclipped branch
     value, coef, dual = _dual_clip(value, coef, adv, dual_clip_c)
-    return Surrogate(value, coef, clipped_high, clipped_low | dual)
+    return Surrogate(value, coef, clipped_high, clipped_low, dual)
 
 
 def gppo(
@@ -248,7 +262,7 @@ def gppo(
     value = torch.where(clipped_high, preserved_high, torch.where(clipped_low, preserved_low, unclipped))
     coef = value.clone()  # in every region the value is linear in r / sg(r), so d/dlog r = value
     value, coef, dual = _dual_clip(value, coef, adv, dual_clip_c)
-    return Surrogate(value, coef, clipped_high, clipped_low | dual)
+    return Surrogate(value, coef, clipped_high, clipped_low, dual)
 
 
 def clamp(ratio, adv, *, clip_eps_low: float = 1e-4, clip_eps_high: float | None = None):
@@ -326,12 +340,20 @@ def cispo(ratio, adv, *, logp, clip_eps_low: float | None = None, clip_eps_high:
 # the registry: presets pin the published defaults
 # ----------------------------------------------------------------------------------------------
 
-register_objective("ppo", ppo_clip, agg="token_mean")
+IMAGE_SCALE = 5e-4
+"""Trust-region scale of image policies: Flow-GRPO's clip range 1e-4 for SD3.5 at 512 px (element-mean log-probs
+over 65,536 latent elements) over PPO's 0.2 for tokens. Image defaults multiply widths by it and divide
+temperatures by it; the digits world (64 pixels) sits about 10x wider (its recipes clip at 1e-3)."""
+
+_IMAGE_CLIP = 0.2 * IMAGE_SCALE  # 1e-4
+
+register_objective("ppo", ppo_clip, agg="token_mean", image={"clip_eps_low": _IMAGE_CLIP})
 register_objective(
     "grpo",
     ppo_clip,
     agg="seq_mean_token_mean",
     description="GRPO: PPO-clip (eps 0.2) averaged per sequence then over sequences (arXiv:2402.03300 eq. 3)",
+    image={"clip_eps_low": _IMAGE_CLIP},
 )
 register_objective(
     "dapo",
@@ -339,12 +361,14 @@ register_objective(
     agg="token_mean",
     clip_eps_high=0.28,
     description="DAPO: clip-higher PPO (eps 0.2 / 0.28) with token-mean aggregation (arXiv:2503.14476 sec. 3.1, 3.3)",
+    image={"clip_eps_low": _IMAGE_CLIP, "clip_eps_high": 0.28 * IMAGE_SCALE},
 )
 register_objective(
     "dr_grpo",
     ppo_clip,
     agg="seq_mean_token_sum_norm",
     description="Dr.GRPO: PPO-clip summed per sequence over a constant length L (arXiv:2503.20783 sec. 3)",
+    image={"clip_eps_low": _IMAGE_CLIP},
 )
 register_objective(
     "gspo",
@@ -355,12 +379,17 @@ register_objective(
     clip_eps_low=3e-4,
     clip_eps_high=4e-4,
     description="GSPO: PPO-clip on the sequence geometric-mean ratio (images: over trained steps) (arXiv:2507.18071)",
+    # an image trajectory's log-ratio is the mean of ~10 per-step log-ratios with independent noise: its spread is
+    # about 1/3 of a step's, so a third of the per-step image clip, with GSPO's 3:4 asymmetry
+    image={"clip_eps_low": 3e-5, "clip_eps_high": 4e-5},
 )
-register_objective("sapo", sapo, agg="seq_mean_token_mean")
-register_objective("cispo", cispo, agg="token_mean")
-register_objective("spo", spo, agg="token_mean")
-register_objective("gppo", gppo, agg="token_mean")
-register_objective("clamp", clamp, agg="token_mean")
+register_objective("sapo", sapo, agg="seq_mean_token_mean",
+                   image={"tau_pos": 1.0 / IMAGE_SCALE, "tau_neg": 1.05 / IMAGE_SCALE})  # fmt: skip
+register_objective("cispo", cispo, agg="token_mean", image={"clip_eps_high": 4.0 * IMAGE_SCALE})
+register_objective("spo", spo, agg="token_mean", image={"eps": 0.2 * IMAGE_SCALE})
+register_objective("gppo", gppo, agg="token_mean",
+                   image={"clip_eps_low": _IMAGE_CLIP, "clip_eps_high": 0.28 * IMAGE_SCALE})  # fmt: skip
+register_objective("clamp", clamp, agg="token_mean", image={"clip_eps_low": _IMAGE_CLIP})
 register_objective("reinforce", reinforce, agg="token_mean")
 register_objective(
     "grpo_guard",
@@ -370,6 +399,7 @@ register_objective(
     agg="token_mean",
     clip_eps_low=2e-6,
     description="GRPO-Guard: PPO-clip (eps 2e-6) on the RatioNorm-ed per-step log-ratio (arXiv:2510.22319 sec. 3)",
+    image={"clip_eps_low": 2e-6},
 )
 
 
@@ -410,7 +440,8 @@ def compute_policy_loss(
 
     Returns:
         `(loss, metrics)`: a scalar loss (fp32, or fp64 for fp64 inputs) and detached tensors:
-        `clipfrac`, `clipfrac_high`, `clipfrac_low`, `ratio_mean`, `ratio_std`, `ratio_min`, `ratio_max`,
+        `clipfrac` (= high + low + dual), `clipfrac_high`, `clipfrac_low`, `clipfrac_dual`, `ratio_mean`,
+        `ratio_std`, `ratio_min`, `ratio_max`,
         `approx_kl_k3` (k3 estimate of KL(pi_old || pi_theta) from the element log-ratios) and, when
         K <= 64, per-step rows `[K]` over the masked elements of each column: `ratio_mean_per_step`,
         `ratio_std_per_step`, `clipfrac_per_step` (the ratio the objective uses: GSPO's sequence ratio,
@@ -479,9 +510,11 @@ def _metrics(ratio, terms: Surrogate, log_ratio, mask, fmask) -> dict[str, torch
     dtype = ratio.dtype
     shifted = ratio - 1  # around 1, E[(r-1)^2] - (E[r]-1)^2 keeps its digits in fp32
     lr = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    dual = terms.clipped_dual if terms.clipped_dual is not None else torch.zeros_like(terms.clipped_low)
     rows = [
         terms.clipped_high.to(dtype),
         terms.clipped_low.to(dtype),
+        dual.to(dtype),
         shifted,
         shifted * shifted,
         # k3 = (rho - 1) - log rho with rho = pi_theta / pi_old on samples from pi_old (Schulman 2020)
@@ -490,20 +523,21 @@ def _metrics(ratio, terms: Surrogate, log_ratio, mask, fmask) -> dict[str, torch
     per_step_wanted = ratio.shape[-1] <= PER_STEP_METRICS_MAX_K
     if per_step_wanted:
         raw_shifted = torch.expm1(lr)  # the plain element ratio - 1
-        per_step = (torch.stack([*rows, raw_shifted, raw_shifted * raw_shifted]) * fmask).sum(1)  # [7, K]
+        per_step = (torch.stack([*rows, raw_shifted, raw_shifted * raw_shifted]) * fmask).sum(1)  # [8, K]
         count_per_step = fmask.sum(0)  # [K]
-        sums, count = per_step[:5].sum(1), count_per_step.sum()
+        sums, count = per_step[:6].sum(1), count_per_step.sum()
     else:
         flat = fmask.flatten()
         sums, count = torch.stack([torch.dot(row.flatten(), flat) for row in rows]), flat.sum()
     # clamp: an all-masked batch reports zeros, not NaN
-    clip_high, clip_low, mean_shift, mean_sq, k3 = (sums / count.clamp_min(1.0)).unbind()
+    clip_high, clip_low, clip_dual, mean_shift, mean_sq, k3 = (sums / count.clamp_min(1.0)).unbind()
     ratio_mean = mean_shift + 1
     lo_hi = torch.aminmax(torch.where(mask, ratio, ratio_mean))  # padding takes the mean: between min and max
     metrics = {
-        "clipfrac": clip_high + clip_low,
+        "clipfrac": clip_high + clip_low + clip_dual,
         "clipfrac_high": clip_high,
         "clipfrac_low": clip_low,
+        "clipfrac_dual": clip_dual,
         "ratio_mean": ratio_mean,
         "ratio_std": torch.addcmul(mean_sq, mean_shift, mean_shift, value=-1).clamp_min(0.0).sqrt(),
         "ratio_min": lo_hi.min,
@@ -511,11 +545,12 @@ def _metrics(ratio, terms: Surrogate, log_ratio, mask, fmask) -> dict[str, torch
         "approx_kl_k3": k3,
     }
     if per_step_wanted:
-        means = per_step / count_per_step.clamp_min(1.0)  # [7, K]: high, low, r-1, (r-1)^2, k3, raw-1, (raw-1)^2
-        metrics["clipfrac_per_step"] = means[0] + means[1]
-        metrics["ratio_mean_per_step"] = means[2] + 1
-        metrics["ratio_std_per_step"] = torch.addcmul(means[3], means[2], means[2], value=-1).clamp_min(0.0).sqrt()
-        metrics["raw_ratio_mean_per_step"] = means[5] + 1
-        metrics["raw_ratio_std_per_step"] = torch.addcmul(means[6], means[5], means[5], value=-1).clamp_min(0.0).sqrt()
+        # [8, K]: high, low, dual, r-1, (r-1)^2, k3, raw-1, (raw-1)^2
+        means = per_step / count_per_step.clamp_min(1.0)
+        metrics["clipfrac_per_step"] = means[0] + means[1] + means[2]
+        metrics["ratio_mean_per_step"] = means[3] + 1
+        metrics["ratio_std_per_step"] = torch.addcmul(means[4], means[3], means[3], value=-1).clamp_min(0.0).sqrt()
+        metrics["raw_ratio_mean_per_step"] = means[6] + 1
+        metrics["raw_ratio_std_per_step"] = torch.addcmul(means[7], means[6], means[6], value=-1).clamp_min(0.0).sqrt()
         metrics["count_per_step"] = count_per_step
     return metrics

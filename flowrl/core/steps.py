@@ -92,12 +92,30 @@ def weight_inv_dt(sigmas: torch.Tensor) -> torch.Tensor:
     return 1.0 / dt
 
 
+def _snr(sigmas: torch.Tensor) -> torch.Tensor:
+    """SNR `((1 - s) / s)^2` of `x_s = (1 - s) x0 + s eps` at each step's start."""
+    s = sigmas[..., :-1].clamp(1e-6, 1.0)  # clamp: s = 0 has infinite SNR, which min(., gamma) caps anyway
+    return ((1 - s) / s) ** 2
+
+
 @STEP_WEIGHTINGS.register("min_snr")
 def weight_min_snr(sigmas: torch.Tensor, *, gamma: float = 5.0) -> torch.Tensor:
-    """min(SNR, gamma) / gamma with SNR = ((1 - s) / s)^2 at the step's start (Min-SNR, arXiv:2303.09556)."""
-    s = sigmas[..., :-1].clamp(1e-6, 1.0)  # clamp: s = 0 has infinite SNR; min(., gamma) caps it anyway
-    snr = ((1 - s) / s) ** 2
-    return snr.clamp(max=gamma) / gamma
+    """Min-SNR, epsilon form: `min(SNR, gamma) / SNR` (Hang et al. 2023, arXiv:2303.09556, eq. 8 for eps-prediction).
+
+    1 on every step whose SNR is at most gamma (all noisy steps, the first at s = 1 included), `gamma / SNR`
+    on low-noise steps: it only tempers the late steps. This is the form for flow matching (see
+    docs/core.md): the velocity-type form below vanishes at pure noise.
+    """
+    snr = _snr(sigmas)
+    # SNR = 0 (s = 1): min(SNR, gamma) / SNR -> 1, its limit
+    return torch.where(snr <= gamma, torch.ones_like(snr), gamma / snr.clamp_min(1e-12))
+
+
+@STEP_WEIGHTINGS.register("min_snr_v")
+def weight_min_snr_v(sigmas: torch.Tensor, *, gamma: float = 5.0) -> torch.Tensor:
+    """Min-SNR, v-prediction form: `min(SNR, gamma) / (SNR + 1)` (arXiv:2303.09556, sec. 3.4); 0 at s = 1."""
+    snr = _snr(sigmas)
+    return snr.clamp(max=gamma) / (snr + 1)
 
 
 @STEP_WEIGHTINGS.register("sigma")
@@ -116,7 +134,7 @@ def step_weights(
     """Per-step weights `[T]` (or `[B, T]` for per-sample `sigmas[B, T + 1]`).
 
     Args:
-        name (`str` or `Callable`): a registered weighting (`uniform`, `inv_dt`, `min_snr`, `sigma`) or a
+        name (`str` or `Callable`): a registered weighting (`uniform`, `inv_dt`, `min_snr`, `min_snr_v`, `sigma`) or a
             function `sigmas -> weights[T]`.
         sigmas (`torch.Tensor`): the sampler's noise levels `[T + 1]`, from 1 (noise) towards 0.
         normalize (`bool`, defaults to `False`): rescale to mean 1 over the steps, so switching weightings

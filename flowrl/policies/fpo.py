@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.core.ratios import LOG_RATIO_CLAMP
 from flowrl.policies.rollout import Record, per_sample
 
 
@@ -43,11 +42,17 @@ class FPODraws(Record):
     """`[B, N]` fp32 flow-matching losses of the behaviour policy (FPO's ratio needs them)."""
 
 
-def cfm_losses(velocity_fn: VelocityFn, actions: torch.Tensor, taus: torch.Tensor, noises: torch.Tensor):
+def cfm_losses(velocity_fn: VelocityFn, actions: torch.Tensor, taus: torch.Tensor, noises: torch.Tensor,
+               *, supervise: str = "velocity"):  # fmt: skip
     """Per-draw conditional flow-matching losses `[B, N]` (mean over action elements, fp32).
 
-    `x_tau = (1 - tau) a + tau eps`, target velocity `eps - a`.
+    `x_tau = (1 - tau) a + tau eps`, target velocity `eps - a`. `supervise="velocity"` regresses the velocity
+    (FPO's `u`); `"eps"` is FPO's `u_but_supervise_as_eps` (the playground default): the network still
+    outputs a velocity, the loss is on the noise it implies, `eps^ = x_tau + (1 - tau) v^`, i.e. the velocity
+    error weighted by `(1 - tau)^2`.
     """
+    if supervise not in ("velocity", "eps"):
+        raise ValueError(f"supervise must be 'velocity' or 'eps', got {supervise!r}")
     b, n = taus.shape
     a = actions.unsqueeze(1).to(torch.float32)  # [B, 1, ...]
     tau = taus.to(torch.float32).reshape(b, n, *([1] * (actions.ndim - 1)))  # [B, N, 1, ...]
@@ -56,6 +61,8 @@ def cfm_losses(velocity_fn: VelocityFn, actions: torch.Tensor, taus: torch.Tenso
     target = eps - a
     v = velocity_fn(x_tau.reshape(b * n, *actions.shape[1:]).to(actions.dtype), taus.reshape(b * n))
     err = v.to(torch.float32).reshape(b, n, *actions.shape[1:]) - target
+    if supervise == "eps":  # eps^ - eps = (x_tau + (1 - tau) v^) - (x_tau + (1 - tau) v) = (1 - tau)(v^ - v)
+        err = (1 - tau) * err
     return err.pow(2).flatten(2).mean(-1)  # [B, N]
 
 
@@ -76,6 +83,7 @@ def draw(
     *,
     generator: torch.Generator | None = None,
     grid: torch.Tensor | None = None,
+    supervise: str = "velocity",
 ) -> FPODraws:
     """Draw and store `num_draws` pairs per action with the behaviour policy's losses (FPO's default N = 8)."""
     if num_draws < 1:
@@ -83,7 +91,7 @@ def draw(
     b = actions.shape[0]
     taus = sample_taus((b, num_draws), generator=generator, grid=grid, device=actions.device)
     noises = torch.randn((b, num_draws, *actions.shape[1:]), generator=generator, device=actions.device)
-    return FPODraws(taus, noises, cfm_losses(velocity_fn, actions, taus, noises))
+    return FPODraws(taus, noises, cfm_losses(velocity_fn, actions, taus, noises, supervise=supervise))
 
 
 def fpo_log_ratio(
@@ -100,7 +108,8 @@ def fpo_log_ratio(
         mode (`str`, defaults to `"mean"`): `"mean"` averages the losses before the exponent (one ratio per
             action, `[B]`); `"per_draw"` gives one ratio per draw (`[B, N]`).
         clamp (`float`, *optional*): clamp the log-ratio to `[-clamp, clamp]` (zero gradient outside); the
-            FPO code clamps per-draw differences to 3. Defaults to 3 for `per_draw`, none for `mean`.
+            FPO code clamps per-draw differences to 3. Defaults to 3 for `per_draw` and none for `mean`, as the
+            authors' playground code (`compute_policy_loss` keeps `exp` finite by itself).
         temperature (`float`, defaults to 1.0): scales the loss difference (FPO's humanoid runs use a
             pseudo log-prob `-l / (2 * 0.05^2)`, i.e. temperature 200); `r_T = r^T`.
     """
@@ -114,5 +123,4 @@ def fpo_log_ratio(
         clamp = 3.0 if clamp is None else clamp
     else:
         raise ValueError(f"mode must be 'mean' or 'per_draw', got {mode!r}")
-    limit = LOG_RATIO_CLAMP if clamp is None else clamp
-    return log_ratio.clamp(-limit, limit)
+    return log_ratio if clamp is None else log_ratio.clamp(-clamp, clamp)

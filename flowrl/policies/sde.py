@@ -12,8 +12,9 @@ Every kernel returns `StepOutput(prev_sample, log_prob, mean, std)`:
   value, so re-scoring a stored transition reproduces the rollout's log-prob exactly;
 - `log_prob`: `[B]`, the Gaussian log-density reduced over each sample's latent elements with `reduce`
   (`"mean"`, the convention of every image RL codebase, makes the ratio the true ratio to the power 1/D, which
-  is why image clip ranges are 1e-4 ... 2e-6; `"sum"` is the true log-density). Deterministic steps
-  (`ode`, DDIM with eta 0, CPS at s' = 0) have no density: their `log_prob` is 0 and `std` is 0.
+  is why image clip ranges are 1e-4 ... 2e-6; `"sum"` is the true log-density); `cps` returns Flow-GRPO's
+  `-red (x' - mu)^2` instead (`cps_gaussian` the density). Deterministic steps (`ode`, DDIM with eta 0, CPS at
+  s' = 0) have no density: their `log_prob` is 0 and `std` is 0.
 
 All math runs in fp32 (`model_output` and `sample` may be bf16/fp16; fp64 inputs stay fp64).
 """
@@ -65,7 +66,7 @@ def _upcast(model_output: torch.Tensor, sample: torch.Tensor):
     return model_output.to(dtype), sample.to(dtype)
 
 
-def _finish(mean, std, sample, prev_sample, noise, generator, reduce) -> StepOutput:
+def _finish(mean, std, sample, prev_sample, noise, generator, reduce, log_prob: str = "gaussian") -> StepOutput:
     """Draw (or take) the next state, round-trip it through the storage dtype, and score it."""
     std_b = std.reshape(-1)  # [B]
     deterministic = bool((std_b == 0).all())
@@ -84,9 +85,10 @@ def _finish(mean, std, sample, prev_sample, noise, generator, reduce) -> StepOut
     # std is constant over a sample's elements, so reduce the squared error first:
     # red_d[-(x - mu)^2 / (2 s^2) - log s - log(2 pi)/2] = -red_d (x - mu)^2 / (2 s^2) - red_d 1 (log s + log(2 pi)/2)
     sq_err = reduce_elements((prev_sample.detach().to(mean.dtype) - mean).square(), reduce)  # [B]
+    if log_prob == "mse":  # Flow-GRPO's CPS code: -red (x' - mu)^2, the Gaussian's log-ratio times 2 std^2
+        return StepOutput(prev_sample, -sq_err, mean, std_b)
     count = 1.0 if reduce == "mean" else float(mean[0].numel())
-    log_prob = -sq_err / (2 * std_b**2) - count * (torch.log(std_b) + _HALF_LOG_2PI)
-    return StepOutput(prev_sample, log_prob, mean, std_b)
+    return StepOutput(prev_sample, -sq_err / (2 * std_b**2) - count * (torch.log(std_b) + _HALF_LOG_2PI), mean, std_b)
 
 
 def _flow_drift_mean(v, x, sigma, dt, diffusion):
@@ -137,20 +139,34 @@ def dance_sde_step(
 @SAMPLERS.register("cps")
 def cps_step(
     model_output, sigma, sigma_next, sample, *, prev_sample=None, noise_level=0.8, generator=None,
-    noise=None, reduce="mean", sigma_max=None,
+    noise=None, reduce="mean", sigma_max=None, log_prob="mse",
 ):  # fmt: skip
-    """Coefficients-preserving sampling: std `s' sin(a pi / 2)`, `mu = (1 - s') x0^ + sqrt(s'^2 - std^2) x1^`.
+    """Coefficients-preserving sampling (Flow-GRPO's CPS): std `s' sin(a pi / 2)`.
 
-    `x0^ = x - s v` and `x1^ = x + (1 - s) v` are the predicted data and noise. The log-prob is the proper
-    Gaussian one; Flow-GRPO's CPS code uses `-mean (x' - mu)^2` instead (constants and 1/(2 std^2) dropped),
-    which rescales each step's log-ratio by `2 std^2`. At `s' = 0` the step is deterministic.
+    `mu = (1 - s') x0^ + sqrt(s'^2 - std^2) x1^`.
+
+    `x0^ = x - s v` and `x1^ = x + (1 - s) v` are the predicted data and noise. The log-prob is Flow-GRPO's
+    code form `-red_d (x' - mu)^2` (`log_prob="mse"`), whose log-ratio is the Gaussian one times `2 std^2`;
+    `cps_gaussian` is the proper Gaussian density. The MSE form is the default because its per-step log-ratio
+    has a far more even scale along the schedule (the Gaussian's grows as `1/std^2` at the end; docs/policies.md)
+    and Flow-GRPO's CPS clip ranges are calibrated for it. At `s' = 0` the step is deterministic.
     """
     v, x = _upcast(model_output, sample)
     s, s_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
     std = s_next * math.sin(noise_level * math.pi / 2)
     x0_hat, x1_hat = x - s * v, x + (1 - s) * v
     mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp_min(0.0)) * x1_hat
-    return _finish(mean, std, sample, prev_sample, noise, generator, reduce)
+    return _finish(mean, std, sample, prev_sample, noise, generator, reduce, log_prob)
+
+
+@SAMPLERS.register("cps_gaussian")
+def cps_gaussian_step(
+    model_output, sigma, sigma_next, sample, *, prev_sample=None, noise_level=0.8, generator=None,
+    noise=None, reduce="mean", sigma_max=None,
+):  # fmt: skip
+    """CPS with the proper Gaussian log-density of its step (log-ratio = `cps`'s divided by `2 std^2`)."""
+    return cps_step(model_output, sigma, sigma_next, sample, prev_sample=prev_sample, noise_level=noise_level,
+                    generator=generator, noise=noise, reduce=reduce, log_prob="gaussian")  # fmt: skip
 
 
 @SAMPLERS.register("ode")
@@ -179,7 +195,7 @@ def sde_step(
     sigma_max=None,
     noise: torch.Tensor | None = None,
 ) -> StepOutput:
-    """One flow-matching step of kind `flow_sde`, `dance_sde`, `cps` or `ode` (see the module docstring).
+    """One flow-matching step of kind `flow_sde`, `dance_sde`, `cps`, `cps_gaussian` or `ode` (see the module doc).
 
     Args:
         kind (`str`): the step kernel.

@@ -35,14 +35,14 @@ class AdvantageEstimator:
     def __init__(self, config: AdvantageConfig, weights: dict[str, float], aggregation: str = "sum"):
         self.config, self.weights, self.aggregation = config, dict(weights), aggregation
         c = config
+        eps = {} if c.eps is None else {"eps": c.eps}  # None: each estimator's own default
         self.tracker = None
         if c.estimator == "per_prompt":
-            self.tracker = PerPromptStatTracker(c.buffer_size, c.min_count, eps=c.eps, clip=c.clip)
+            self.tracker = PerPromptStatTracker(c.buffer_size, c.min_count, clip=c.clip, **eps)
         self.fn, self.kwargs = {
-            "group": (group_advantages, {"std": c.std, "eps": c.eps, "clip": c.clip, "unbiased": c.unbiased}),
-            "batch": (batch_advantages, {"std": c.std, "eps": c.eps, "clip": c.clip, "unbiased": c.unbiased}),
-            "leave_one_out": (leave_one_out_advantages,
-                              {"normalize_std": c.std == "group", "eps": c.eps, "clip": c.clip}),
+            "group": (group_advantages, {"std": c.std, "clip": c.clip, "unbiased": c.unbiased, **eps}),
+            "batch": (batch_advantages, {"std": c.std, "clip": c.clip, "unbiased": c.unbiased, **eps}),
+            "leave_one_out": (leave_one_out_advantages, {"normalize_std": c.std == "group", "clip": c.clip, **eps}),
             "raw": (raw_advantages, {"clip": c.clip}),
             "per_prompt": (None, {}),
         }[c.estimator]  # fmt: skip

@@ -253,6 +253,8 @@ class EpochStats:
 
     def add_scalar(self, key: str, value) -> None:
         value = scalar(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
         if isinstance(value, float) and math.isfinite(value):
             self.sums[key] = self.sums.get(key, 0.0) + value
             self.counts[key] = self.counts.get(key, 0) + 1

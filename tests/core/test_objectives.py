@@ -63,9 +63,13 @@ def test_registry_lists_every_objective():
     ],
 )
 def test_ppo_table_with_dual_clip(r, a, value, grad):
-    v, g, _ = one("ppo", r, a, clip_eps_low=0.2, dual_clip_c=3.0)
+    v, g, m = one("ppo", r, a, clip_eps_low=0.2, dual_clip_c=3.0)
     assert v == pytest.approx(value, abs=1e-12)
     assert g == pytest.approx(grad, abs=1e-12)
+    # each event counted once, in its own column: the dual cap is not the lower bound
+    expected = {"clipfrac_high": r > 1.2 and a > 0, "clipfrac_low": r < 0.8 and a < 0, "clipfrac_dual": r > 3}
+    assert {k: bool(m[k]) for k in expected} == expected
+    assert m["clipfrac"].item() == sum(expected.values())
 
 
 @pytest.mark.parametrize(
@@ -466,3 +470,17 @@ def test_clip_flags_are_disjoint(name):
         hp["logp"] = -torch.rand(8, 50, generator=g)
     terms = objective.surrogate(ratio, adv, **hp)
     assert not (terms.clipped_high & terms.clipped_low).any()
+
+
+def test_every_objective_has_image_scale_defaults_derived_from_flow_grpo():
+    from flowrl.core import IMAGE_SCALE
+
+    assert IMAGE_SCALE == pytest.approx(1e-4 / 0.2)
+    for name in list_objectives():
+        objective = get_objective(name)
+        assert set(objective.image_hparams) <= set(objective.hparams), name
+    assert get_objective("ppo").image_hparams == {"clip_eps_low": pytest.approx(1e-4)}
+    assert get_objective("sapo").image_hparams == {"tau_pos": pytest.approx(2000.0), "tau_neg": pytest.approx(2100.0)}
+    assert get_objective("spo").image_hparams == {"eps": pytest.approx(1e-4)}
+    assert get_objective("cispo").image_hparams == {"clip_eps_high": pytest.approx(2e-3)}
+    assert get_objective("grpo_guard").image_hparams == {"clip_eps_low": 2e-6}

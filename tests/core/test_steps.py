@@ -34,8 +34,12 @@ def test_weightings():
     assert step_weights("inv_dt", sigmas).tolist() == pytest.approx([4.0, 2.0, 4.0])
     w = step_weights("inv_dt", sigmas, normalize=True)
     assert w.mean().item() == pytest.approx(1.0) and w.tolist() == pytest.approx([1.2, 0.6, 1.2])
-    # SNR((1-s)/s)^2 at s = 1, 0.75, 0.25: 0, 1/9, 9 -> min(., 5) / 5
-    assert step_weights("min_snr", sigmas).tolist() == pytest.approx([0.0, 1 / 45, 1.0])
+    # Min-SNR (arXiv:2303.09556) with SNR = ((1-s)/s)^2 at s = 1, 0.75, 0.25: 0, 1/9, 9 and gamma = 5
+    # epsilon form min(SNR, 5) / SNR: 1 (the limit at SNR = 0: the first step trains), 1, 5/9
+    assert step_weights("min_snr", sigmas).tolist() == pytest.approx([1.0, 1.0, 5 / 9])
+    # v form min(SNR, 5) / (SNR + 1): 0, (1/9) / (10/9) = 0.1, 5/10
+    assert step_weights("min_snr_v", sigmas).tolist() == pytest.approx([0.0, 0.1, 0.5])
+    assert step_weights("min_snr", sigmas, gamma=20.0).tolist() == pytest.approx([1.0, 1.0, 1.0])
     assert step_weights("sigma", sigmas).tolist() == [1.0, 0.75, 0.25]
     assert step_weights(lambda s: s[1:] + 1, sigmas).tolist() == [1.75, 1.25, 1.0]
     # per-sample sigmas

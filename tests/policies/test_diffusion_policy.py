@@ -42,6 +42,7 @@ CASES = [
     ("sd3_pipe", "flow_sde", 1.0, 0.7),
     ("sd3_pipe", "dance_sde", 4.5, 0.3),
     ("sd3_pipe", "cps", 1.0, 0.8),
+    ("sd3_pipe", "cps_gaussian", 1.0, 0.8),
     ("flux_pipe", "flow_sde", 3.5, 0.9),
     ("unet_pipe", "ddim", 5.0, 1.0),
     ("unet_pipe", "ddim", 1.0, 1.0),

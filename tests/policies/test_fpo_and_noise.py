@@ -68,6 +68,24 @@ def test_fpo_modes_clamp_and_temperature():
         fpo_log_ratio(new, old, mode="max")
 
 
+def test_fpo_mean_mode_is_not_clamped_and_eps_supervision_weights_the_velocity_error():
+    # the authors' mean mode has no clamp: a difference of 30 passes through (compute_policy_loss keeps exp finite)
+    assert fpo_log_ratio(torch.zeros(1, 2), torch.full((1, 2), 30.0)).item() == 30.0
+    # u_but_supervise_as_eps: the loss on eps^ = x_tau + (1 - tau) v^ is (1 - tau)^2 times the velocity loss
+    policy, obs, actions, g = _control(2)
+    taus, noises = torch.rand(6, 3, generator=g), torch.randn(6, 3, 2, generator=g)
+    velocity = cfm_losses(policy.velocity_fn(obs, 3), actions, taus, noises)
+    eps = cfm_losses(policy.velocity_fn(obs, 3), actions, taus, noises, supervise="eps")
+    torch.testing.assert_close(eps, (1 - taus) ** 2 * velocity)
+    # ... which is the noise regression written out
+    x_tau = (1 - taus[..., None]) * actions[:, None] + taus[..., None] * noises
+    v = policy.velocity_fn(obs, 3)(x_tau.reshape(18, 2), taus.reshape(18)).reshape(6, 3, 2)
+    eps_hat = x_tau + (1 - taus[..., None]) * v
+    torch.testing.assert_close(eps, (eps_hat - noises).pow(2).mean(-1), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="supervise"):
+        cfm_losses(policy.velocity_fn(obs, 3), actions, taus, noises, supervise="x0")
+
+
 def test_fpo_constant_loss_offset_leaves_the_ratio_unchanged():
     old, new = torch.rand(4, 8), torch.rand(4, 8)
     torch.testing.assert_close(fpo_log_ratio(new + 0.3, old + 0.3), fpo_log_ratio(new, old))

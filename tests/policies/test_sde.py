@@ -7,7 +7,7 @@ from diffusers import DDIMScheduler
 from flowrl.policies import SAMPLERS, ddim_step, sde_step
 
 
-KINDS = ["flow_sde", "dance_sde", "cps"]
+KINDS = ["flow_sde", "dance_sde", "cps_gaussian"]
 
 
 def _inputs(seed=0, b=3):
@@ -168,4 +168,46 @@ def test_ddim_with_eta_is_a_gaussian_with_ddpm_variance():
 
 
 def test_registry():
-    assert {"flow_sde", "dance_sde", "cps", "ode", "ddim"} <= set(SAMPLERS.names())
+    assert {"flow_sde", "dance_sde", "cps", "cps_gaussian", "ode", "ddim"} <= set(SAMPLERS.names())
+
+
+def test_cps_mean_matches_flow_grpos_published_formula():
+    # Flow-GRPO's CPS (sd3_sde_with_logprob, sde_type "cps"), written out independently of the kernel:
+    # std = s' sin(a pi/2), x0^ = x - s v, eps^ = x + v (1 - s), mu = x0^ (1 - s') + eps^ sqrt(s'^2 - std^2)
+    v, x, _ = _inputs(4)
+    s, s_next, a = 0.7, 0.55, 0.8
+    std = s_next * math.sin(a * math.pi / 2)
+    mean = (x - s * v) * (1 - s_next) + (x + v * (1 - s)) * math.sqrt(s_next**2 - std**2)
+    out = sde_step("cps", v, s, s_next, x, noise_level=a, noise=torch.zeros_like(x))
+    torch.testing.assert_close(out.mean, mean, rtol=1e-6, atol=1e-6)
+    assert out.std[0].item() == pytest.approx(std, rel=1e-6)
+
+
+def test_cps_log_prob_is_flow_grpos_code_form():
+    # -mean (x' - mu)^2: its log-ratio is the Gaussian one times 2 std^2, the factor that differs per step
+    v, x, g = _inputs(5)
+    new_v = v + 0.05 * torch.randn(v.shape, generator=g)
+    first = sde_step("cps_gaussian", v, 0.7, 0.55, x, noise_level=0.8, generator=g)
+    mse = sde_step("cps", v, 0.7, 0.55, x, prev_sample=first.prev_sample, noise_level=0.8)
+    expected = -(first.prev_sample - first.mean).square().flatten(1).mean(1)
+    torch.testing.assert_close(mse.log_prob, expected, rtol=1e-6, atol=1e-7)
+    moved = {k: sde_step(k, new_v, 0.7, 0.55, x, prev_sample=first.prev_sample, noise_level=0.8) for k in
+             ("cps", "cps_gaussian")}  # fmt: skip
+    gaussian_ratio = moved["cps_gaussian"].log_prob - first.log_prob
+    mse_ratio = moved["cps"].log_prob - mse.log_prob
+    std = first.std[0]
+    torch.testing.assert_close(mse_ratio, gaussian_ratio * 2 * std**2, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_ddim_mean_with_eta_matches_the_scheduler_with_zero_noise(prediction_type):
+    # diffusers' DDIMScheduler.step draws x' = mu + std z; with z = 0 it returns the published DDIM mean (eq. 12)
+    scheduler = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+                              prediction_type=prediction_type, clip_sample=False, set_alpha_to_one=False)  # fmt: skip
+    scheduler.set_timesteps(10)
+    v, x, _ = _inputs(6)
+    for eta in (0.5, 1.0):
+        for t in scheduler.timesteps:
+            ours = ddim_step(scheduler, v, t, x, eta=eta)
+            ref = scheduler.step(v, t, x, eta=eta, variance_noise=torch.zeros_like(x)).prev_sample
+            torch.testing.assert_close(ours.mean, ref, rtol=1e-5, atol=1e-5)

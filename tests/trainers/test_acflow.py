@@ -1,5 +1,4 @@
 import dataclasses
-import json
 import math
 
 import pytest
@@ -12,7 +11,7 @@ from flowrl.policies.fpo import cfm_losses
 from flowrl.trainers import build_trainer, load_config
 from flowrl.trainers.acflow import critic_weights
 
-from .conftest import make_trainer
+from .conftest import make_trainer, training_rows
 
 
 def acflow_config(tmp_path, overrides=(), **top):
@@ -191,7 +190,7 @@ def test_two_epoch_run_trains_actor_and_critic(tiny_world, tmp_path):
     summary = trainer.train()
     assert all(not torch.equal(a, b) for a, b in zip(actor, _weights(trainer.policy.model)))
     assert all(not torch.equal(a, b) for a, b in zip(critic, _weights(trainer.critic)))
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = training_rows(tmp_path)
     assert [r["critic/warmup"] for r in lines] == [1.0, 0.0]
     for record in lines:
         for key in ("reward/mean", "loss", "cfm_loss", "w2_loss", "weight_mean", "critic/loss", "adv/critic_std",
@@ -209,7 +208,7 @@ def test_resume_is_exact_including_the_critic(tiny_world, tmp_path):
     resumed.train(resume=True)
     for a, b in [(straight.policy.model, resumed.policy.model), (straight.critic, resumed.critic)]:
         assert all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(b)))
-    history = lambda path: [json.loads(x)["reward/mean"] for x in (path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    history = lambda path: [r["reward/mean"] for r in training_rows(path)]  # noqa: E731
     assert history(tmp_path / "a") == history(tmp_path / "b")
 
 

@@ -1,6 +1,5 @@
 """DPOK's own pieces (replay buffer, value baseline, clamp gating, per-step KL and its warm-up) and its runs."""
 
-import json
 import math
 
 import pytest
@@ -14,7 +13,7 @@ from flowrl.trainers.image import step_kl
 from flowrl.trainers.state import seeded
 from flowrl.trainers.update import EpochStats
 
-from .conftest import make_trainer, tiny_config
+from .conftest import make_trainer, tiny_config, training_rows
 
 
 def dpok_config(tmp_path, overrides=(), clip=1e-2, kl=0.1, **top):
@@ -184,7 +183,8 @@ def test_clamp_gates_the_gradient_outside_the_band_for_both_signs(tiny_world, tm
 
 
 def test_gaussian_kl_matches_torch_distributions_and_warms_up(tiny_world, tmp_path):
-    trainer = make_trainer(tiny_world, dpok_config(tmp_path, kl={"beta": 0.5, "warmup_epochs": 1}, clip=1e-3))
+    kl = {"beta": 0.5, "warmup_epochs": 1, "form": "gaussian"}
+    trainer = make_trainer(tiny_world, dpok_config(tmp_path, kl=kl, clip=1e-3))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # move the policy away from its frozen reference
         for p in trainer.params:
@@ -234,7 +234,7 @@ def test_two_epoch_run_trains_every_parameter_and_the_value_net(tiny_world, tmp_
     trainer.train()
     assert all(not torch.equal(a, b) for a, b in zip(before, trainer.params)), "a policy parameter did not change"
     assert all(not torch.equal(a, b) for a, b in zip(value_before, value.parameters())), "a value parameter did not"
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = training_rows(tmp_path)
     assert [r["buffer_size"] for r in lines] == [48, 48]  # 64 transitions per epoch, capacity 48
     for record in lines:
         for key in ("loss", "pg_loss", "kl", "value_loss", "clipfrac", "ratio_mean", "approx_kl", "grad_norm",
@@ -260,7 +260,7 @@ def test_resume_is_exact_including_the_value_net_and_the_buffer(tiny_world, tmp_
         assert torch.equal(a, b)
     for name in Transitions.per_sample_fields():
         assert torch.equal(getattr(straight.buffer.data, name), getattr(resumed.buffer.data, name)), name
-    history = lambda path: [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    history = lambda path: training_rows(path)  # noqa: E731
     a, b = history(tmp_path / "a"), history(tmp_path / "b")
     assert [r["value_loss"] for r in a] == [r["value_loss"] for r in b] and len(b) == 4
 
@@ -290,6 +290,8 @@ def test_config_checks(tmp_path):
     assert (defaults.optim.lr, defaults.optim.max_grad_norm, defaults.optim.gradient_accumulation) == (1e-5, 0.1, 12)
     assert (defaults.reward_weight, defaults.kl.beta, defaults.objective.clip_eps_low) == (1000, 0.1, 1e-4)
     assert (defaults.objective.name, defaults.advantage.estimator) == ("clamp", "raw")
+    # beta 0.1 is DPOK's value for its code's KL (the unweighted prediction MSE), so that is the default form
+    assert defaults.kl.form == "eps_mse"
     assert (defaults.buffer_size, defaults.policy_steps, defaults.value_batch_size) == (1000, 5, 256)
 
 
@@ -352,6 +354,6 @@ def test_ddim_unet_with_lora(tmp_path):
     torch.testing.assert_close(gaussian, w * mse, rtol=1e-3, atol=1e-9)
 
     trainer.train()
-    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    record = training_rows(tmp_path / "run")[-1]
     assert math.isfinite(record["loss"]) and record["kl"] > 0 and record["buffer_size"] == 2 * 4 * 3
     assert all(torch.isfinite(p).all() for p in trainer.params)

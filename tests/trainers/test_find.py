@@ -1,4 +1,3 @@
-import json
 import math
 
 import pytest
@@ -9,7 +8,7 @@ from flowrl.trainers import load_config
 from flowrl.trainers.find import FINDNoisePolicy
 from flowrl.trainers.state import seeded
 
-from .conftest import make_trainer, tiny_config
+from .conftest import make_trainer, tiny_config, training_rows
 
 
 def find_config(tmp_path, overrides=(), **top):
@@ -145,7 +144,7 @@ def test_two_epoch_run_trains_the_noise_policy_and_the_calibration_net_only(tiny
     assert all(not torch.equal(a, b) for a, b in zip(noise, _weights(trainer.noise_policy)))
     assert all(not torch.equal(a, b) for a, b in zip(calib, _weights(trainer.calibration)))
     assert all(torch.equal(a, b) for a, b in zip(model, _weights(trainer.policy.model))), "the sampler trained"
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = training_rows(tmp_path)
     for record in lines:
         for key in ("reward/mean", "loss", "clipfrac", "approx_kl", "regulariser", "calibration/loss", "adv/std",
                     "noise/kl_to_prior", "noise/std_mean", "ratio_mean/step_0", "grad_norm",
@@ -171,7 +170,7 @@ def test_noise_mean_moves_towards_a_rewarded_direction(tiny_world, tmp_path):
     config = find_config(tmp_path, ["run.epochs=4", "run.save_every=0", "run.images_every=0", "kl.beta=0"])
     trainer = make_trainer(tiny_world, config, reward_fns={"digits_alignment": brightness})
     trainer.train()
-    history = trainer.log.history
+    history = training_rows(tmp_path)
     assert trainer.noise_policy.mean.mean() > 0 and history[-1]["reward/mean"] > history[0]["reward/mean"]
 
 
@@ -186,7 +185,7 @@ def test_resume_is_exact_including_the_calibration_net(tiny_world, tmp_path):
     for module in ("noise_policy", "calibration"):
         a, b = _weights(getattr(straight, module)), _weights(getattr(resumed, module))
         assert all(torch.equal(x, y) for x, y in zip(a, b)), module
-    history = lambda path: [json.loads(x)["reward/mean"] for x in (path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    history = lambda path: [r["reward/mean"] for r in training_rows(path)]  # noqa: E731
     assert history(tmp_path / "a") == history(tmp_path / "b")
 
 

@@ -12,12 +12,14 @@ def test_per_prompt_advantages_use_the_batch_then_each_prompts_history(tiny_worl
     trainer = make_trainer(tiny_world, config)
     r = {"digits_alignment": torch.tensor([1.0, 3.0, 0.0, 4.0])}
     adv, _ = trainer.compute_advantages(r, torch.tensor([0, 0, 1, 1]), ["a", "a", "b", "b"])
-    # two rewards per prompt < min_count 3: the batch's population statistics, mean 2, std sqrt(2.5)
-    assert torch.allclose(adv, (r["digits_alignment"] - 2.0) / (2.5**0.5 + 1e-4))
+    # two rewards per prompt < min_count 3: the batch's population statistics, mean 2, std sqrt(2.5); eps is DDPO's
+    # tracker's 1e-6 unless advantage.eps is set
+    assert trainer.advantages.tracker.eps == 1e-6
+    assert torch.allclose(adv, (r["digits_alignment"] - 2.0) / (2.5**0.5 + 1e-6))
     adv, _ = trainer.compute_advantages({"digits_alignment": torch.tensor([5.0, 8.0])}, torch.tensor([0, 0]),
                                         ["a", "b"])  # fmt: skip
     # buffers now a: [1, 3, 5] (mean 3, std sqrt(8/3)) and b: [0, 4, 8] (mean 4, std sqrt(32/3))
-    expected = torch.tensor([(5 - 3) / ((8 / 3) ** 0.5 + 1e-4), (8 - 4) / ((32 / 3) ** 0.5 + 1e-4)])
+    expected = torch.tensor([(5 - 3) / ((8 / 3) ** 0.5 + 1e-6), (8 - 4) / ((32 / 3) ** 0.5 + 1e-6)])
     assert torch.allclose(adv, expected)
     assert list(trainer.advantages.tracker.buffers["a"]) == [1.0, 3.0, 5.0]
 

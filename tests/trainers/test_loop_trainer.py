@@ -1,11 +1,9 @@
-import json
-
 import pytest
 import torch
 
 from flowrl.config import ConfigError
 
-from .conftest import make_trainer, tiny_config
+from .conftest import make_trainer, tiny_config, training_rows
 
 
 def test_loop_advantages_are_the_leave_one_out_baseline(tiny_world, tmp_path):
@@ -32,7 +30,7 @@ def test_loop_trains_with_several_inner_epochs_and_resumes_exactly(tiny_world, t
     resumed = make_trainer(tiny_world, tiny_config("loop", tmp_path / "b", overrides=["run.epochs=3"]))
     resumed.train(resume=True)
     assert all(torch.equal(a, b) for a, b in zip(straight.params, resumed.params))
-    record = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[0])
+    record = training_rows(tmp_path / "a")[0]
     # 2 inner epochs over 16 samples in minibatches of 8, 2 minibatches per optimizer step: 2 steps per epoch,
     # and the second pass sees ratios the first step moved
     assert record["trained_samples"] == 16 and record["ratio_std/step_0"] > 0

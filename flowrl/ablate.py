@@ -71,7 +71,7 @@ def run(configs: list[str], *, grid: dict[str, list[str]] | None = None, seeds: 
             if log:
                 log(f"[ablate] {name} seed {seed} -> {folder}" + (" (finished before: reused)" if summary else ""))
             if summary is None:
-                summary = build_trainer(config).train()
+                summary = build_trainer(config).train(overwrite=True)  # the sweep owns its run folders
             rows.append({
                 "variant": name,
                 "config": str(path),

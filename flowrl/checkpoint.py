@@ -9,6 +9,7 @@ under a real name; loading verifies the manifest and refuses anything missing or
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import re
@@ -79,27 +80,67 @@ def latest(run_dir: str | Path) -> Path:
     return verify(found[-1])
 
 
+def _disk_full(err: BaseException) -> bool:
+    """Whether a write failed for lack of space (torch's zip writer reports it as "enforce fail ... pos")."""
+    text = str(err)
+    return (
+        (isinstance(err, OSError) and err.errno == errno.ENOSPC)
+        or "No space left" in text
+        or ("enforce fail" in text and "pos" in text)
+    )
+
+
 def save(folder: Path, accelerator, state: dict, tensors: dict[str, torch.Tensor], keep: int | None = None) -> Path:
-    """Write a complete checkpoint to `folder` (via a temporary sibling and a rename)."""
+    """Write a complete checkpoint to `folder` (via a temporary sibling and a rename).
+
+    `keep` prunes the oldest checkpoints so that `keep` remain, counting only checkpoints up to this one: a
+    checkpoint with a later epoch (which a resumed run has not reached yet) is never removed. A failed write
+    (a full disk) removes the partial folder, keeps every earlier checkpoint and raises a `CheckpointError`.
+    """
     folder = Path(folder)
     tmp = folder.parent / f".tmp-{folder.name}"
-    if accelerator.is_main_process:
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
+        if accelerator.is_main_process:
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, allow_nan=True))
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / "extra.safetensors")
+            write_manifest(tmp)
+    except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
+        if _disk_full(err):
+            raise CheckpointError(f"no space left on {folder.parent} while writing {folder.name}: the partial "
+                                  "checkpoint was removed, earlier checkpoints are kept") from None  # fmt: skip
+        raise
     if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, allow_nan=True))
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / "extra.safetensors")
-        write_manifest(tmp)
         if folder.exists():
             shutil.rmtree(folder)
         tmp.rename(folder)
         if keep:
-            for old in list_checkpoints(folder.parent.parent)[:-keep]:
+            number = int(_NAME.match(folder.name).group(1)) if _NAME.match(folder.name) else None
+            earlier = [p for p in list_checkpoints(folder.parent.parent)
+                       if number is None or int(_NAME.match(p.name).group(1)) <= number]  # fmt: skip
+            for old in earlier[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return folder
+
+
+def previous_verified(run_dir: str | Path, before: str | Path) -> Path | None:
+    """The newest checkpoint of `run_dir` older than `before` that verifies (None if none does)."""
+    before = Path(before).resolve()
+    found = list_checkpoints(run_dir)
+    resolved = [p.resolve() for p in found]
+    older = found[: resolved.index(before)] if before in resolved else found
+    for path in reversed(older):
+        try:
+            return verify(path)
+        except CheckpointError:
+            continue
+    return None
 
 
 def load(folder: str | Path, accelerator) -> tuple[dict, dict[str, torch.Tensor]]:

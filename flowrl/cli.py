@@ -48,19 +48,32 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from flowrl.config import ConfigError
+    from flowrl import checkpoint
     from flowrl.trainers import build_trainer, load_config
 
-    try:
-        config = load_config(args.config, args.set or [])
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"flowrl train: {err}", file=sys.stderr)
-        return 2
+    config = load_config(args.config, args.set or [])
     if args.output_dir:
         config.run.output_dir = args.output_dir
     trainer = build_trainer(config)
     resume = True if args.resume == "latest" else args.resume
-    trainer.train(resume=resume)
+    try:
+        trainer.train(resume=resume, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        saved = checkpoint.list_checkpoints(trainer.output_dir)
+        where = f"its latest checkpoint is {saved[-1]}" if saved else "no checkpoint was written yet"
+        print(f"flowrl train: interrupted at epoch {trainer.epoch} of {config.run.epochs}; {where}"
+              + (f" (continue with: flowrl train {args.config} --resume --output-dir {trainer.output_dir})"
+                 if saved else ""), file=sys.stderr)  # fmt: skip
+        return 130
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from flowrl.export import export
+
+    record = export(args.run, args.out, checkpoint_path=args.checkpoint, ema=args.ema)
+    print(f"exported {record['kind']} weights of {record['checkpoint']} (epoch {record['epoch']}"
+          f"{', EMA' if record['ema'] else ''}) to {args.out}\nload them with: {record['load']}")  # fmt: skip
     return 0
 
 
@@ -70,25 +83,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from flowrl import checkpoint
-    from flowrl.config import ConfigError
     from flowrl.trainers import build_trainer, load_config
 
     target = Path(args.target)
     run_dir = target if target.is_dir() else None
-    try:
-        config = load_config(run_dir / "config.yaml" if run_dir else target, [*(args.set or []), "run.log_with=[]"])
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"flowrl eval: {err}", file=sys.stderr)
-        return 2
+    config = load_config(run_dir / "config.yaml" if run_dir else target, [*(args.set or []), "run.log_with=[]"])
     trainer = build_trainer(config, output_dir=run_dir or config.run.output_dir)
     label = "base model"
     if run_dir is not None:
-        try:
-            path = Path(args.checkpoint) if args.checkpoint else checkpoint.latest(run_dir)
-            trainer.load_checkpoint(path)
-        except checkpoint.CheckpointError as err:
-            print(f"flowrl eval: {err}", file=sys.stderr)
-            return 2
+        path = Path(args.checkpoint) if args.checkpoint else checkpoint.latest(run_dir)
+        trainer.load_checkpoint(path)
         label = str(path)
     result = {"evaluated": label, "epoch": trainer.epoch, **trainer.evaluate()}
     print(json.dumps(result, indent=2))
@@ -99,16 +103,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from flowrl import ablate
-    from flowrl.config import ConfigError
 
-    try:
-        grid = ablate.parse_grid(args.grid or [])
-        seeds = [int(s) for s in args.seeds.split(",")]
-        rows = ablate.run(args.configs, grid=grid, seeds=seeds, output_dir=args.output_dir, overrides=args.set or [],
-                          skip_done=args.skip_done)  # fmt: skip
-    except (ConfigError, FileNotFoundError, ValueError) as err:
-        print(f"flowrl ablate: {err}", file=sys.stderr)
-        return 2
+    grid = ablate.parse_grid(args.grid or [])
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = ablate.run(args.configs, grid=grid, seeds=seeds, output_dir=args.output_dir, overrides=args.set or [],
+                      skip_done=args.skip_done)  # fmt: skip
     print(ablate.table(rows))
     print(f"results: {args.output_dir}/results.json, results.md")
     return 0
@@ -121,7 +120,11 @@ def cmd_digits(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from flowrl import __version__
+
     parser = argparse.ArgumentParser(prog="flowrl", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"flowrl {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     p_list = sub.add_parser("list", help="list registered objectives, estimators, weightings, rewards, ...")
     p_list.add_argument("section", nargs="?", help="only this section (e.g. objectives, rewards)")
@@ -132,7 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                          help="resume the run in run.output_dir from its latest checkpoint, or from PATH")  # fmt: skip
     p_train.add_argument("--output-dir", help="run folder (overrides run.output_dir)")
+    p_train.add_argument("--overwrite", action="store_true",
+                         help="start afresh in a run folder that holds another run (deletes it)")  # fmt: skip
     p_train.set_defaults(func=cmd_train)
+    p_export = sub.add_parser("export", help="write a run's weights in diffusers' formats (LoRA or model folder)")
+    p_export.add_argument("run", help="a run folder (with config.yaml and checkpoints/)")
+    p_export.add_argument("--out", required=True, help="the folder to write")
+    p_export.add_argument("--checkpoint", help="a checkpoint folder (default: the run's latest)")
+    p_export.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
+                          help="export the EMA weights (default: when the run kept them)")  # fmt: skip
+    p_export.set_defaults(func=cmd_export)
     p_eval = sub.add_parser("eval", help="evaluate a run folder's checkpoint, or a config's base model")
     p_eval.add_argument("target", help="a run folder (with config.yaml and checkpoints/) or a YAML config")
     p_eval.add_argument("--checkpoint", help="a checkpoint folder (default: the run's latest)")
@@ -155,9 +167,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+USER_ERRORS = (ValueError, FileNotFoundError, OSError, RuntimeError, KeyError)
+"""Errors that come from the user's input or environment: one line, no traceback (`--debug` shows it)."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a `flowrl` command; every failure is one line on stderr and a non-zero exit code, unless `--debug`."""
+    from flowrl.threads import quiet_libraries
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    if not args.debug:
+        quiet_libraries()
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"flowrl {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001  (every error becomes one line; --debug shows the traceback)
+        if args.debug:
+            raise
+        message = str(err).strip() or type(err).__name__
+        if isinstance(err, KeyError) and err.args:
+            message = str(err.args[0])
+        known = isinstance(err, USER_ERRORS)
+        kind = "" if known else f"{type(err).__name__}: "
+        hint = "" if known else " (an internal error: please report it with the output of --debug)"
+        print(f"flowrl {args.command}: {kind}{message.replace(chr(10), ' ')}{hint}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

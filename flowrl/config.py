@@ -11,6 +11,7 @@ key and the valid choices.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -68,7 +69,7 @@ class SamplingConfig:
     noise_level: float = 0.7
     """The sampler's noise (`flow_sde` a, `dance_sde` eta, `cps` a, `ddim` eta)."""
     sampler: str = "flow_sde"
-    """Step kernel: `flow_sde`, `dance_sde`, `cps`, `ode` (flow models) or `ddim` (UNets)."""
+    """Step kernel: `flow_sde`, `dance_sde`, `cps`, `cps_gaussian`, `ode` (flow models) or `ddim` (UNets)."""
     sde_window: tuple[int, int] | None = None
     """Stochastic steps `[start, end)`; the others are ODE steps (MixGRPO / Flow-GRPO-Fast). None: all."""
     height: int | None = None
@@ -130,6 +131,23 @@ class EvalConfig:
     """Extra per-sample metrics that are never optimised (gold metrics), by reward name."""
     seed: int = 1234
     """Noise seed of evaluation: the same noise at every evaluation, so curves compare like with like."""
+    best_metric: str | None = None
+    """Keep `checkpoints/best`, the evaluation with the highest value of this metric (`reward`, `digits_gold`,
+    any `eval/*` name; a leading `-` keeps the lowest, e.g. `-digits_realism`); None: no best checkpoint."""
+    restore_best: bool = False
+    """At the end of the run, restore the best checkpoint's weights (early stopping on a held-out metric): the
+    final checkpoint, `eval_end` in `summary.json`, `flowrl eval` and `flowrl export` then use them."""
+
+    def __post_init__(self):
+        if self.restore_best and not self.best_metric:
+            raise ValueError("eval.restore_best needs eval.best_metric (which evaluation is the best)")
+
+    def best_key(self) -> tuple[str, float] | None:
+        """`("eval/<metric>", sign)` of `best_metric` (sign -1: lower is better), or None."""
+        if not self.best_metric:
+            return None
+        name, sign = (self.best_metric[1:], -1.0) if self.best_metric.startswith("-") else (self.best_metric, 1.0)
+        return (name if name.startswith("eval/") else f"eval/{name}"), sign
 
 
 @dataclasses.dataclass
@@ -146,11 +164,31 @@ class OptimConfig:
     """Gradient-norm clipping (None: off)."""
     gradient_accumulation: int = 1
     """Minibatches per optimizer step (each minibatch contributes all its trained steps)."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule over the run's epochs: constant, or a cosine / linear decay from `lr` at the first
+    epoch to `lr * final_lr_ratio` at the last (set per epoch, so a resumed run continues on the same curve)."""
+    final_lr_ratio: float = 0.1
+    """The last epoch's learning rate as a fraction of `lr` (`cosine` and `linear` schedules)."""
     backward: Literal["whole", "per_step"] = "whole"
     """`whole`: one loss and one backward per minibatch over all its trained steps `[b, k]`. `per_step`: one
     backward per step column, so only one step's activations are in memory (large models); the gradient is
     the same (exact up to float rounding), and objectives that couple the steps (GSPO) pay one extra
     no-grad pass to fix their coefficients `dL/dlogp` first."""
+
+    def lr_at(self, epoch: int, epochs: int) -> float:
+        """The learning rate of epoch `epoch` (0-based) of a run of `epochs`."""
+        if self.schedule == "constant" or epochs <= 1:
+            return self.lr
+        progress = epoch / (epochs - 1)  # 0 at the first epoch, 1 at the last
+        if self.schedule == "cosine":
+            factor = 0.5 * (1 + math.cos(math.pi * progress))
+        else:
+            factor = 1 - progress
+        return self.lr * (self.final_lr_ratio + (1 - self.final_lr_ratio) * factor)
+
+    def __post_init__(self):
+        if self.lr <= 0 or not 0 <= self.final_lr_ratio <= 1:
+            raise ValueError("optim.lr must be > 0 and optim.final_lr_ratio in [0, 1]")
 
 
 @dataclasses.dataclass
@@ -175,6 +213,14 @@ class RunConfig:
     """accelerate mixed precision (GPU)."""
     cpu: bool = False
     """Force the CPU even when a GPU is present."""
+    threads: Literal["auto", "torch"] | int = "auto"
+    """CPU threads of torch's kernels: `auto` uses the cores other processes leave free, re-measured every epoch
+    (fast alone, graceful beside a second run or a reward server); an integer fixes the count; `torch` leaves
+    torch's default (`flowrl.threads`; `OMP_NUM_THREADS` or `FLOWRL_THREADING=torch` in the environment win)."""
+
+    def __post_init__(self):
+        if isinstance(self.threads, int) and (isinstance(self.threads, bool) or self.threads < 1):
+            raise ValueError(f"run.threads must be 'auto', 'torch' or a positive integer, got {self.threads!r}")
 
 
 @dataclasses.dataclass
@@ -230,8 +276,9 @@ class AdvantageConfig:
     std: Literal["group", "global", "none"] = "group"
     """Scale: the group's std, one std over the epoch (Flow-GRPO's `global_std`), or none (Dr.GRPO). For
     `leave_one_out`, `group` divides by the group's std and `global` is not available."""
-    eps: float = 1e-4
-    """Added to the std."""
+    eps: float | None = None
+    """Added to the std; None: the estimator's own (1e-4 as Flow-GRPO and trl; `per_prompt` 1e-6 as DDPO's
+    tracker)."""
     clip: float | None = None
     """Clip advantages to `[-clip, clip]` (Flow-GRPO, DDPO: 5)."""
     unbiased: bool = True
@@ -287,7 +334,7 @@ class StepConfig:
     k: int = 1
     """`random`: steps per sample, drawn per epoch (DDPO's per-sample subset)."""
     weighting: str = "uniform"
-    """Per-step loss weight: `uniform`, `inv_dt` (GRPO-Guard), `min_snr`, `sigma` (`flowrl list`)."""
+    """Per-step loss weight: `uniform`, `inv_dt` (GRPO-Guard), `min_snr`, `min_snr_v`, `sigma` (`flowrl list`)."""
     normalize_weights: bool = False
     """Rescale step weights to mean 1 over the steps (comparable learning rates across weightings)."""
 
@@ -383,6 +430,9 @@ class TrainerConfig:
              "advantage.estimator=per_prompt tracks the weighted reward sum; reward_aggregation must be 'sum'"),
             (self.advantage.estimator != "leave_one_out" or p.group_size >= 2,
              "the leave_one_out baseline needs prompts.group_size >= 2 (the k - 1 others of each sample)"),
+            (self.advantage.estimator != "group" or p.group_size >= 2,
+             "group-relative advantages need prompts.group_size >= 2: a group of one sample has advantage 0, so "
+             "nothing would ever train (or choose advantage.estimator: batch, per_prompt or raw)"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:

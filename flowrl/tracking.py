@@ -10,11 +10,13 @@ import torch
 
 
 def scalar(value):
-    """A JSON-friendly float from tensors / numbers (NaN stays NaN)."""
+    """A JSON-friendly number from tensors / numbers: integers stay integers (`epoch`), the rest floats."""
     if isinstance(value, torch.Tensor):
         value = value.detach().float()
         return float(value) if value.numel() == 1 else [float(v) for v in value.flatten()]
-    return float(value) if isinstance(value, (int, float)) else value
+    if isinstance(value, bool) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    return float(value) if isinstance(value, float) else value
 
 
 class MetricsLog:
@@ -36,7 +38,13 @@ class MetricsLog:
 
 
 def image_grid(images: torch.Tensor, captions: list[str], path: str | Path, columns: int = 8, title: str = ""):
-    """Save a PNG grid of `images [N, 3, H, W]` in [0, 1] with a caption under each; returns the figure."""
+    """Save a PNG grid of `images [N, 3, H, W]` in [0, 1] with a caption under each; returns the path.
+
+    Captions are wrapped (not cut) to the image's width, and each row is as tall as its longest caption, so a
+    caption never hides under the next row.
+    """
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,18 +53,30 @@ def image_grid(images: torch.Tensor, captions: list[str], path: str | Path, colu
     n = len(images)
     columns = min(columns, n)
     rows = math.ceil(n / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(1.9 * columns, 2.2 * rows), squeeze=False)
+    wrapped = ["\n".join(textwrap.wrap(c.replace("\n", " | "), width=26)) or " " for c in captions]
+    lines = max(w.count("\n") + 1 for w in wrapped)
+    caption_h = 0.13 * lines  # inches of caption text under each image
+    fig, axes = plt.subplots(rows, columns, figsize=(2.0 * columns, (2.0 + caption_h) * rows + (0.4 if title else 0)),
+                             squeeze=False)  # fmt: skip
     for ax in axes.flat:
         ax.axis("off")
-    for ax, image, caption in zip(axes.flat, images, captions):
+    for ax, image, caption in zip(axes.flat, images, wrapped):
         ax.imshow(image.detach().float().permute(1, 2, 0).clamp(0, 1).cpu().numpy(), interpolation="nearest")
-        ax.set_title(caption, fontsize=6)
+        ax.text(0.5, -0.03, caption, transform=ax.transAxes, ha="center", va="top", fontsize=6)
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.tight_layout(h_pad=caption_h * 72 / 6)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # the last row's captions lie below its axes
     plt.close(fig)
     return path
+
+
+def upscale(images: torch.Tensor, min_size: int = 128) -> torch.Tensor:
+    """Nearest-neighbour upscale of `[N, C, H, W]` images so that the shorter side is at least `min_size`."""
+    factor = math.ceil(min_size / min(images.shape[-2:]))
+    if factor <= 1:
+        return images
+    return torch.nn.functional.interpolate(images.float(), scale_factor=factor, mode="nearest")
 
 
 def plot_curves(history: list[dict], out_dir: str | Path) -> list[Path]:

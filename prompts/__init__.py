@@ -104,7 +104,10 @@ def _read_jsonl(path: Path) -> list[Prompt]:
 def load(name_or_path: str | os.PathLike) -> list[Prompt]:
     """The prompts of a shipped set (`"simple_animals"`, `"compositional/train"`, ...) or of a `.txt`/`.jsonl` file."""
     path = resolve(name_or_path)
-    prompts = _read_jsonl(path) if path.suffix == ".jsonl" else _read_txt(path)
+    try:
+        prompts = _read_jsonl(path) if path.suffix == ".jsonl" else _read_txt(path)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     if not prompts:
         raise ValueError(f"prompt set {str(name_or_path)!r} ({path}) holds no prompts")
     return prompts

@@ -30,6 +30,13 @@ class _DigitsReward(Reward):
             classifiers = load_classifiers(BuildConfig(seed=seed))
         self.classifiers = classifiers
 
+    def check_prompts(self, prompts) -> None:
+        """Raise `ValueError` naming the first prompt that names no single digit (before any training)."""
+        from flowrl.digits import digit_of
+
+        for prompt in prompts:
+            digit_of(str(prompt))
+
     def _targets(self, prompts) -> torch.Tensor:
         from flowrl.digits import digit_of
 

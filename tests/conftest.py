@@ -7,6 +7,9 @@ from flowrl.digits.nets import TransformerConfig
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# trainers keep torch's thread count in tests: exactness tests compare runs, and a busy CI machine must not
+# change the count between them (tests/test_threads.py and test_shared_loop.py cover `run.threads`)
+os.environ.setdefault("FLOWRL_THREADING", "torch")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 TEXT = {"max_sequence_length": 16}

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import yaml
 
@@ -144,3 +146,18 @@ def test_load_config_needs_no_import_cycle():
     code = "import flowrl.config, sys; assert 'flowrl.trainers' not in sys.modules, sorted(sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_learning_rate_schedules_by_hand():
+    from flowrl.config import OptimConfig
+
+    cosine = OptimConfig(lr=1e-3, schedule="cosine", final_lr_ratio=0.1)
+    # epoch e of 5: progress e / 4; lr = 1e-3 (0.1 + 0.9 (1 + cos(pi p)) / 2)
+    expected = [1e-3 * (0.1 + 0.9 * (1 + math.cos(math.pi * e / 4)) / 2) for e in range(5)]
+    assert [cosine.lr_at(e, 5) for e in range(5)] == pytest.approx(expected)
+    assert cosine.lr_at(0, 5) == pytest.approx(1e-3) and cosine.lr_at(4, 5) == pytest.approx(1e-4)
+    linear = OptimConfig(lr=1e-3, schedule="linear", final_lr_ratio=0.0)
+    assert [linear.lr_at(e, 3) for e in range(3)] == pytest.approx([1e-3, 5e-4, 0.0])
+    assert OptimConfig(lr=1e-3).lr_at(7, 10) == 1e-3
+    with pytest.raises(ConfigError, match="final_lr_ratio"):
+        load_config({"trainer": "flow_grpo", "optim": {"final_lr_ratio": 2.0}})

@@ -4,6 +4,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from flowrl.core import ADVANTAGES, KL_ESTIMATORS, STEP_SELECTIONS, STEP_WEIGHTINGS, get_objective, list_objectives
 
 
@@ -26,6 +28,12 @@ def test_objectives_doc_lists_every_objective_with_its_defaults():
             assert ast.literal_eval(documented.group(1)) == value, f"{name}: {key} documented {documented.group(1)}"
         for key in objective.required:
             assert f"`{key}` (required" in listed, f"{name}: {key}"
+        image = re.search(r"Image defaults: (.*?)\n", section)
+        assert image, f"docs/objectives.md gives no image defaults for {name}"
+        for key, value in objective.image_hparams.items():
+            documented = re.search(rf"`{key} = ([^`]+)`", image.group(1))
+            assert documented, f"docs/objectives.md does not give {name}'s image default {key}"
+            assert ast.literal_eval(documented.group(1)) == pytest.approx(value), f"{name}: image {key}"
 
 
 def test_core_doc_lists_every_registered_piece():

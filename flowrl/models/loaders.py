@@ -86,11 +86,13 @@ def load_pipeline(
     except (OSError, ValueError) as err:
         if local:
             raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first if len(first) <= 160 else first[:157].rsplit(" ", 1)[0] + " ..."
         raise OSError(
-            f"could not load {name!r} from the Hugging Face hub ({type(err).__name__}: {err}). On a machine without "
-            "hub access, download the model elsewhere (`huggingface-cli download {name} --local-dir DIR`) and pass "
-            "DIR instead; gated models (SD3.5, FLUX.1-dev) also need `huggingface-cli login`."
-        ) from err
+            f"could not load {name!r} from the Hugging Face hub ({first}); on a machine without hub access "
+            f"download it elsewhere with `hf download {name} --local-dir DIR` and pass DIR as model.name (gated "
+            "models such as SD3.5 and FLUX.1-dev need `hf auth login` first)"
+        ) from None
     if _family_of(type(pipe).__name__) is None:
         raise ValueError(f"{name} is a {type(pipe).__name__}; flowrl supports {', '.join(families().values())}")
     pipe.to(device)

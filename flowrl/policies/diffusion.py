@@ -32,7 +32,7 @@ from flowrl.policies.rollout import Record, per_sample
 from flowrl.policies.sde import SAMPLERS, StepOutput, ddim_step, sde_step
 
 
-FLOW_SAMPLERS = ("flow_sde", "dance_sde", "cps", "ode")
+FLOW_SAMPLERS = ("flow_sde", "dance_sde", "cps", "cps_gaussian", "ode")
 
 
 @dataclass
@@ -420,6 +420,7 @@ class DiffusionPolicy:
         latents: torch.Tensor | None = None,
         decode: bool = True,
         store_means: bool = False,
+        progress: str | None = None,
     ) -> DiffusionRollout:
         """Sample one trajectory per prompt and record its per-step log-probabilities.
 
@@ -430,8 +431,8 @@ class DiffusionPolicy:
                 or Flux's guidance embedding.
             noise_level (`float`, defaults to 0.7): the sampler's noise (`flow_sde` a, `dance_sde` eta,
                 `cps` a, `ddim` eta).
-            sampler (`str`, *optional*): `flow_sde` (default for flow models), `dance_sde`, `cps`, `ode`;
-                `ddim` (default, eta = `noise_level`) or `ode` (eta 0) for UNets.
+            sampler (`str`, *optional*): `flow_sde` (default for flow models), `dance_sde`, `cps`,
+                `cps_gaussian`, `ode`; `ddim` (default, eta = `noise_level`) or `ode` (eta 0) for UNets.
             sde_window (`tuple[int, int]`, *optional*): stochastic steps `start <= t < end`; the others are
                 deterministic ODE / eta-0 DDIM steps (MixGRPO, Flow-GRPO-Fast). Default: every step.
             generator (`torch.Generator`, *optional*): seeds the initial noise and every step's noise.
@@ -439,6 +440,7 @@ class DiffusionPolicy:
             latents (`torch.Tensor`, *optional*): initial noise `[B, C, h, w]` (e.g. from FIND's noise policy).
             decode (`bool`, defaults to `True`): decode the final latents to images.
             store_means (`bool`, defaults to `False`): keep each step's behaviour mean (GRPO-Guard).
+            progress (`str`, *optional*): show a progress bar over the denoising steps with this label.
         """
         prompts = list(prompts)
         if not prompts:
@@ -480,7 +482,7 @@ class DiffusionPolicy:
         sde_mask = torch.zeros(num_steps, dtype=torch.bool)
         sde_mask[start:end] = stochastic
         states, log_probs, stds, means = [x], [], [], []
-        for i in range(num_steps):
+        for i in _steps(num_steps, progress):
             kind = sampler if sde_mask[i] else "ode"  # "ode" is eta-0 DDIM for UNets
             noise = None
             if kind != "ode":
@@ -496,6 +498,8 @@ class DiffusionPolicy:
             if store_means:
                 means.append(out.mean)
 
+        # a step whose kernel has no spread (CPS ends at s' = 0) has no density: it is deterministic, not trained
+        sde_mask &= torch.stack(stds).cpu() > 0
         return DiffusionRollout(
             prompts=prompts,
             prompt_ids=prompt_ids,
@@ -662,3 +666,12 @@ class DiffusionPolicy:
 def from_callable(model, encode, decode, latent_shape, scheduler, **kwargs) -> DiffusionPolicy:
     """A policy over any SD3-convention velocity network with callable text encoder and decoder."""
     return DiffusionPolicy(CallableAdapter(model, encode, decode, latent_shape, scheduler), **kwargs)
+
+
+def _steps(num_steps: int, label: str | None):
+    """`range(num_steps)`, with a transient progress bar when `label` is given."""
+    if label is None:
+        return range(num_steps)
+    from tqdm.auto import tqdm
+
+    return tqdm(range(num_steps), desc=label, unit="step", leave=False)

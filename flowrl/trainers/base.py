@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
@@ -35,6 +36,7 @@ from flowrl import checkpoint
 from flowrl import rewards as reward_registry
 from flowrl.config import RewardConfig, TrainerConfig, save_config, to_dict
 from flowrl.core import get_objective
+from flowrl.threads import ThreadGovernor
 from flowrl.tracking import MetricsLog, flat_config, plot_curves, scalar, summary_screen
 from flowrl.trainers.advantages import AdvantageEstimator
 from flowrl.trainers.scoring import Rewards
@@ -48,6 +50,9 @@ class Trainer(ABC):
     config_class = TrainerConfig
     uses_objective = True
     """Whether the policy loss is a ratio objective of the core (`objective` section); AC-Flow's is not."""
+    image_scale = False
+    """Whether the log-probs are means over latent elements (images): the objective's image-scale defaults apply
+    to every hyper-parameter the config does not set (`flowrl.core.IMAGE_SCALE`, docs/objectives.md)."""
 
     def __init__(self, config: TrainerConfig, *, policy=None, reward_fns: dict | None = None,
                  eval_fns: dict | None = None, output_dir=None):  # fmt: skip
@@ -57,13 +62,15 @@ class Trainer(ABC):
 
         self.config = config
         run = config.run
+        _check_trackers(run.log_with)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.output_dir = Path(output_dir or run.output_dir.format(trainer=config.trainer, time=stamp))
         self.accelerator = Accelerator(cpu=run.cpu, mixed_precision=run.mixed_precision,
                                        log_with=run.log_with or None, project_dir=str(self.output_dir))  # fmt: skip
         self.processes = Processes(self.accelerator)
+        self.threads = ThreadGovernor(run.threads)  # measures from here: model loading is the first interval
         self.state = RunState(trainer=config.trainer)
-        self.policy = policy if policy is not None else self.build_policy()
+        # rewards and data first: a bad reward name or prompt fails before any model is loaded
         if reward_fns is None:
             reward_fns = self.build_rewards(config.rewards)
         if eval_fns is None:
@@ -71,9 +78,14 @@ class Trainer(ABC):
         weights = {spec.name: spec.weight for spec in config.rewards}
         self.rewards = Rewards(reward_fns, weights, self.processes, run.max_bad_reward_frac)
         self.eval_fns = eval_fns
+        self.check_inputs()
+        self.policy = policy if policy is not None else self.build_policy()
         self.advantages = AdvantageEstimator(config.advantage, weights, config.reward_aggregation)
         self.objective = config.objective.name if self.uses_objective else None
-        self.objective_hparams = config.objective.hparams() if self.uses_objective else {}
+        self.objective_hparams = {}
+        if self.uses_objective:
+            presets = get_objective(self.objective).image_hparams if self.image_scale else {}
+            self.objective_hparams = {**presets, **config.objective.hparams()}  # what the user sets wins
         self.agg = self.objective_hparams.get("agg") or (get_objective(self.objective).agg if self.objective
                                                          else "token_mean")  # fmt: skip
         self.setup()
@@ -126,6 +138,9 @@ class Trainer(ABC):
     def build_rewards(self, specs: list[RewardConfig]) -> dict:
         return {spec.name: reward_registry.get(spec.name, **spec.kwargs) for spec in specs}
 
+    def check_inputs(self) -> None:  # noqa: B027  (an optional hook)
+        """Validate the data against the rewards before any model is loaded (a modality's prompts, ...)."""
+
     def setup(self) -> None:  # noqa: B027  (an optional hook, not an abstract method)
         """Build algorithm-specific pieces before the optimizers exist (noise policies, critics, buffers)."""
 
@@ -159,6 +174,10 @@ class Trainer(ABC):
 
     def train_epoch(self, epoch: int) -> dict:
         start = time.time()
+        threads = self.threads.adjust()
+        lr = self.config.optim.lr_at(epoch, self.config.run.epochs)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.model.eval()
         batch = self.collector.collect(epoch)
         rollout, prompts, local, rewards = batch.rollout, batch.prompts, batch.local, batch.rewards
@@ -187,6 +206,8 @@ class Trainer(ABC):
             **{f"adv/{k}": v for k, v in adv_stats.items()},
             **bad,
             "trained_samples": int(self.processes.gather(local_trainable.float()).sum()),
+            "lr": lr,
+            "threads": threads,
             **train,
             **batch.times,
             "time/train_s": time.time() - t0,
@@ -275,31 +296,40 @@ class Trainer(ABC):
     # the loop
     # ------------------------------------------------------------------------------------------
 
-    def train(self, resume: str | Path | bool | None = None) -> dict:
-        """Run (or resume) training to `run.epochs`; returns the summary."""
+    def train(self, resume: str | Path | bool | None = None, overwrite: bool = False) -> dict:
+        """Run (or resume) training to `run.epochs`; returns the summary.
+
+        Args:
+            resume: `True` continues the run folder's latest checkpoint, a path continues that checkpoint.
+            overwrite (`bool`): start afresh in a run folder that already holds a run, deleting its checkpoints,
+                metrics, images, plots and events (without it, such a folder is refused: nothing is lost).
+        """
         from tqdm.auto import tqdm
 
         cfg = self.config
         start_time = time.time()
-        if self.is_main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "images").mkdir(exist_ok=True)
-            save_config(cfg, self.output_dir / "config.yaml")
-        self.accelerator.wait_for_everyone()
+        self._prepare_run_folder(resume, overwrite)
         self.log = MetricsLog(self.output_dir / "metrics.jsonl")
         self.log.history = self.state.metrics  # one list: the checkpoint saves what the log holds
         wall_before = 0.0
         if resume:
-            path = checkpoint.latest(self.output_dir) if resume is True else Path(resume)
+            try:
+                path = checkpoint.latest(self.output_dir) if resume is True else Path(resume)
+            except checkpoint.CheckpointError as err:
+                found = checkpoint.list_checkpoints(self.output_dir)
+                raise self._with_earlier(err, found[-1]) if found else err from None
             wall_before = self.load_checkpoint(path)
             if self.is_main:
                 self.log.rewrite()
-        elif self.is_main and self.log.path.exists():
-            self.log.path.unlink()
         if self.accelerator.trackers == [] and cfg.run.log_with:
-            self.accelerator.init_trackers("flowrl", config=flat_config(to_dict(cfg)))
+            self._init_trackers()
         if not self.state.eval_history:
-            self._record_eval(0, self.evaluate())
+            if self.is_main:
+                print("evaluating the starting policy (the curves' baseline) ...", flush=True)
+            evaluation = self.evaluate()
+            self._record_eval(0, evaluation)
+            self._log({"epoch": 0, **evaluation})  # the curves start at their baseline
+            self._keep_best(evaluation, 0.0)
 
         bar = tqdm(range(self.epoch, cfg.run.epochs), disable=not self.is_main, desc=cfg.trainer, unit="epoch")
         for epoch in bar:
@@ -310,12 +340,15 @@ class Trainer(ABC):
                 evaluation = self.evaluate()
                 record.update(evaluation)
                 self._record_eval(self.epoch, evaluation)
+                self._keep_best(evaluation, wall_before + time.time() - start_time)
             record["wall_s"] = wall_before + time.time() - start_time
             self._log(record)
             if cfg.run.images_every and (self.epoch % cfg.run.images_every == 0 or self.epoch == 1):
                 self.log_samples()
             bar.set_postfix(reward=f"{scalar(record['reward/mean']):.3f}",
                             eval=f"{self.state.eval_history[-1].get('eval/reward', float('nan')):.3f}")  # fmt: skip
+            if last:
+                self._restore_best()
             if last or (cfg.run.save_every and self.epoch % cfg.run.save_every == 0):
                 self.save_checkpoint(wall_before + time.time() - start_time)
         summary = self._summary(wall_before + time.time() - start_time)
@@ -326,6 +359,82 @@ class Trainer(ABC):
         self.accelerator.end_training()
         return summary
 
+    def _prepare_run_folder(self, resume, overwrite: bool) -> None:
+        """Create the run folder; refuse one that holds another run unless resuming it or overwriting it."""
+        out = self.output_dir
+        artifacts = [out / name for name in RUN_ARTIFACTS if (out / name).exists()]
+        held = bool(checkpoint.list_checkpoints(out)) or (out / "metrics.jsonl").exists()
+        if held and not resume and not overwrite:
+            raise RunFolderError(f"run folder {out} already holds a run (checkpoints or metrics.jsonl): pass --resume "
+                                 "to continue it, --overwrite to replace it, or another --output-dir")  # fmt: skip
+        if resume and resume is not True and Path(resume).resolve().parent == (out / "checkpoints").resolve():
+            newer = [p.name for p in checkpoint.list_checkpoints(out) if _epoch_of(p) > _epoch_of(Path(resume))]
+            if newer and not overwrite:
+                raise RunFolderError(f"the run went on past {Path(resume).name} ({', '.join(newer)}): resuming there "
+                                     "would fork it; pass --overwrite to delete the later checkpoints")  # fmt: skip
+            if self.is_main:
+                for name in newer:
+                    shutil.rmtree(out / "checkpoints" / name)
+                best = out / "checkpoints" / "best" / "trainer_state.json"
+                if newer and best.is_file() and (json.loads(best.read_text()).get("best") or {}).get(
+                        "epoch", 0) > _epoch_of(Path(resume)):  # fmt: skip
+                    shutil.rmtree(best.parent)  # the best of the abandoned continuation
+        if overwrite and not resume and self.is_main:
+            for path in artifacts:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if self.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "images").mkdir(exist_ok=True)
+            save_config(self.config, out / "config.yaml")
+        self.accelerator.wait_for_everyone()
+
+    def _init_trackers(self) -> None:
+        """TensorBoard gets the config as text in its one events file (its hparams plugin would write a second
+        run folder); other trackers (W&B) get it as their run config."""
+        import yaml
+
+        self.accelerator.init_trackers("flowrl")
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "tensorboard":
+                text = yaml.safe_dump(to_dict(self.config), sort_keys=False)
+                tracker.writer.add_text("config", "    " + text.replace("\n", "\n    "), 0)
+            else:
+                tracker.store_init_configuration(flat_config(to_dict(self.config)))
+
+    def _keep_best(self, evaluation: dict, wall_s: float) -> None:
+        """Save `checkpoints/best` when this evaluation beats the best one by `eval.best_metric`."""
+        key = self.config.eval.best_key()
+        if key is None:
+            return
+        name, sign = key
+        if name not in evaluation:
+            raise ValueError(f"eval.best_metric {self.config.eval.best_metric!r} is not an evaluation metric; "
+                             f"choose from {', '.join(k.removeprefix('eval/') for k in evaluation)}")  # fmt: skip
+        value = scalar(evaluation[name])
+        best = self.state.best
+        if best is None or sign * value > sign * best["value"]:
+            self.state.best = {"epoch": self.epoch, "metric": name, "value": value}
+            self.state.wall_s = wall_s
+            state, tensors = self.state_dict()
+            checkpoint.save(self.output_dir / "checkpoints" / "best", self.accelerator, state, tensors)
+
+    def _restore_best(self) -> None:
+        """`eval.restore_best`: load the best checkpoint's weights (and optimizer and EMA) at the run's end; the
+        run's counters and history stay those of its last epoch."""
+        best = self.state.best
+        if not self.config.eval.restore_best or best is None or best["epoch"] == self.epoch:
+            return
+        keep = self.state
+        path = self.output_dir / "checkpoints" / "best"
+        self.load_checkpoint(path)
+        self.state = keep
+        self.state.best = {**best, "restored": True}
+        if self.log is not None:
+            self.log.history = self.state.metrics
+        if self.is_main:
+            print(f"restored the best evaluation's weights (epoch {best['epoch']}, {best['metric']} "
+                  f"{best['value']:.4f}) from {path}")  # fmt: skip
+
     def _record_eval(self, epoch: int, evaluation: dict) -> None:
         self.state.eval_history.append({"epoch": epoch, **{k: scalar(v) for k, v in evaluation.items()}})
 
@@ -333,12 +442,16 @@ class Trainer(ABC):
         record = {k: scalar(v) for k, v in record.items()}
         if self.is_main:
             self.log.append(record)
-        numbers = {k: v for k, v in record.items() if isinstance(v, float) and not math.isnan(v)}
+        numeric = (k for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+        numbers = {k: float(record[k]) for k in numeric if k != "epoch" and not math.isnan(record[k])}
         if self.accelerator.trackers:
             self.accelerator.log(numbers, step=record["epoch"])
 
     def _summary(self, wall_s: float) -> dict:
         first, last = self.state.eval_history[0], self.state.eval_history[-1]
+        best = self.state.best
+        if best is not None and best.get("restored"):  # the final weights are the best evaluation's
+            last = next(e for e in self.state.eval_history if e["epoch"] == best["epoch"])
         gold = self.config.eval.metrics[0] if self.config.eval.metrics else None
         metrics = [k for k in last if k != "epoch"]
         return {
@@ -354,6 +467,7 @@ class Trainer(ABC):
             "eval_end": {k: last.get(k) for k in metrics},
             "eval_history": self.state.eval_history,
             "samples_scored": self.state.samples_scored,
+            "best": best,
             "train_reward_end": self.log.history[-1]["reward/mean"] if self.log and self.log.history else None,
         }
 
@@ -382,6 +496,12 @@ class Trainer(ABC):
         if self.ema is not None:
             self.ema.load_state_dict(tensors)
 
+    def _with_earlier(self, err: Exception, path) -> checkpoint.CheckpointError:
+        """`err` with the newest verified checkpoint older than `path` offered in its message."""
+        earlier = checkpoint.previous_verified(self.output_dir, path)
+        hint = f"; the previous verified checkpoint is {earlier} (--resume {earlier})" if earlier else ""
+        return checkpoint.CheckpointError(f"{err}{hint}")
+
     def save_checkpoint(self, wall_s: float = 0.0) -> Path:
         self.state.wall_s = wall_s
         state, tensors = self.state_dict()
@@ -389,7 +509,10 @@ class Trainer(ABC):
         return checkpoint.save(folder, self.accelerator, state, tensors, keep=self.config.run.keep_checkpoints)
 
     def load_checkpoint(self, path: str | Path) -> float:
-        state, tensors = checkpoint.load(path, self.accelerator)
+        try:
+            state, tensors = checkpoint.load(path, self.accelerator)
+        except checkpoint.CheckpointError as err:
+            raise self._with_earlier(err, path) from None
         self.load_state_dict(state, tensors)
         if self.is_main:
             print(f"resumed from {path} at epoch {self.epoch}")
@@ -400,3 +523,27 @@ def informative_groups(group_ids: torch.Tensor, advantages: torch.Tensor, valid:
     """Samples whose group has any non-zero advantage."""
     nonzero = torch.zeros(int(group_ids.max()) + 1).index_add_(0, group_ids[valid], (advantages[valid] != 0).float())
     return nonzero[group_ids] > 0
+
+
+def _check_trackers(log_with: list[str]) -> None:
+    """Fail up front on a tracker whose package is missing (accelerate would only warn and train on)."""
+    import importlib.util
+
+    for name in log_with or []:
+        package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(name, name)
+        if importlib.util.find_spec(package) is None:
+            raise ValueError(f"run.log_with lists {name}, which is not installed: pip install 'flowrl[{name}]' "
+                             f"(or remove it from run.log_with)")  # fmt: skip
+
+
+RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "summary.json", "images", "plots", "flowrl", "config.yaml")
+"""What a run writes into its folder (`--overwrite` deletes exactly these)."""
+
+
+class RunFolderError(ValueError):
+    """A run folder that holds another run (or a later part of this one); the message says what to pass."""
+
+
+def _epoch_of(path: Path) -> int:
+    digits = path.name.removeprefix("epoch_")
+    return int(digits) if digits.isdigit() else -1

@@ -58,9 +58,10 @@ class ImageEvaluator:
         texts = [str(p) for p in full_padded[local]]
         with self.autocast() if self.autocast else nullcontext():
             latents = self.initial_latents(texts, generator, s.height, s.width) if self.initial_latents else None
+            progress = f"eval {len(full)} samples" if self.processes.is_main else None
             rollout = self.policy.rollout(texts, num_steps=e.num_steps or s.num_steps, guidance_scale=guidance,
                                           noise_level=0.0, sampler=sampler, generator=generator, height=s.height,
-                                          width=s.width, latents=latents)  # fmt: skip
+                                          width=s.width, latents=latents, progress=progress)  # fmt: skip
         fns = {**self.rewards.fns, **self.metrics}
         scores = {k: v[: len(full)] for k, v in self.rewards.score(rollout.images, full_padded[local], fns).items()}
         # diversity on (at most) 64x64 thumbnails, so gathering large images stays cheap
@@ -76,7 +77,7 @@ class ImageEvaluator:
     def sample_grid(self, rollout, total: torch.Tensor, group_size: int, path: Path, title: str = "") -> torch.Tensor:
         """A PNG grid of up to 16 training samples (two per group) captioned with prompt and reward; returns them."""
         take = list(range(0, len(rollout), max(1, group_size // 2)))[:16]
-        captions = [f"{rollout.prompts[i][:28]}\nr={total[i]:.3f}" for i in take]
+        captions = [f"{rollout.prompts[i]} | r={total[i]:.3f}" for i in take]
         image_grid(rollout.images[take], captions, path, title=title)
         return rollout.images[take]
 

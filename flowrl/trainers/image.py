@@ -18,6 +18,7 @@ from flowrl.core.ratios import reduce_elements
 from flowrl.models import build_policy
 from flowrl.policies.diffusion import DiffusionRollout
 from flowrl.policies.sde import StepOutput
+from flowrl.tracking import upscale
 from flowrl.trainers.base import Trainer
 from flowrl.trainers.collect import ImageCollector
 from flowrl.trainers.evaluate import ImageEvaluator
@@ -50,6 +51,7 @@ def step_kl(form: str, out: StepOutput, ref: StepOutput, *, prediction=None, ref
 class ImageTrainer(Trainer):
     """Base of the image trainers; see the module docstring. Subclasses add their config and hooks."""
 
+    image_scale = True
     requires_stochastic = True
     """Rollouts must have a stochastic step (log-ratio trainers); FIND and AC-Flow train on ODE samples."""
     kl_to_reference = True
@@ -59,8 +61,24 @@ class ImageTrainer(Trainer):
         self.train_prompts = prompt_sets.load(config.prompts.train)
         self.test_prompts = prompt_sets.load(config.prompts.test)
         super().__init__(config, **kwargs)
+        if self.store_means and self.config.sampling.sampler == "cps":
+            raise ValueError("grpo_guard's RatioNorm is defined on Gaussian step log-probs; with CPS use sampler "
+                             "cps_gaussian (cps keeps Flow-GRPO's -mean (x' - mu)^2 log-prob)")  # fmt: skip
         if self.kl_to_reference and self.config.kl.beta and not self.has_reference():
             self.policy.freeze_reference()  # full fine-tuning: the reference is a frozen copy of the base
+
+    def check_inputs(self) -> None:
+        """Every reward (and gold metric) that can judge prompts up front checks the train and test sets."""
+        if not self.train_prompts or not self.test_prompts:
+            raise ValueError("the training or test prompt set is empty")
+        for name, fn in {**self.rewards.fns, **self.eval_fns}.items():
+            check = getattr(fn, "check_prompts", None)
+            if check is not None:
+                for label, prompts in (("prompts.train", self.train_prompts), ("prompts.test", self.test_prompts)):
+                    try:
+                        check([str(p) for p in prompts])
+                    except ValueError as err:
+                        raise ValueError(f"{label} does not suit reward {name!r}: {err}") from None
 
     def has_reference(self) -> bool:
         return self.policy.has_lora or self.policy.reference_model is not None
@@ -115,8 +133,8 @@ class ImageTrainer(Trainer):
         images = self.evaluator.sample_grid(rollout, self.rewards.combined(rewards), self.config.prompts.group_size,
                                             path, title=f"epoch {self.epoch}")  # fmt: skip
         for tracker in self.accelerator.trackers:
-            if tracker.name == "tensorboard":
-                tracker.writer.add_images("samples", images.float().clamp(0, 1), self.epoch)
+            if tracker.name == "tensorboard":  # small images (the digits' 8x8) upscaled so they can be seen
+                tracker.writer.add_images("samples", upscale(images.float().clamp(0, 1)), self.epoch)
 
     # ------------------------------------------------------------------------------------------
     # elements: the denoising steps

@@ -115,6 +115,8 @@ class RunState:
     """Every epoch's metrics row (also `metrics.jsonl`)."""
     wall_s: float = 0.0
     """Training seconds before the last save."""
+    best: dict | None = None
+    """The best evaluation so far by `eval.best_metric`: `{"epoch", "metric", "value"}` (`checkpoints/best`)."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

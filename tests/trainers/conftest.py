@@ -28,3 +28,13 @@ def make_trainer(world, config, reward_fns=None, **kwargs):
     evals = {name: rewards.get(name, classifiers=world.classifiers) for name in config.eval.metrics}
     policy = world.policy(forward_batch_size=config.sampling.forward_batch_size)
     return build_trainer(config, policy=policy, reward_fns=fns, eval_fns=evals, **kwargs)
+
+
+def training_rows(run_dir):
+    """The `metrics.jsonl` rows of the training epochs (the file starts with the epoch-0 evaluation row)."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["epoch"] == 0 and "reward/mean" not in rows[0]
+    return rows[1:]

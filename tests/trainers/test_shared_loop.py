@@ -9,7 +9,7 @@ from flowrl.checkpoint import CheckpointError
 from flowrl.trainers.base import informative_groups
 from flowrl.trainers.evaluate import group_diversity
 
-from .conftest import make_trainer, tiny_config
+from .conftest import make_trainer, tiny_config, training_rows
 
 
 def _weights(trainer):
@@ -26,7 +26,7 @@ def test_two_epoch_run_trains_every_parameter_and_writes_the_run_folder(tiny_wor
     after = _weights(trainer)
     assert all(not torch.equal(a, b) for a, b in zip(before, after)), "some trainable parameter did not change"
 
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = training_rows(tmp_path)
     assert [r["epoch"] for r in lines] == [1, 2]
     for record in lines:
         for key in ("reward/mean", "reward/digits_alignment", "loss", "clipfrac", "clipfrac_high", "clipfrac_low",
@@ -51,7 +51,7 @@ def test_resume_is_exact(tiny_world, tmp_path):
     resumed.train(resume=True)
     for a, b in zip(_weights(straight), _weights(resumed)):
         assert torch.equal(a, b)
-    history = lambda path: [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    history = lambda path: training_rows(path)  # noqa: E731
     a, b = history(tmp_path / "a"), history(tmp_path / "b")
     assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b] and len(b) == 4
 
@@ -111,7 +111,7 @@ def test_kl_to_the_reference_and_gdpo_aggregation(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, config)
     assert trainer.policy.reference_model is not None  # full fine-tuning: a frozen copy
     trainer.train()
-    history = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    history = training_rows(tmp_path)
     # epoch 1's two minibatches make one optimizer step after both: the policy is still the reference there
     assert history[0]["kl"] == 0 and history[1]["kl"] > 0  # the reference stays where training started
     assert "reward/digits_gold" in history[0]
@@ -177,3 +177,60 @@ def test_a_reward_with_the_wrong_shape_is_named(tiny_world, tmp_path, overlap):
     trainer = make_trainer(tiny_world, config, reward_fns={"digits_alignment": lambda images, prompts: [1.0, 2.0]})
     with pytest.raises(rewards.RewardError, match=r"reward 'digits_alignment' returned shape \(2,\); expected"):
         trainer.train_epoch(0)
+
+
+def test_the_learning_rate_follows_the_schedule_per_epoch(tiny_world, tmp_path):
+    overrides = ["run.epochs=3", "optim.schedule=linear", "optim.final_lr_ratio=0.5", "eval.every=0"]
+    trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=overrides))
+    trainer.train()
+    lrs = [r["lr"] for r in training_rows(tmp_path)]
+    assert lrs == pytest.approx([1e-3, 7.5e-4, 5e-4])  # lr 1e-3 decaying linearly to half at the last epoch
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+
+
+@pytest.mark.parametrize("metric", ["reward", "-digits_gold"])
+def test_the_best_evaluation_is_kept_and_restored_at_the_end(tiny_world, tmp_path, metric):
+    from safetensors.torch import load_file
+
+    overrides = ["run.epochs=3", "eval.every=1", f"eval.best_metric={metric}", "eval.restore_best=true"]
+    trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=overrides))
+    summary = trainer.train()
+    name, sign = ("eval/reward", 1) if metric == "reward" else ("eval/digits_gold", -1)
+    history = summary["eval_history"]
+    best = max(history, key=lambda e: sign * e[name])
+    assert summary["best"]["epoch"] == best["epoch"] and summary["best"]["value"] == best[name]
+    assert summary["eval_end"] == {k: v for k, v in best.items() if k != "epoch"}
+    saved = load_file(next((tmp_path / "checkpoints" / "best").rglob("model.safetensors")))
+    final = load_file(next((tmp_path / "checkpoints" / "epoch_3").rglob("model.safetensors")))
+    assert all(torch.equal(saved[k], final[k]) for k in saved)  # the final checkpoint holds the best weights
+    restored = best["epoch"] != 3
+    assert summary["best"].get("restored", False) == restored
+    # the evaluation of the restored weights is the best one, exactly (fixed evaluation noise)
+    evaluation = trainer.evaluate()
+    assert evaluation[name] == pytest.approx(best[name], abs=1e-6)
+
+
+def test_best_metric_must_be_an_evaluation_metric(tiny_world, tmp_path):
+    trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=["eval.best_metric=gold"]))
+    with pytest.raises(ValueError, match="eval.best_metric 'gold' is not an evaluation metric; choose from"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("setting", [1, "auto"])
+def test_run_threads_sets_and_records_the_thread_count(tiny_world, tmp_path, monkeypatch, setting):
+    monkeypatch.delenv("FLOWRL_THREADING", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        config = tiny_config("flow_grpo", tmp_path, ["run.epochs=1", f"run.threads={setting}"])
+        trainer = make_trainer(tiny_world, config)
+        trainer.threads.min_interval_s = 0.0  # judge the load over however long the model took to build
+        trainer.train()
+        row = training_rows(tmp_path)[0]
+        assert row["threads"] == torch.get_num_threads()
+        if setting == 1:
+            assert row["threads"] == 1 and not trainer.threads.active
+        else:
+            assert 1 <= row["threads"] <= trainer.threads.max_threads
+    finally:
+        torch.set_num_threads(before)

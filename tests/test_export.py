@@ -1,0 +1,141 @@
+"""`flowrl export`: a trained run becomes what a diffusers user loads in one line, and samples the same images."""
+
+import json
+
+import pytest
+import torch
+
+from flowrl.cli import main
+from flowrl.models import tiny_flux, tiny_sd3, tiny_unet
+from flowrl.policies import DiffusionPolicy
+
+from .trainers.conftest import make_trainer, tiny_config
+
+
+BUILD = {"sd3": tiny_sd3, "flux": tiny_flux, "unet": tiny_unet}
+PIPELINE = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "unet": "StableDiffusionPipeline"}
+
+
+def _pipeline(family, folder):
+    import diffusers
+
+    return getattr(diffusers, PIPELINE[family]).from_pretrained(folder)
+
+
+def _brightness(images, prompts, **_):
+    return images.float().mean(dim=(1, 2, 3))
+
+
+def _train(family, lora, tmp_path, monkeypatch):
+    """One epoch of flow_grpo (DDIM for the UNet) on a tiny pipeline folder, EMA on; returns (run, base)."""
+    base = tmp_path / "base"
+    BUILD[family](seed=1).save_pretrained(base)
+    (tmp_path / "prompts.txt").write_text("a red cat\na blue dog\n")
+    prompts = str(tmp_path / "prompts.txt")
+    sampler = {"sampler": "ddim", "noise_level": 1.0} if family == "unet" else {}
+    run = tmp_path / "run"
+    config = {
+        "trainer": "flow_grpo",
+        "model": {"name": str(base), "lora_rank": 4 if lora else 0, "max_sequence_length": 16},
+        "sampling": {
+            "num_steps": 2,
+            "guidance_scale": 1.0,
+            "forward_batch_size": 4,
+            "height": 64,
+            "width": 64,
+            **sampler,
+        },  # fmt: skip
+        "prompts": {"train": prompts, "test": prompts, "prompts_per_epoch": 2, "group_size": 2},
+        "rewards": [{"name": "tests.test_export:_brightness"}],
+        "eval": {"every": 0, "samples_per_prompt": 1},
+        "optim": {"lr": 1e-2},
+        "objective": {"clip_eps_low": 0.1},
+        "run": {"epochs": 1, "log_with": [], "images_every": 0, "output_dir": str(run)},
+        "ema_decay": 0.5,
+        "ema_every": 1,
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))
+    assert main(["train", str(path)]) == 0
+    return run, base
+
+
+def _samples(policy, family):
+    """ODE (DDIM eta 0) samples of two prompts from fixed noise."""
+    return policy.rollout(["a red cat", "a blue dog"], num_steps=2, guidance_scale=1.0, sampler="ode",
+                          generator=torch.Generator().manual_seed(3), height=64, width=64).images  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "unet"])
+def test_lora_runs_export_to_load_lora_weights(family, tmp_path, monkeypatch, capsys):
+    from flowrl.trainers import build_trainer, load_config
+
+    run, base = _train(family, True, tmp_path, monkeypatch)
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "load_lora_weights" in printed and (out / "pytorch_lora_weights.safetensors").is_file()
+    record = json.loads((out / "flowrl_export.json").read_text())
+    assert record["ema"] and record["kind"] == "lora" and record["epoch"] == 1
+    # a plain diffusers pipeline with the exported LoRA samples what the run's EMA policy samples
+    pipe = _pipeline(family, base)
+    pipe.load_lora_weights(str(out))
+    exported = _samples(DiffusionPolicy.from_pipeline(pipe, max_sequence_length=16), family)
+    trainer = build_trainer(load_config(run / "config.yaml", ["run.log_with=[]"]), output_dir=run)
+    trainer.load_checkpoint(run / "checkpoints" / "epoch_1")
+    with trainer.ema.swapped():
+        ours = _samples(trainer.policy, family)
+    raw = _samples(trainer.policy, family)
+    torch.testing.assert_close(exported, ours, rtol=0, atol=2e-5)
+    assert (raw - ours).abs().max() > 1e-4  # the EMA differs from the raw weights: the test can tell them apart
+    # --no-ema exports the raw weights
+    main(["export", str(run), "--out", str(tmp_path / "raw"), "--no-ema"])
+    pipe = _pipeline(family, base)
+    pipe.load_lora_weights(str(tmp_path / "raw"))
+    torch.testing.assert_close(_samples(DiffusionPolicy.from_pipeline(pipe, max_sequence_length=16), family), raw,
+                               rtol=0, atol=2e-5)  # fmt: skip
+
+
+def test_full_fine_tunes_export_the_pipeline_folder(tmp_path, monkeypatch, capsys):
+    from diffusers import StableDiffusion3Pipeline
+
+    from flowrl.trainers import build_trainer, load_config
+
+    run, _ = _train("sd3", False, tmp_path, monkeypatch)
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    assert "StableDiffusion3Pipeline.from_pretrained" in capsys.readouterr().out
+    exported = _samples(DiffusionPolicy.from_pipeline(StableDiffusion3Pipeline.from_pretrained(out),
+                                                      max_sequence_length=16), "sd3")  # fmt: skip
+    trainer = build_trainer(load_config(run / "config.yaml", ["run.log_with=[]"]), output_dir=run)
+    trainer.load_checkpoint(run / "checkpoints" / "epoch_1")
+    with trainer.ema.swapped():
+        torch.testing.assert_close(exported, _samples(trainer.policy, "sd3"), rtol=0, atol=2e-5)
+
+
+def test_digits_full_fine_tunes_export_the_transformer(tiny_world, tmp_path):
+    from diffusers import SD3Transformer2DModel
+
+    from flowrl.export import write
+
+    trainer = make_trainer(tiny_world, tiny_config("grpo_guard", tmp_path, overrides=["run.epochs=1"]))
+    trainer.train()
+    record = write(trainer, tmp_path / "export")
+    assert record["kind"] == "full" and not record["ema"] and "SD3Transformer2DModel.from_pretrained" in record["load"]
+    loaded = SD3Transformer2DModel.from_pretrained(tmp_path / "export")
+    for (name, a), b in zip(trainer.policy.model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="kept no EMA weights"):
+        write(trainer, tmp_path / "ema", ema=True)
+
+
+def test_export_refuses_what_it_cannot_write(tiny_world, tmp_path, capsys):
+    from flowrl.export import write
+
+    from .trainers.test_find import find_config
+
+    find = make_trainer(tiny_world, find_config(tmp_path))
+    with pytest.raises(ValueError, match="find trains FINDNoisePolicy, not the diffusion model"):
+        write(find, tmp_path / "out")
+    assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")]) == 2
+    assert "is not a run folder" in capsys.readouterr().err

@@ -219,8 +219,9 @@ class RunConfig:
     torch's default (`flowrl.threads`; `OMP_NUM_THREADS` or `FLOWRL_THREADING=torch` in the environment win)."""
 
     def __post_init__(self):
-        if isinstance(self.threads, int) and (isinstance(self.threads, bool) or self.threads < 1):
-            raise ValueError(f"run.threads must be 'auto', 'torch' or a positive integer, got {self.threads!r}")
+        from flowrl.threads import check_setting
+
+        check_setting(self.threads)
 
 
 @dataclasses.dataclass

@@ -49,13 +49,18 @@ def _cpu_busy_seconds(cpus: set[int]) -> float | None:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def check_setting(setting) -> None:
+    """Refuse a `run.threads` value that is neither `auto`, `torch` nor a positive integer."""
+    if isinstance(setting, bool) or not (setting in ("auto", "torch") or (isinstance(setting, int) and setting >= 1)):
+        raise ValueError(f"run.threads must be 'auto', 'torch' or a positive integer, got {setting!r}")
+
+
 class ThreadGovernor:
     """torch's CPU thread count, set to the cores other processes leave free (see the module docstring)."""
 
     def __init__(self, setting: str | int = "auto", min_interval_s: float = 1.0):
         self.min_interval_s = min_interval_s
-        if isinstance(setting, int) and (isinstance(setting, bool) or setting < 1):
-            raise ValueError(f"run.threads must be 'auto', 'torch' or a positive integer, got {setting!r}")
+        check_setting(setting)
         if os.environ.get("FLOWRL_THREADING", "").lower() == "torch":
             setting = "torch"
         elif setting == "auto" and os.environ.get("OMP_NUM_THREADS"):

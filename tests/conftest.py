@@ -14,6 +14,16 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 TEXT = {"max_sequence_length": 16}
 
+TINY_DIGITS_RUN = {
+    "trainer": "grpo_guard",
+    "model": {"name": "digits", "digits_pretrain_steps": 2},
+    "sampling": {"num_steps": 3, "guidance_scale": 1.0, "forward_batch_size": 8},
+    "prompts": {"prompts_per_epoch": 2, "group_size": 4},
+    "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 4, "metrics": ["digits_gold"]},
+    "optim": {"lr": 1e-4},
+}
+"""A `flowrl` run config on a 2-step digits base model (CLI tests add their `run` section)."""
+
 
 @pytest.fixture(scope="session")
 def sd3_pipe():

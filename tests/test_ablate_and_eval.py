@@ -8,14 +8,11 @@ import yaml
 from flowrl import ablate
 from flowrl.cli import main
 
+from .conftest import TINY_DIGITS_RUN
+
 
 TINY = {
-    "trainer": "grpo_guard",
-    "model": {"name": "digits", "digits_pretrain_steps": 2},
-    "sampling": {"num_steps": 3, "guidance_scale": 1.0, "forward_batch_size": 8},
-    "prompts": {"prompts_per_epoch": 2, "group_size": 4},
-    "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 4, "metrics": ["digits_gold"]},
-    "optim": {"lr": 1e-4},
+    **TINY_DIGITS_RUN,
     "run": {"epochs": 1, "save_every": 1, "images_every": 0, "log_with": []},
     "objective": {"clip_eps_low": 1e-3},
 }

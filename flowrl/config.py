@@ -169,6 +169,9 @@ class OptimConfig:
     epoch to `lr * final_lr_ratio` at the last (set per epoch, so a resumed run continues on the same curve)."""
     final_lr_ratio: float = 0.1
     """The last epoch's learning rate as a fraction of `lr` (`cosine` and `linear` schedules)."""
+    optimizer: Literal["adamw", "rmsprop"] = "adamw"
+    """`adamw` (weight decay 0 is Adam), or `rmsprop` (alpha 0.99, `eps`, no weight decay: SB3's A2C optimizer,
+    for the "A2C is a special case of PPO" settings)."""
     backward: Literal["whole", "per_step"] = "whole"
     """`whole`: one loss and one backward per minibatch over all its trained steps `[b, k]`. `per_step`: one
     backward per step column, so only one step's activations are in memory (large models); the gradient is
@@ -415,8 +418,18 @@ class TrainerConfig:
     """Optimizer steps between EMA updates (Flow-GRPO: 8)."""
 
     def __post_init__(self):
+        for ok, message in self.checks():
+            if not ok:
+                raise ValueError(message)
+        for name in self.unused:
+            section = getattr(self, name)
+            if section != type(section)():
+                raise ValueError(f"{self.trainer} does not use the {name} section; remove it from the config")
+
+    def checks(self) -> list[tuple[bool, str]]:
+        """`(condition, message)` pairs the config must satisfy (a modality without prompts replaces them)."""
         p = self.prompts
-        checks = [
+        return [
             (self.run.epochs >= 1, "run.epochs must be >= 1"),
             (p.prompts_per_epoch >= 1, "prompts.prompts_per_epoch must be >= 1"),
             (p.group_size >= 1, "prompts.group_size must be >= 1"),
@@ -435,13 +448,6 @@ class TrainerConfig:
              "group-relative advantages need prompts.group_size >= 2: a group of one sample has advantage 0, so "
              "nothing would ever train (or choose advantage.estimator: batch, per_prompt or raw)"),
         ]  # fmt: skip
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        for name in self.unused:
-            section = getattr(self, name)
-            if section != type(section)():
-                raise ValueError(f"{self.trainer} does not use the {name} section; remove it from the config")
 
     @classmethod
     def renamed_keys(cls) -> dict[str, str]:

@@ -303,6 +303,20 @@ def spo(ratio, adv, *, eps: float = 0.2):
     return Surrogate(value, coef, beyond_high, beyond_low)
 
 
+def ppo_spo(ratio, adv, *, clip_eps_low: float = 0.2):
+    """Asymmetric trust region of FPO++ ("ASPO", Yi et al. 2026, arXiv:2602.02481 eq. 11-12).
+
+    PPO-clip where `A >= 0`; SPO's penalty `l = -(A r - |A| (r - 1)^2 / (2 eps))` where `A < 0`, with the same
+    `eps` on both sides: a negative advantage pulls the ratio back toward 1 instead of pushing the flow's
+    likelihood of a bad action down without bound.
+    """
+    pos = adv >= 0  # [B, K]
+    clipped, penalised = ppo_clip(ratio, adv, clip_eps_low=clip_eps_low), spo(ratio, adv, eps=clip_eps_low)
+    value = torch.where(pos, clipped.value, penalised.value)
+    coef = torch.where(pos, clipped.coef, penalised.coef)
+    return Surrogate(value, coef, pos & clipped.clipped_high, ~pos & penalised.clipped_low)
+
+
 def sapo(ratio, adv, *, tau_pos: float = 1.0, tau_neg: float = 1.05):
     """Soft adaptive gate instead of a clip (SAPO, arXiv:2511.20347).
 
@@ -389,6 +403,7 @@ register_objective("cispo", cispo, agg="token_mean", image={"clip_eps_high": 4.0
 register_objective("spo", spo, agg="token_mean", image={"eps": 0.2 * IMAGE_SCALE})
 register_objective("gppo", gppo, agg="token_mean",
                    image={"clip_eps_low": _IMAGE_CLIP, "clip_eps_high": 0.28 * IMAGE_SCALE})  # fmt: skip
+register_objective("ppo_spo", ppo_spo, agg="token_mean", image={"clip_eps_low": _IMAGE_CLIP})
 register_objective("clamp", clamp, agg="token_mean", image={"clip_eps_low": _IMAGE_CLIP})
 register_objective("reinforce", reinforce, agg="token_mean")
 register_objective(

@@ -50,6 +50,8 @@ class Trainer(ABC):
     config_class = TrainerConfig
     uses_objective = True
     """Whether the policy loss is a ratio objective of the core (`objective` section); AC-Flow's is not."""
+    optimizer_options: dict = {}
+    """Extra keyword arguments of the optimizer (control's small networks take `foreach=True`)."""
     image_scale = False
     """Whether the log-probs are means over latent elements (images): the objective's image-scale defaults apply
     to every hyper-parameter the config does not set (`flowrl.core.IMAGE_SCALE`, docs/objectives.md)."""
@@ -94,11 +96,19 @@ class Trainer(ABC):
         if not params:
             raise ValueError(f"{type(self).__name__} has no trainable parameters")
         opt = config.optim
-        optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay, eps=opt.eps)
+        if opt.optimizer == "rmsprop":
+            optimizer = torch.optim.RMSprop(params, lr=opt.lr, alpha=0.99, eps=opt.eps, weight_decay=0.0,
+                                            **self.optimizer_options)  # fmt: skip
+        else:
+            optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay,
+                                          eps=opt.eps, **self.optimizer_options)  # fmt: skip
         self.model, self.optimizer = self.accelerator.prepare(module, optimizer)
         if module is getattr(self.policy, "model", None):
             self.policy.forward_module = self.model  # training forwards go through the (DDP-)prepared module
         self.params = params
+        # one process, no mixed precision: accelerate's backward and clipping would only add per-call overhead
+        # (it re-checks installed packages on every call: 0.2 ms, a third of a small control minibatch)
+        self.plain = self.processes.world == 1 and run.mixed_precision == "no"
         # auxiliary networks (critics, value functions) with optimizers of their own, prepared and checkpointed
         self.aux = {}
         for name, (aux_module, lr) in self.auxiliary_modules().items():
@@ -249,12 +259,17 @@ class Trainer(ABC):
         Gradients stay local (`no_sync`) until `optimizer_step`, which averages them over the processes: a
         whole-K minibatch makes several forward calls before its one backward, which DDP's reducer forbids.
         """
-        with self.accelerator.no_sync(self.model), self.accelerator.autocast():
+        context = nullcontext() if self.plain else self.accelerator.autocast()
+        with self.accelerator.no_sync(self.model), context:
             return minibatch_update(
                 lambda columns: self.score(batch, index[:, columns]), index, self.num_elements(batch), advantages,
                 objective=self.objective, hparams=self.objective_hparams,
-                per_step=self.config.optim.backward == "per_step", scale=scale, backward=self.accelerator.backward,
+                per_step=self.config.optim.backward == "per_step", scale=scale, backward=self.backward,
             )  # fmt: skip
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward pass (accelerate's, which scales mixed-precision losses, unless `plain`)."""
+        loss.backward() if self.plain else self.accelerator.backward(loss)
 
     def minibatch_loss(self, batch, index: torch.Tensor, advantages: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
         """The loss of one minibatch (whole K, with its graph) and its metrics, without a backward pass."""
@@ -271,12 +286,15 @@ class Trainer(ABC):
                 if p.grad is not None:
                     p.grad = self.accelerator.reduce(p.grad, reduction="mean")
         max_norm = self.config.optim.max_grad_norm
-        if max_norm is not None:
+        if max_norm is not None and self.plain:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        elif max_norm is not None:
             norm = self.accelerator.clip_grad_norm_(self.params, max_norm)
         else:
             norm = torch.norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer = self.optimizer.optimizer if self.plain else self.optimizer  # accelerate's wrapper: same step
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         self.state.optimizer_steps += 1
         if self.ema is not None and self.state.optimizer_steps % self.config.ema_every == 0:
             self.ema.update()

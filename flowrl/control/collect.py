@@ -1,0 +1,160 @@
+"""Collecting transitions from vectorised Gymnasium environments, and evaluating a policy on them.
+
+Every epoch starts fresh episodes from seeds `(run.seed, epoch, process)`, so an epoch's rollout depends only on
+the weights and normalisation statistics at its start: a resumed run collects exactly what the uninterrupted
+one did (no environment state needs saving). The episode still running at the epoch's end is bootstrapped
+with `V(s_T)`, as is a time-limit truncation (`r_t + gamma V(final_obs)`, SB3's convention); a termination is
+not. Advantages are GAE over the environment steps (`flowrl.core.gae`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from flowrl.control.envs import Normalizer, make_vec_env
+from flowrl.control.rollout import ControlRollout
+from flowrl.core import gae
+from flowrl.trainers.state import seeded
+
+
+def env_seed(*parts: int) -> int:
+    """A 31-bit environment seed from integers."""
+    return int(seeded(*parts).initial_seed() % (2**31 - 1))
+
+
+@dataclasses.dataclass
+class ControlBatch:
+    """One epoch's rollout and what its episodes scored."""
+
+    rollout: ControlRollout
+    episode_returns: list[float]
+    """Undiscounted returns of the episodes that ended in this epoch (raw rewards)."""
+    episode_lengths: list[int]
+    env_steps: int
+    times: dict[str, float]
+
+
+class ControlCollector:
+    """Steps `num_envs` environments for `steps_per_env` steps with the policy, then fills in the behaviour
+    log-probabilities (one pass over the rollout, in training-sized chunks) and GAE.
+
+    Args:
+        env_id (`str`), num_envs (`int`), steps_per_env (`int`), env_kwargs (`dict`): the environments.
+        normalizer (`Normalizer`): observation / reward normalisation (updated while collecting).
+        act (`Callable`): `act(obs [E, O], generator) -> (actions [E, A], chain [E, K + 1, A] or None)`.
+        value (`Callable`): `value(obs [N, O]) -> [N]`.
+        behaviour (`Callable`): `behaviour(rollout) -> (log_probs [B, K], draws or None)` at the current weights.
+        gamma (`float`), lam (`float`): discount and GAE lambda.
+        seed (`int`), rank (`int`): seeds of the episodes and the action noise.
+    """
+
+    def __init__(self, env_id: str, num_envs: int, steps_per_env: int, env_kwargs: dict, normalizer: Normalizer,
+                 act: Callable, value: Callable, behaviour: Callable, *, gamma: float, lam: float, seed: int,
+                 rank: int = 0):  # fmt: skip
+        self.envs = make_vec_env(env_id, num_envs, env_kwargs)
+        space = self.envs.single_action_space
+        self.low, self.high = space.low.astype(np.float64), space.high.astype(np.float64)
+        self.num_envs, self.steps = num_envs, steps_per_env
+        self.normalizer, self.act, self.value, self.behaviour = normalizer, act, value, behaviour
+        self.gamma, self.lam, self.seed, self.rank = gamma, lam, seed, rank
+
+    @torch.no_grad()
+    def collect(self, epoch: int) -> ControlBatch:
+        start = time.time()
+        n, norm = self.num_envs, self.normalizer
+        norm.start_epoch()
+        raw, _ = self.envs.reset(seed=env_seed(self.seed, epoch, 11, self.rank))
+        generator = seeded(self.seed, epoch, 12, self.rank)
+        obs_t, actions_t, chains, rewards, dones, values = [], [], [], [], [], []
+        episode_return, episode_length = np.zeros(n), np.zeros(n, np.int64)
+        returns, lengths = [], []
+        for _ in range(self.steps):
+            obs = torch.from_numpy(norm.observe(raw, update=True))
+            actions, chain = self.act(obs, generator)
+            value = self.value(obs)
+            raw, reward, terminated, truncated, info = self.envs.step(np.clip(actions.numpy(), self.low, self.high))
+            reward = np.asarray(reward, np.float64)
+            done = terminated | truncated
+            episode_return += reward
+            episode_length += 1
+            for e in np.flatnonzero(done):
+                returns.append(float(episode_return[e]))
+                lengths.append(int(episode_length[e]))
+            episode_return[done], episode_length[done] = 0.0, 0
+            scaled = torch.from_numpy(norm.reward(reward, done)).float()
+            bootstrap = np.flatnonzero(truncated & ~terminated)
+            if len(bootstrap):  # a time limit is not a termination: r + gamma V(s_final)
+                final = np.stack([info["final_obs"][e] for e in bootstrap])
+                scaled[bootstrap] += self.gamma * self.value(torch.from_numpy(norm.observe(final, update=False)))
+            obs_t.append(obs)
+            actions_t.append(actions)
+            chains.append(chain)
+            rewards.append(scaled)
+            dones.append(torch.from_numpy(done))
+            values.append(value)
+        last_value = self.value(torch.from_numpy(norm.observe(raw, update=False)))
+        collect_s = time.time() - start
+        # GAE over [E, T]; rows are time-major [T * E]
+        v = torch.stack(values, 1)  # [E, T]
+        adv, ret = gae(torch.stack(rewards, 1), v, torch.stack(dones, 1), last_value, gamma=self.gamma, lam=self.lam)
+        rollout = ControlRollout(
+            obs=torch.cat(obs_t),
+            actions=torch.cat(actions_t).float(),
+            log_probs=torch.zeros(0),
+            values=v.T.reshape(-1),
+            advantages=adv.T.reshape(-1),
+            returns=ret.T.reshape(-1),
+            chain=torch.cat(chains) if chains[0] is not None else None,
+        )
+        t0 = time.time()
+        log_probs, draws = self.behaviour(rollout)
+        rollout = dataclasses.replace(rollout, log_probs=log_probs, draws=draws)
+        times = {"time/collect_s": collect_s, "time/behaviour_s": time.time() - t0}
+        return ControlBatch(rollout, returns, lengths, n * self.steps, times)
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+class ControlEvaluator:
+    """`episodes` episodes from fixed seeds (the same at every evaluation) with the policy's evaluation actions,
+    observations normalised with the current statistics (not updated). `extra(act)` adds task probes (the
+    bimodal task's `saddle_up`, `top_fraction`) computed with the stochastic policy on raw observations."""
+
+    def __init__(self, env_id: str, env_kwargs: dict, episodes: int, seed: int, normalizer: Normalizer,
+                 act: Callable, stochastic_act: Callable, extra: Callable | None = None):  # fmt: skip
+        self.env_id, self.env_kwargs, self.episodes, self.seed = env_id, env_kwargs, episodes, seed
+        self.normalizer, self.act, self.stochastic_act, self.extra = normalizer, act, stochastic_act, extra
+        self.envs = None
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        if self.envs is None:
+            self.envs = make_vec_env(self.env_id, self.episodes, self.env_kwargs)
+        space = self.envs.single_action_space
+        raw, _ = self.envs.reset(seed=self.seed)
+        generator = torch.Generator().manual_seed(self.seed)
+        total, length = np.zeros(self.episodes), np.zeros(self.episodes, np.int64)
+        alive = np.ones(self.episodes, bool)
+        while alive.any():
+            actions = self.act(torch.from_numpy(self.normalizer.observe(raw, update=False)), generator)
+            raw, reward, terminated, truncated, _ = self.envs.step(np.clip(actions.numpy(), space.low, space.high))
+            total[alive] += reward[alive]
+            length[alive] += 1
+            alive &= ~(terminated | truncated)
+        out = {"eval/reward": float(total.mean()), "eval/reward_std": float(total.std()),
+               "eval/episode_length": float(length.mean())}  # fmt: skip
+        if self.extra is not None:
+            act = self.raw_stochastic_act
+            out.update({f"eval/{k}": v for k, v in self.extra(act).items()})
+        return out
+
+    def raw_stochastic_act(self, raw_obs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The stochastic policy on raw observations (normalised here): what probes and plots sample."""
+        return self.stochastic_act(torch.from_numpy(self.normalizer.observe(raw_obs.numpy(), update=False)),
+                                   generator)  # fmt: skip

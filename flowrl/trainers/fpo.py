@@ -1,0 +1,115 @@
+"""FPO: Flow Policy Optimization for continuous control (McAllister et al. 2025, arXiv:2507.21053), and FPO++.
+
+A flow policy (`flowrl.control.policies.FlowPolicy`: an MLP velocity field on the observation and flow time,
+Euler sampling from noise) trained by PPO with FPO's likelihood-free ratio: at collection each action gets
+`num_draws` pairs `(tau_i, eps_i)` and the behaviour policy's conditional flow-matching losses `l_old_i`
+(`flowrl.policies.fpo`), and the update's ratio is `exp(mean_i l_old_i - mean_i l_theta_i)` per action
+(`ratio: mean`, FPO eq. 5-8: the core sees `[b, 1]`) or `exp(clamp(l_old_i - l_theta_i))` per draw
+(`ratio: per_draw`, FPO++ eq. 10: `[b, N]`, one shared advantage). FPO++'s asymmetric trust region is the
+core's `ppo_spo` objective (`objective.name: ppo_spo`). Because the draws are stored and the old losses are
+computed in training-sized chunks, the ratio is exactly 1 before the first update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from flowrl.config import ObjectiveConfig
+from flowrl.control.policies import FlowPolicy
+from flowrl.policies.fpo import FPODraws, cfm_losses, fpo_log_ratio, sample_taus
+from flowrl.trainers.control import ControlConfig, ControlTrainer
+from flowrl.trainers.registry import TRAINERS
+from flowrl.trainers.state import seeded
+from flowrl.trainers.update import Terms
+
+
+@dataclasses.dataclass
+class FlowPolicyConfig:
+    """The flow policy's velocity MLP and sampler."""
+
+    hidden: int = 64
+    """Hidden width."""
+    depth: int = 3
+    """Hidden layers (SiLU)."""
+    tau_dim: int = 8
+    """Size of the sinusoidal flow-time embedding (FPO: 8)."""
+    num_steps: int = 10
+    """Euler (denoising) steps per action (FPO: 10; FPO++ locomotion: 64)."""
+    sampler: Literal["dance_sde", "flow_sde"] = "dance_sde"
+    """Stochastic kernel of the denoising-MDP mode (`dppo`): `dance_sde` has constant diffusion `eta`, step std
+    `eta sqrt(1 / num_steps)`; `flow_sde` is Flow-GRPO's."""
+    noise_level: float = 0.3
+    """The kernel's noise (`dance_sde` eta 0.3: step std 0.095 at 10 steps, DPPO's exploration floor 0.1)."""
+    reduce: Literal["mean", "sum"] = "mean"
+    """Per-step log-density over action dimensions: `mean` (DPPO's code) or `sum` (the density)."""
+
+    def build(self, obs_dim: int, act_dim: int) -> FlowPolicy:
+        return FlowPolicy(obs_dim, act_dim, hidden=self.hidden, depth=self.depth, tau_dim=self.tau_dim,
+                          num_steps=self.num_steps, sampler=self.sampler, noise_level=self.noise_level,
+                          reduce=self.reduce)  # fmt: skip
+
+
+@dataclasses.dataclass
+class FPOConfig(ControlConfig):
+    trainer: str = "fpo"
+    policy: FlowPolicyConfig = dataclasses.field(default_factory=FlowPolicyConfig)
+    """The flow policy."""
+    objective: ObjectiveConfig = dataclasses.field(
+        default_factory=lambda: ObjectiveConfig(name="ppo", clip_eps_low=0.2)
+    )
+    """The clipped objective on FPO's ratio: clip 0.2 as FPO's PyTorch grid world, whose batches (~2k steps) are
+    this loop's size (the JAX playground's 0.05 goes with 1024 x 32-transition minibatches); `ppo_spo`: FPO++'s
+    asymmetric trust region."""
+    num_draws: int = 8
+    """Monte-Carlo pairs `(tau, eps)` per action (FPO playground: 8; grid world: 50)."""
+    ratio: Literal["mean", "per_draw"] = "mean"
+    """`mean`: one ratio per action from the mean loss difference (FPO); `per_draw`: one ratio per draw (FPO++)."""
+    ratio_clamp: float | None = None
+    """Clamp the log-ratio to `+-ratio_clamp` before `exp` (None: none for `mean`, 3 for `per_draw`, as FPO's code)."""
+    supervise: Literal["velocity", "eps"] = "velocity"
+    """Regress the velocity, or FPO's `u_but_supervise_as_eps` (the loss on the implied noise)."""
+
+    def checks(self):
+        return [*super().checks(), (self.num_draws >= 1, "num_draws must be >= 1")]
+
+
+@TRAINERS.register("fpo", description="FPO: flow policies by PPO on a flow-matching ratio (arXiv:2507.21053)")
+class FPOTrainer(ControlTrainer):
+    """FPO; see the module docstring and `FPOConfig`."""
+
+    config_class = FPOConfig
+
+    def build_actor(self, obs_dim: int, act_dim: int) -> FlowPolicy:
+        return self.config.policy.build(obs_dim, act_dim)
+
+    def losses(self, obs: torch.Tensor, actions: torch.Tensor, draws: FPODraws) -> torch.Tensor:
+        """Per-draw flow-matching losses `[b, N]` of the current policy."""
+        n = draws.taus.shape[1]
+        fn = self.policy.actor.velocity.velocity_fn(obs, n)
+        return cfm_losses(fn, actions, draws.taus, draws.noises, supervise=self.config.supervise)
+
+    @torch.no_grad()
+    def behaviour(self, rollout):
+        cfg = self.config
+        generator = seeded(cfg.run.seed, self.epoch, 13, self.processes.rank)
+        b, n = len(rollout), cfg.num_draws
+        taus = sample_taus((b, n), generator=generator)
+        noises = torch.randn((b, n, rollout.actions.shape[1]), generator=generator)
+        draws = FPODraws(taus, noises)
+        old = torch.cat([self.losses(rollout.obs[rows], rollout.actions[rows], draws.select(rows))
+                         for rows in self.chunks(b)])  # fmt: skip
+        draws = FPODraws(taus, noises, old)
+        log_probs = -old.mean(-1, keepdim=True) if cfg.ratio == "mean" else -old  # [B, 1] or [B, N]
+        return log_probs, draws
+
+    def score(self, batch, index: torch.Tensor) -> Terms:
+        losses = self.losses(batch.obs, batch.actions, batch.draws)  # [b, N]
+        log_ratio = fpo_log_ratio(losses, batch.draws.old_losses, mode=self.config.ratio,
+                                  clamp=self.config.ratio_clamp)  # fmt: skip
+        if log_ratio.ndim == 1:
+            log_ratio = log_ratio[:, None]  # [b, 1]
+        old = batch.log_probs.gather(1, index)
+        return Terms(logp=old + log_ratio.gather(1, index), old_logp=old)

@@ -1,0 +1,74 @@
+"""Gaussian PPO for continuous control (Schulman et al. 2017, arXiv:1707.06347), the baseline of FPO and DPPO.
+
+A state-independent diagonal Gaussian on an MLP mean (SB3's and CleanRL's continuous PPO: 64-64 tanh, orthogonal
+init with a 0.01 action head, log-std 0), the shared control loop (GAE, per-minibatch advantage whitening, MSE
+value loss without 1/2, one Adam with eps 1e-5 and a 0.5 gradient-norm clip), and the core's clipped
+objectives on `[b, 1]` log-probabilities summed over action dimensions. The defaults are SB3's, so the two
+libraries can be compared setting for setting (`benchmarks/control_bench.py`). With one inner epoch, one
+minibatch of the whole rollout, `gae_lambda` 1, no advantage whitening and RMSprop this update is A2C's
+(Huang et al. 2022, arXiv:2205.09123; `tests/control/test_control.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from flowrl.config import ObjectiveConfig
+from flowrl.control.policies import GaussianPolicy
+from flowrl.trainers.control import ControlConfig, ControlTrainer
+from flowrl.trainers.registry import TRAINERS
+from flowrl.trainers.update import Terms
+
+
+@dataclasses.dataclass
+class GaussianPolicyConfig:
+    """The Gaussian policy's mean MLP and log-std."""
+
+    hidden: int = 64
+    """Hidden width (SB3: 64)."""
+    depth: int = 2
+    """Hidden layers (SB3: 2)."""
+    activation: Literal["tanh", "relu", "silu"] = "tanh"
+    """Activation (SB3: tanh)."""
+    log_std_init: float = 0.0
+    """Initial log-std of every action dimension (state-independent, trained)."""
+    ortho_init: bool = True
+    """Orthogonal init (gain sqrt(2), 0.01 for the action head)."""
+
+
+@dataclasses.dataclass
+class PPOConfig(ControlConfig):
+    trainer: str = "ppo"
+    policy: GaussianPolicyConfig = dataclasses.field(default_factory=GaussianPolicyConfig)
+    """The Gaussian policy."""
+    objective: ObjectiveConfig = dataclasses.field(default_factory=lambda: ObjectiveConfig(name="ppo"))
+    """The clipped objective (PPO's clip 0.2 by default; any registered objective works)."""
+
+
+@TRAINERS.register("ppo", description="Gaussian PPO for continuous control on Gymnasium (arXiv:1707.06347)")
+class PPOTrainer(ControlTrainer):
+    """Gaussian PPO; see the module docstring and `PPOConfig`."""
+
+    config_class = PPOConfig
+
+    def build_actor(self, obs_dim: int, act_dim: int) -> GaussianPolicy:
+        p = self.config.policy
+        return GaussianPolicy(obs_dim, act_dim, hidden=p.hidden, depth=p.depth, activation=p.activation,
+                              log_std_init=p.log_std_init, ortho_init=p.ortho_init)  # fmt: skip
+
+    @torch.no_grad()
+    def behaviour(self, rollout):
+        actor = self.policy.actor
+        parts = [actor.log_prob(rollout.obs[rows], rollout.actions[rows]) for rows in self.chunks(len(rollout))]
+        return torch.cat(parts)[:, None], None  # [B, 1]
+
+    def score(self, batch, index: torch.Tensor) -> Terms:
+        actor = self.policy.actor
+        logp = actor.log_prob(batch.obs, batch.actions)[:, None]  # [b, 1]
+        penalty = None
+        if self.config.ent_coef:
+            penalty = -self.config.ent_coef * actor.entropy(batch.obs)[:, None]
+        return Terms(logp=logp, old_logp=batch.log_probs.gather(1, index), penalty=penalty)

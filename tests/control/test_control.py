@@ -1,0 +1,233 @@
+"""Control trainers (`ppo`, `fpo`, `dppo`) on Gymnasium: exact ratios, A2C as PPO, learning, resume, errors."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+
+gym = pytest.importorskip("gymnasium")  # the `rl` extra (CI installs it)
+
+from flowrl.config import ConfigError  # noqa: E402
+from flowrl.control.envs import BIMODAL_ID, Normalizer, RunningMeanStd, make_vec_env  # noqa: E402
+from flowrl.core import compute_policy_loss  # noqa: E402
+from flowrl.trainers import build_trainer, load_config  # noqa: E402
+
+
+def tiny(trainer, env="Pendulum-v1", **extra):
+    config = {"trainer": trainer, "env": {"id": env, "num_envs": 2, "steps_per_env": 32},
+              "minibatch_size": 16, "inner_epochs": 2, "run": {"epochs": 2, "log_with": []},
+              "eval": {"episodes": 2, "every": 0}}  # fmt: skip
+    for key, value in extra.items():
+        node = config
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return load_config(config)
+
+
+@pytest.mark.parametrize("name,extra", [("ppo", {}), ("fpo", {}), ("fpo", {"ratio": "per_draw"}), ("dppo", {})])
+def test_ratio_is_exactly_one_at_the_behaviour_weights(tmp_path, name, extra):
+    trainer = build_trainer(tiny(name, **extra), output_dir=tmp_path)
+    rollout = trainer.collector.collect(0).rollout
+    k = trainer.num_elements(rollout)
+    assert rollout.log_probs.shape == (64, {"ppo": 1, "dppo": 10}.get(name, 8 if extra else 1))
+    index = trainer.train_elements(rollout, 0)
+    for rows in torch.randperm(len(rollout)).split(16):  # any minibatch of the training size re-scores exactly
+        terms = trainer.score(rollout.select(rows), index[rows])
+        assert terms.logp.shape == (16, k)
+        assert torch.equal(terms.logp, terms.old_logp)
+        _, metrics = compute_policy_loss("ppo", terms.logp, terms.old_logp, torch.randn(16), clip_eps_low=0.2)
+        assert metrics["clipfrac"] == 0 and metrics["ratio_mean"] == 1
+
+
+def test_dppo_chain_ends_in_the_action_and_rescoring_changes_with_the_weights(tmp_path):
+    trainer = build_trainer(tiny("dppo"), output_dir=tmp_path)
+    rollout = trainer.collector.collect(0).rollout
+    assert torch.equal(rollout.chain[:, -1], rollout.actions)
+    assert rollout.chain.shape == (64, 11, 1)
+    rows = torch.arange(16)
+    index = trainer.train_elements(rollout, 0)[rows]
+    with torch.no_grad():
+        for p in trainer.policy.actor.parameters():
+            p.add_(0.01)
+    terms = trainer.score(rollout.select(rows), index)
+    assert not torch.equal(terms.logp, terms.old_logp)
+    # the step log-prob is the kernel's Gaussian, mean over the action dimension: re-derive step 3 by hand
+    actor, k = trainer.policy.actor, 3
+    x, x_next = rollout.chain[rows, k], rollout.chain[rows, k + 1]
+    s, s_next = actor.taus[k], actor.taus[k + 1]
+    v = actor.velocity(x, s.expand(16), rollout.obs[rows])
+    dt, eta = s_next - s, actor.noise_level
+    mean = x + dt * (v + eta**2 / (2 * s) * (x + (1 - s) * v))
+    std = eta * (-dt).sqrt()
+    expected = (-(x_next - mean).square() / (2 * std**2) - std.log() - 0.5 * np.log(2 * np.pi)).mean(-1)
+    torch.testing.assert_close(terms.logp[:, k], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fpo_gradient_at_the_old_weights_is_advantage_weighted_flow_matching(tmp_path):
+    trainer = build_trainer(tiny("fpo"), output_dir=tmp_path)
+    rollout = trainer.collector.collect(0).rollout
+    rows = torch.arange(16)
+    batch, adv = rollout.select(rows), torch.randn(16)
+    index = trainer.train_elements(rollout, 0)[rows]
+    params = list(trainer.policy.actor.parameters())
+    terms = trainer.score(batch, index)
+    loss, _ = compute_policy_loss("ppo", terms.logp, terms.old_logp, adv, clip_eps_low=0.05)
+    grads = torch.autograd.grad(loss, params)
+    # d/dtheta of -mean_b A_b r_b at r = 1 is mean_b A_b d mean_i l_theta_i
+    losses = trainer.losses(batch.obs, batch.actions, batch.draws).mean(-1)
+    expected = torch.autograd.grad((adv * losses).mean(), params)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+
+
+def test_a2c_is_a_special_case_of_ppo(tmp_path):
+    """Huang et al. 2022 (arXiv:2205.09123): one epoch, one minibatch of the whole rollout, lambda 1, no
+    advantage whitening, RMSprop: flowrl's PPO update is SB3's A2C update."""
+    config = tiny("ppo", inner_epochs=1, minibatch_size=64, gae_lambda=1.0, normalize_advantage=False,
+                  vf_coef=0.5, **{"optim.optimizer": "rmsprop", "optim.lr": 7e-4, "optim.eps": 1e-5,
+                                  "optim.max_grad_norm": 0.5})  # fmt: skip
+    trainer = build_trainer(config, output_dir=tmp_path)
+    rollout = trainer.collector.collect(0).rollout
+    reference = copy.deepcopy(trainer.policy)
+    initial = copy.deepcopy(trainer.policy)
+    trainer.update(rollout, rollout.advantages, None, 0)
+
+    # SB3's A2C.train: one step on the whole rollout
+    optimizer = torch.optim.RMSprop(reference.parameters(), lr=7e-4, alpha=0.99, eps=1e-5, weight_decay=0)
+    log_prob = reference.actor.log_prob(rollout.obs, rollout.actions)
+    policy_loss = -(rollout.advantages * log_prob).mean()
+    value_loss = torch.nn.functional.mse_loss(rollout.returns, reference.value(rollout.obs))
+    (policy_loss + 0.5 * value_loss).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    optimizer.step()
+    for (name, p), q, p0 in zip(trainer.policy.named_parameters(), reference.parameters(), initial.parameters()):
+        assert not torch.equal(p, p0), name  # the update moved every parameter ...
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)  # ... exactly as A2C does
+
+
+def test_short_pendulum_run_beats_the_untrained_policy(tmp_path):
+    config = load_config("configs/control/pendulum_ppo.yaml",
+                         ["total_env_steps=40960", "eval.every=0", "run.log_with=[]"])  # fmt: skip
+    summary = build_trainer(config, output_dir=tmp_path).train()
+    assert summary["reward_end"] > summary["reward_start"] + 300, summary["eval_history"]
+
+
+def test_exact_resume(tmp_path):
+    def config():
+        return tiny("fpo", env=BIMODAL_ID, **{"run.epochs": 3, "run.save_every": 1})
+
+    full = build_trainer(config(), output_dir=tmp_path / "full")
+    full.train()
+    part = build_trainer(config(), output_dir=tmp_path / "part")
+    part.config.run.epochs = 2
+    part.train()
+    resumed = build_trainer(config(), output_dir=tmp_path / "part")
+    resumed.train(resume=True)
+    for p, q in zip(full.policy.parameters(), resumed.policy.parameters()):
+        assert torch.equal(p, q)
+    rows = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    again = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    drop = ("time", "wall_s", "env_steps_per_s", "threads", "eval/")  # the interrupted run evaluated at its end
+    strip = [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
+    assert strip == [{k: v for k, v in r.items() if not k.startswith(drop)} for r in again]
+
+
+def test_resume_restores_the_normalisation_statistics(tmp_path):
+    def config():
+        return tiny("ppo", **{"env.normalize_obs": True, "env.normalize_reward": True, "run.save_every": 1})
+
+    first = build_trainer(config(), output_dir=tmp_path)
+    first.train()
+    second = build_trainer(config(), output_dir=tmp_path)
+    second.load_checkpoint(tmp_path / "checkpoints" / "epoch_2")
+    np.testing.assert_array_equal(first.normalizer.obs_rms.mean, second.normalizer.obs_rms.mean)
+    np.testing.assert_array_equal(first.normalizer.ret_rms.var, second.normalizer.ret_rms.var)
+    assert first.normalizer.obs_rms.count == second.normalizer.obs_rms.count
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ValueError, match="reward from the environment"):
+        load_config({"trainer": "ppo", "rewards": [{"name": "digits_alignment"}]})
+    with pytest.raises(ValueError, match="does not use the prompts section"):
+        load_config({"trainer": "fpo", "prompts": {"group_size": 4}})
+    with pytest.raises(ConfigError, match="env.num_envs"):
+        load_config({"trainer": "dppo", "env": {"num_envs": "four"}})
+    with pytest.raises(ConfigError, match="ratio"):
+        load_config({"trainer": "fpo", "ratio": "median"})
+    budget = {"trainer": "ppo", "total_env_steps": 10000, "env": {"num_envs": 2, "steps_per_env": 1000}}
+    assert load_config(budget).run.epochs == 5
+
+
+def test_unknown_environment_is_one_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown Gymnasium environment 'NoSuchEnv-v0'"):
+        build_trainer(tiny("ppo", env="NoSuchEnv-v0"), output_dir=tmp_path)
+    with pytest.raises(ValueError, match="Box"):
+        build_trainer(tiny("ppo", env="CartPole-v1"), output_dir=tmp_path)
+
+
+def test_bimodal_point_mass_dynamics_and_probes():
+    env = gym.make(BIMODAL_ID, start=(0.0, 0.8))
+    obs, _ = env.reset(seed=0)
+    np.testing.assert_allclose(obs, [0.0, 0.8])
+    obs, reward, terminated, truncated, info = env.step(np.array([0.0, 1.0]))
+    assert reward == 1.0 and terminated and info["goal"] == 1
+    env = gym.make(BIMODAL_ID, start=(0.0, 0.0))
+    env.reset(seed=0)
+    obs, reward, terminated, _, _ = env.step(np.array([5.0, -5.0]))  # actions are clipped to [-1, 1]
+    np.testing.assert_allclose(obs, [0.1, -0.1], atol=1e-6)
+    assert reward == 0.0 and not terminated
+
+    from flowrl.control.bimodal import bimodal_metrics
+
+    def up_or_down(obs, generator):  # a policy with both modes at the saddle
+        sign = torch.where(torch.rand(obs.shape[0], generator=generator) < 0.5, -1.0, 1.0)
+        return torch.stack([torch.zeros_like(sign), sign], 1)
+
+    metrics = bimodal_metrics(lambda o, g: up_or_down(o, g), episodes=200)
+    assert 0.4 < metrics["saddle_up"] < 0.6
+    always_up = bimodal_metrics(lambda o, g: torch.tensor([[0.0, 1.0]]).expand(o.shape[0], 2))
+    assert always_up == {"saddle_up": 1.0, "top_fraction": 1.0, "saddle_success": 1.0}
+
+
+def test_running_statistics_and_reward_scaling():
+    rms = RunningMeanStd((3,))
+    data = np.random.default_rng(0).normal(2.0, 3.0, size=(500, 3))
+    for part in np.split(data, 5):
+        rms.update(part)
+    np.testing.assert_allclose(rms.mean, data.mean(0), rtol=1e-4)
+    np.testing.assert_allclose(rms.var, data.var(0), rtol=1e-3)
+    norm = Normalizer(3, 2, obs=False, reward=True, gamma=0.5)
+    np.testing.assert_array_equal(norm.observe(data[:2], update=True), data[:2].astype(np.float32))
+    scaled = norm.reward(np.array([1.0, 2.0]), np.array([False, True]))
+    assert np.all(np.abs(scaled) <= 10) and norm.returns[1] == 0.0 and norm.returns[0] == 1.0
+
+
+def test_vector_env_bootstraps_time_limits_in_same_step_mode():
+    envs = make_vec_env("Pendulum-v1", 2)
+    envs.reset(seed=0)
+    for _ in range(199):
+        _, _, terminated, truncated, _ = envs.step(np.zeros((2, 1), np.float32))
+        assert not truncated.any()
+    obs, _, terminated, truncated, info = envs.step(np.zeros((2, 1), np.float32))
+    assert truncated.all() and not terminated.any()
+    assert info["final_obs"][0].shape == (3,) and not np.allclose(info["final_obs"][0], obs[0])
+
+
+def test_control_cli_trains_the_bimodal_task(tmp_path, capsys):
+    from flowrl.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", "configs/control/bimodal_fpo.yaml", "--output-dir", str(out), "--set",
+                 "total_env_steps=4096", "--set", "run.log_with=[]", "--set", "eval.every=1"])  # fmt: skip
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"eval/saddle_up", "eval/top_fraction", "eval/reward"} <= set(summary["eval_end"])
+    assert (out / "images" / "epoch_0001.png").is_file()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["env_steps"] == 4096 and "clipfrac" in rows[-1] and "env_steps_per_s" in rows[-1]
+    assert main(["eval", str(out)]) == 0

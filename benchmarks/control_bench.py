@@ -212,6 +212,11 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2, help="parallel runs (one torch thread each)")
     parser.add_argument("--runs", default="/tmp/flowrl_control_bench", help="run folders")
     parser.add_argument("--out", default=str(RESULTS / "control_bench.json"))
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep runs whose result.json is already in --runs (rerun only the missing ones)",
+    )
     parser.add_argument("--single", nargs=4, metavar=("ENV", "METHOD", "SEED", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     runs = Path(args.runs)
@@ -224,6 +229,11 @@ def main() -> int:
     # the slowest first, so the parallel slots stay busy
     order = sorted(jobs, key=lambda j: -j[3] * {"dppo": 3, "fpo": 2}.get(j[1], 1))
     pending, running, rows = list(order), [], []
+    if args.reuse:
+        done = [j for j in pending if (runs / f"{j[0]}_{j[1]}_seed{j[2]}" / "result.json").is_file()]
+        rows = [json.loads((runs / f"{j[0]}_{j[1]}_seed{j[2]}" / "result.json").read_text()) for j in done]
+        rows = [r for r, j in zip(rows, done) if r["budget"] == j[3]]
+        pending = [j for j in pending if not any((r["env"], r["method"], r["seed"]) == j[:3] for r in rows)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLOWRL_THREADING": "torch"}
     while pending or running:
         while pending and len(running) < args.jobs:

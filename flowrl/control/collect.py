@@ -117,9 +117,6 @@ class ControlCollector:
         times = {"time/collect_s": collect_s, "time/behaviour_s": time.time() - t0}
         return ControlBatch(rollout, returns, lengths, n * self.steps, times)
 
-    def close(self) -> None:
-        self.envs.close()
-
 
 class ControlEvaluator:
     """`episodes` episodes from fixed seeds (the same at every evaluation) with the policy's evaluation actions,

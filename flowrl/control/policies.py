@@ -107,12 +107,8 @@ class FlowPolicy(nn.Module):
     def act(self, obs: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False):
         """Actions `[N, A]` by Euler integration from noise (from 0, the prior's mode, when `deterministic`:
         FPO++'s zero-sampling)."""
-        shape = (obs.shape[0], self.act_dim)
-        a = torch.zeros(shape, device=obs.device) if deterministic else torch.randn(shape, generator=generator,
-                                                                                  device=obs.device)  # fmt: skip
-        for tau, tau_next in zip(self.taus[:-1], self.taus[1:]):
-            a = a + (tau_next - tau) * self.velocity(a, tau.expand(shape[0]), obs)
-        return a
+        noise = torch.zeros(obs.shape[0], self.act_dim, device=obs.device) if deterministic else None
+        return self.velocity.sample(obs, num_steps=self.num_steps, generator=generator, noise=noise)
 
     @torch.no_grad()
     def chain(self, obs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

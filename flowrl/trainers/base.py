@@ -182,12 +182,17 @@ class Trainer(ABC):
     # one epoch
     # ------------------------------------------------------------------------------------------
 
-    def train_epoch(self, epoch: int) -> dict:
-        start = time.time()
+    def begin_epoch(self, epoch: int) -> tuple[int, float]:
+        """Set torch's threads (`run.threads`) and the epoch's learning rate; returns both for the log."""
         threads = self.threads.adjust()
         lr = self.config.optim.lr_at(epoch, self.config.run.epochs)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        return threads, lr
+
+    def train_epoch(self, epoch: int) -> dict:
+        start = time.time()
+        threads, lr = self.begin_epoch(epoch)
         self.model.eval()
         batch = self.collector.collect(epoch)
         rollout, prompts, local, rewards = batch.rollout, batch.prompts, batch.local, batch.rewards

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from abc import abstractmethod
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -172,8 +173,9 @@ class ControlTrainer(Trainer):
     # the algorithm's hooks
     # ------------------------------------------------------------------------------------------
 
+    @abstractmethod
     def build_actor(self, obs_dim: int, act_dim: int) -> torch.nn.Module:
-        raise NotImplementedError
+        """The policy network (`act(obs, generator, deterministic)` samples it)."""
 
     def act(self, obs: torch.Tensor, generator: torch.Generator):
         """`(actions [E, A], chain or None)` for the observations of the environments (collection)."""
@@ -182,9 +184,9 @@ class ControlTrainer(Trainer):
     def eval_act(self, obs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         return self.policy.actor.act(obs, generator, deterministic=self.config.eval.deterministic)
 
+    @abstractmethod
     def behaviour(self, rollout) -> tuple[torch.Tensor, object]:
         """`(log_probs [B, K], draws or None)` of the behaviour policy, computed after collection."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------
     # the modality's parts
@@ -256,10 +258,7 @@ class ControlTrainer(Trainer):
 
     def train_epoch(self, epoch: int) -> dict:
         start = time.time()
-        threads = self.threads.adjust()
-        lr = self.config.optim.lr_at(epoch, self.config.run.epochs)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        threads, lr = self.begin_epoch(epoch)
         self.policy.eval()
         batch = self.collector.collect(epoch)
         self.state.samples_scored += batch.env_steps

@@ -50,8 +50,8 @@ class Trainer(ABC):
     config_class = TrainerConfig
     uses_objective = True
     """Whether the policy loss is a ratio objective of the core (`objective` section); AC-Flow's is not."""
-    optimizer_options: dict = {}
-    """Extra keyword arguments of the optimizer (control's small networks take `foreach=True`)."""
+    optimizer_options: dict[str, dict] = {}
+    """Extra keyword arguments of each `optim.optimizer` (control's small networks: fused AdamW)."""
     image_scale = False
     """Whether the log-probs are means over latent elements (images): the objective's image-scale defaults apply
     to every hyper-parameter the config does not set (`flowrl.core.IMAGE_SCALE`, docs/objectives.md)."""
@@ -98,10 +98,10 @@ class Trainer(ABC):
         opt = config.optim
         if opt.optimizer == "rmsprop":
             optimizer = torch.optim.RMSprop(params, lr=opt.lr, alpha=0.99, eps=opt.eps, weight_decay=0.0,
-                                            **self.optimizer_options)  # fmt: skip
+                                            **self.optimizer_options.get("rmsprop", {}))  # fmt: skip
         else:
             optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay,
-                                          eps=opt.eps, **self.optimizer_options)  # fmt: skip
+                                          eps=opt.eps, **self.optimizer_options.get("adamw", {}))  # fmt: skip
         self.model, self.optimizer = self.accelerator.prepare(module, optimizer)
         if module is getattr(self.policy, "model", None):
             self.policy.forward_module = self.model  # training forwards go through the (DDP-)prepared module
@@ -258,18 +258,27 @@ class Trainer(ABC):
         counts = [normaliser(self.agg, len(ix), ix.numel()) for ix in indices]
         return [1.0] * len(counts) if self.agg == "sum" else [c / sum(counts) for c in counts]
 
-    def train_minibatch(self, batch, index: torch.Tensor, advantages: torch.Tensor | None, *, scale: float) -> dict:
+    def train_minibatch(self, batch, index: torch.Tensor, advantages: torch.Tensor | None, *, scale: float,
+                        extra_loss: torch.Tensor | None = None) -> dict:  # fmt: skip
         """Forward and backward of one minibatch (`optim.backward`: whole or per step); returns its metrics.
+        `extra_loss` (a value loss) joins the first backward pass, so the minibatch takes one backward in all.
 
         Gradients stay local (`no_sync`) until `optimizer_step`, which averages them over the processes: a
         whole-K minibatch makes several forward calls before its one backward, which DDP's reducer forbids.
         """
+        backward = self.backward
+        if extra_loss is not None:
+            pending = [extra_loss * scale]
+
+            def backward(loss):
+                self.backward(loss + pending.pop() if pending else loss)
+
         context = nullcontext() if self.plain else self.accelerator.autocast()
         with self.accelerator.no_sync(self.model), context:
             return minibatch_update(
                 lambda columns: self.score(batch, index[:, columns]), index, self.num_elements(batch), advantages,
                 objective=self.objective, hparams=self.objective_hparams,
-                per_step=self.config.optim.backward == "per_step", scale=scale, backward=self.backward,
+                per_step=self.config.optim.backward == "per_step", scale=scale, backward=backward,
             )  # fmt: skip
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -167,7 +167,7 @@ class ControlTrainer(Trainer):
     """The control loop: collection, GAE, minibatch epochs with the value loss (see the module docstring)."""
 
     config_class = ControlConfig
-    optimizer_options = {"foreach": True}
+    optimizer_options = {"adamw": {"fused": True}, "rmsprop": {"foreach": True}}
 
     # ------------------------------------------------------------------------------------------
     # the algorithm's hooks
@@ -300,14 +300,13 @@ class ControlTrainer(Trainer):
                 adv = batch.advantages
                 if cfg.normalize_advantage and len(mb) > 1:
                     adv = normalize(adv)
-                metrics = self.train_minibatch(batch, index[mb], adv, scale=1.0)
+                value_loss = self.value_loss(batch)
+                metrics = self.train_minibatch(batch, index[mb], adv, scale=1.0, extra_loss=cfg.vf_coef * value_loss)
                 if cfg.target_kl is not None and float(metrics["approx_kl"]) > 1.5 * cfg.target_kl:
                     self.optimizer.zero_grad(set_to_none=True)  # SB3: stop before this minibatch's step
                     stats.add_scalar("early_stop_epoch", inner + 1)
                     stop = True
                     break
-                value_loss = self.value_loss(batch)
-                self.backward(cfg.vf_coef * value_loss)
                 stats.add({**metrics, "value_loss": value_loss.detach()})
                 stats.add_scalar("grad_norm", self.optimizer_step())
             if stop:

@@ -204,6 +204,12 @@ class ControlTrainer(Trainer):
         if obs_shape is None or len(obs_shape) != 1:
             raise ValueError(f"{env.id} has observations of shape {obs_shape}; control policies take vectors")
         self.obs_dim, self.act_dim = int(obs_shape[0]), int(np.prod(act_shape))
+        limit = probe.envs[0].spec.max_episode_steps if probe.envs[0].spec is not None else None
+        if limit is not None and limit > env.steps_per_env and self.is_main:
+            # every epoch starts fresh episodes: shorter rollouts never see the episode's later states
+            print(f"warning: {env.id} episodes last up to {limit} steps but env.steps_per_env is "
+                  f"{env.steps_per_env}: training never sees an episode past step {env.steps_per_env} (raise "
+                  "env.steps_per_env, lower env.num_envs to keep the batch)", flush=True)  # fmt: skip
 
     def build_policy(self) -> ActorCritic:
         c = self.config.critic

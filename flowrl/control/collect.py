@@ -19,7 +19,13 @@ import torch
 from flowrl.control.envs import Normalizer, make_vec_env
 from flowrl.control.rollout import ControlRollout
 from flowrl.core import gae
-from flowrl.trainers.state import seeded
+
+
+def seeded(*parts: int) -> torch.Generator:
+    # imported here: `flowrl.trainers` imports this module (through its control trainers)
+    from flowrl.trainers.state import seeded
+
+    return seeded(*parts)
 
 
 def env_seed(*parts: int) -> int:

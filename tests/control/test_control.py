@@ -1,7 +1,9 @@
 """Control trainers (`ppo`, `fpo`, `dppo`) on Gymnasium: exact ratios, A2C as PPO, learning, resume, errors."""
 
 import copy
+import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -216,6 +218,16 @@ def test_vector_env_bootstraps_time_limits_in_same_step_mode():
     obs, _, terminated, truncated, info = envs.step(np.zeros((2, 1), np.float32))
     assert truncated.all() and not terminated.any()
     assert info["final_obs"][0].shape == (3,) and not np.allclose(info["final_obs"][0], obs[0])
+
+
+@pytest.mark.parametrize("path", sorted(Path("configs/control").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_control_config_trains_one_short_epoch(path, tmp_path):
+    shipped = load_config(path)
+    config = load_config(path, ["env.steps_per_env=16", "total_env_steps=null", "run.epochs=1", "eval.episodes=1",
+                                "run.log_with=[]", "run.images_every=0"])  # fmt: skip
+    assert config.env == dataclasses.replace(shipped.env, steps_per_env=16)
+    summary = build_trainer(config, output_dir=tmp_path).train()
+    assert summary["epochs"] == 1 and np.isfinite(summary["reward_end"])
 
 
 def test_control_cli_trains_the_bimodal_task(tmp_path, capsys):

@@ -287,5 +287,6 @@ def gae(
 
 
 def normalize(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Batch whitening `(A - mean) / (std + eps)` (PPO / FPO minibatch advantage normalisation)."""
-    return (adv - adv.mean()) / (adv.std(unbiased=False) + eps)
+    """Batch whitening `(A - mean) / (std + eps)` with the sample (n - 1) std, as SB3's and CleanRL's PPO minibatch
+    advantage normalisation."""
+    return (adv - adv.mean()) / (adv.std() + eps)

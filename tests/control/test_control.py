@@ -112,6 +112,93 @@ def test_a2c_is_a_special_case_of_ppo(tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)  # ... exactly as A2C does
 
 
+def test_ppo_update_matches_stable_baselines3_on_its_own_rollout(tmp_path, monkeypatch):
+    """SB3 collects a rollout (VecNormalize, time-limit bootstraps); flowrl's GAE on it equals SB3's, and flowrl's
+    update from the same weights, over SB3's minibatch order, ends at SB3's weights (Adam, clip, whitening, MSE
+    value loss, gradient clip: field for field)."""
+    sb3 = pytest.importorskip("stable_baselines3")
+    from stable_baselines3.common.env_util import make_vec_env as sb3_vec_env
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from flowrl.control.rollout import ControlRollout
+    from flowrl.core import gae
+
+    T, E = 128, 2  # Pendulum's 200-step limit falls inside: one truncation per environment is bootstrapped
+    venv = VecNormalize(sb3_vec_env("Pendulum-v1", n_envs=E, seed=3), gamma=0.99)
+    model = sb3.PPO("MlpPolicy", venv, n_steps=T, batch_size=64, n_epochs=2, seed=3, device="cpu")
+    model.learn(3 * T * E)  # the statistics and weights move first; the next rollout crosses step 400
+    _, callback = model._setup_learn(T * E, None, reset_num_timesteps=False)
+    callback.on_training_start(locals(), globals())
+    model.collect_rollouts(model.env, callback, model.rollout_buffer, n_rollout_steps=T)
+    buf, sb = model.rollout_buffer, model.policy
+    assert buf.episode_starts.sum() >= E
+
+    trainer = build_trainer(tiny("ppo", inner_epochs=2, minibatch_size=64), output_dir=tmp_path)
+    actor, critic = trainer.policy.actor, trainer.policy.critic
+    pi, vf = sb.mlp_extractor.policy_net, sb.mlp_extractor.value_net
+    pairs = [(actor.mean[0], pi[0]), (actor.mean[2], pi[2]), (actor.mean[4], sb.action_net),
+             (critic[0], vf[0]), (critic[2], vf[2]), (critic[4], sb.value_net)]  # fmt: skip
+    with torch.no_grad():
+        for ours, theirs in pairs:
+            ours.weight.copy_(theirs.weight)
+            ours.bias.copy_(theirs.bias)
+        actor.log_std.copy_(sb.log_std)
+
+    def rows(x):  # SB3's [T, E, ...] -> flowrl's time-major rows t * E + e
+        x = torch.as_tensor(np.asarray(x, np.float32))
+        return x.reshape(T * E, *x.shape[2:])
+
+    dones = torch.as_tensor(np.concatenate([buf.episode_starts[1:], model._last_episode_starts[None]])).T.bool()
+    with torch.no_grad():
+        last = trainer.policy.value(torch.as_tensor(model._last_obs, dtype=torch.float32))
+    advantages, returns = gae(torch.as_tensor(buf.rewards).T, torch.as_tensor(buf.values).T, dones, last,
+                              gamma=0.99, lam=0.95)  # fmt: skip
+    torch.testing.assert_close(advantages.T, torch.as_tensor(buf.advantages), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(returns.T, torch.as_tensor(buf.returns), rtol=1e-5, atol=1e-5)
+
+    rollout = ControlRollout(
+        obs=rows(buf.observations),
+        actions=rows(buf.actions),
+        log_probs=torch.zeros(0),
+        values=rows(buf.values),
+        advantages=rows(buf.advantages),
+        returns=rows(buf.returns),
+    )
+    log_probs, _ = trainer.behaviour(rollout)
+    torch.testing.assert_close(log_probs[:, 0], rows(buf.log_probs), rtol=1e-5, atol=1e-5)
+    rollout = dataclasses.replace(rollout, log_probs=log_probs)
+
+    orders, permutation = [], np.random.permutation
+
+    def recorded(n):
+        order = permutation(n)
+        orders.append(order.copy())
+        return order
+
+    initial = [theirs.weight.detach().clone() for _, theirs in pairs]
+    sb.optimizer.state.clear()  # both updates start from fresh Adam moments
+    monkeypatch.setattr(np.random, "permutation", recorded)
+    model.train()
+    monkeypatch.undo()
+    assert len(orders) == 2
+    replay = iter(orders)
+
+    def sb3_order(n, generator=None):  # SB3's flat index e * T + t, as flowrl rows
+        order = torch.as_tensor(next(replay))
+        return (order % T) * E + order // T
+
+    import flowrl.trainers.control as control
+
+    monkeypatch.setattr(control.torch, "randperm", sb3_order)
+    trainer.update(rollout, rollout.advantages, None, 0)
+    monkeypatch.undo()
+    for (ours, theirs), start in zip(pairs, initial):
+        moved = (theirs.weight - start).abs().max()
+        assert moved > 1e-3  # 8 Adam steps moved the weights ...
+        assert (ours.weight - theirs.weight).abs().max() < 1e-4 * moved  # ... and flowrl's moved them the same
+    torch.testing.assert_close(actor.log_std, sb.log_std, rtol=0, atol=1e-6)
+
+
 def test_short_pendulum_run_beats_the_untrained_policy(tmp_path):
     config = load_config("configs/control/pendulum_ppo.yaml",
                          ["total_env_steps=40960", "eval.every=0", "run.log_with=[]"])  # fmt: skip

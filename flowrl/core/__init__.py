@@ -1,5 +1,6 @@
 """The shared ratio-normalisation-and-clipping core: pure tensor functions over masked `[B, K]` tensors."""
 
+from flowrl.core import llm_objectives  # noqa: F401  (registers the text-literature objectives)
 from flowrl.core.advantages import (
     ADVANTAGES,
     PerPromptStatTracker,

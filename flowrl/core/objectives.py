@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from flowrl.core.aggregation import AGGREGATIONS, aggregate
+from flowrl.core.dist import gather_valid
 from flowrl.core.ratios import LOG_RATIO_CLAMP, compute_dtype, grpo_guard_log_ratio, sequence_log_ratio
 from flowrl.registry import Registry, first_line, unknown_name_error
 
@@ -30,7 +31,15 @@ from flowrl.registry import Registry, first_line, unknown_name_error
 PER_STEP_METRICS_MAX_K = 64
 """Per-step ratio/clip metrics are returned when K is at most this (denoising steps, not tokens)."""
 
-COMMON_HPARAMS = ("agg", "weights", "norm_len")
+COMMON_HPARAMS = ("agg", "weights", "norm_len", "top_entropy_quantile")
+
+INPUTS = ("logp", "old_logp", "mask", "adv", "entropy", "segment_ids", "state")
+"""Keyword parameters of a surrogate or log-ratio estimator that are inputs, not hyper-parameters: `logp` and
+`old_logp` (`[B, K]`, detached, padding zeroed), `mask`, `adv` (estimators only), and the extra inputs a caller
+passes to `compute_policy_loss`: `entropy` (`[B, K]` token entropies), `segment_ids` (`[B, K]` integer segment
+of each element: turns, sentences) and `state` (the objective's controller state, a dict it updates)."""
+
+EXTRA_INPUTS = ("entropy", "segment_ids", "state")
 
 
 class Surrogate(NamedTuple):
@@ -43,6 +52,7 @@ class Surrogate(NamedTuple):
         clipped_low (`torch.Tensor`): bool `[B, K]`, the lower trust-region bound is binding.
         clipped_dual (`torch.Tensor`, *optional*): bool `[B, K]`, the dual clip's cap is binding (A < 0, r > c).
             The three are disjoint, so `clipfrac = clipfrac_high + clipfrac_low + clipfrac_dual`.
+        metrics (`dict`, *optional*): scalar diagnostics of the objective itself (BAPO's bounds, R2VPO's lambda).
     """
 
     value: torch.Tensor
@@ -50,6 +60,7 @@ class Surrogate(NamedTuple):
     clipped_high: torch.Tensor
     clipped_low: torch.Tensor
     clipped_dual: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,20 @@ class Objective:
     """Whether each element's loss depends on that element's inputs alone (PPO, GRPO-Guard). False when the
     log-ratio couples the K axis (GSPO's sequence ratio): a loop that splits K must then fix the coefficients
     `dL/dlogp [B, K]` from a full pass first (`flowrl.trainers.update`)."""
+    surrogate_inputs: tuple[str, ...] = ()
+    """Inputs (`INPUTS`) the surrogate takes."""
+    ratio_inputs: tuple[str, ...] = ()
+    """Inputs (`INPUTS`) the log-ratio estimator takes."""
+    init_state: Callable[[], dict] | None = None
+    """A stateful objective's initial controller state (R2VPO's dual variable); None: stateless."""
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The extra inputs (`entropy`, `segment_ids`, `state`) a caller must pass to `compute_policy_loss`."""
+        wanted = {*self.surrogate_inputs, *self.ratio_inputs}
+        if self.hparams.get("top_entropy_quantile") is not None:
+            wanted.add("entropy")
+        return tuple(k for k in EXTRA_INPUTS if k in wanted)
 
 
 OBJECTIVES: Registry[Objective] = Registry("objective")
@@ -88,6 +113,11 @@ OBJECTIVES: Registry[Objective] = Registry("objective")
 def _keyword_params(fn: Callable) -> dict[str, Any]:
     """Keyword-only parameters of `fn` -> default (`inspect.Parameter.empty` when required)."""
     return {n: p.default for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def _split_inputs(params: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """`(inputs, hyper-parameters)` of a surrogate's or estimator's keyword parameters."""
+    return tuple(k for k in params if k in INPUTS), {k: v for k, v in params.items() if k not in INPUTS}
 
 
 def register_objective(
@@ -99,6 +129,7 @@ def register_objective(
     description: str | None = None,
     elementwise: bool | None = None,
     image: dict[str, Any] | None = None,
+    init_state: Callable[[], dict] | None = None,
     **overrides: Any,
 ) -> Objective:
     """Register an objective under `name`.
@@ -117,19 +148,26 @@ def register_objective(
             D latent elements, so its ratios sit far closer to 1 than a token's: trust-region widths shrink and
             temperatures grow by the factor that maps PPO's text clip 0.2 to Flow-GRPO's image clip 1e-4
             (SD3.5 at 512 px), `IMAGE_SCALE` = 5e-4. Hyper-parameters not listed keep their defaults.
+        init_state (`Callable`, *optional*): the initial controller state of a stateful objective; the caller
+            keeps it, passes it as `state=` on every call and checkpoints it.
         **overrides: hyper-parameter defaults that differ from the surrogate's (presets such as `dapo`).
+
+    Keyword parameters named in `INPUTS` (`logp`, `entropy`, `segment_ids`, `state`, ...) are inputs, not
+    hyper-parameters; `Objective.inputs` lists the extra ones a caller must pass.
     """
     if agg not in AGGREGATIONS:
         raise unknown_name_error("aggregation", agg, list(AGGREGATIONS))
     if elementwise is None:
         elementwise = log_ratio is None or log_ratio is element_log_ratio
     log_ratio = log_ratio or element_log_ratio
-    surrogate_params = _keyword_params(surrogate)
-    needs_logp = surrogate_params.pop("logp", None) is not None
-    ratio_params = _keyword_params(log_ratio)
+    surrogate_inputs, surrogate_params = _split_inputs(_keyword_params(surrogate))
+    needs_logp = "logp" in surrogate_inputs
+    ratio_inputs, ratio_params = _split_inputs(_keyword_params(log_ratio))
+    if "state" in (*surrogate_inputs, *ratio_inputs) and init_state is None:
+        raise ValueError(f"objective {name!r} takes a state: register it with init_state")
     params = {**surrogate_params, **ratio_params}
     for key in overrides:
-        if key not in params:
+        if key not in params and key != "top_entropy_quantile":
             raise unknown_name_error("hyper-parameter", key, list(params), where=f"for objective {name!r}")
     params.update(overrides)
     for key in image or {}:
@@ -151,6 +189,9 @@ def register_objective(
         needs_logp=needs_logp,
         image_hparams=dict(image or {}),
         elementwise=elementwise,
+        surrogate_inputs=surrogate_inputs,
+        ratio_inputs=ratio_inputs,
+        init_state=init_state,
     )
     OBJECTIVES.register(name, objective, description=objective.description)
     return objective
@@ -423,6 +464,22 @@ register_objective(
 # ----------------------------------------------------------------------------------------------
 
 
+def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
+    """`[B, K]` float, 1 where the entropy is at least the `(1 - rho)` quantile of the valid elements of the
+    global batch (all processes; linear interpolation, as `torch.quantile` and trl), else 0.
+
+    "Beyond the 80/20 rule" (Wang et al. 2025, arXiv:2506.01939 sec. 4): rho = 0.2 trains the 20% of tokens
+    with the highest entropy ("forking tokens"). rho = 1 keeps every element, rho = 0 only the maximum.
+    """
+    if not 0.0 <= rho <= 1.0:
+        raise ValueError(f"top_entropy_quantile must lie in [0, 1], got {rho}")
+    values = gather_valid(entropy, mask)
+    if values.numel() == 0:
+        return mask.to(entropy.dtype)
+    threshold = torch.quantile(values.double(), 1.0 - rho).to(entropy.dtype)
+    return ((entropy >= threshold) & mask).to(entropy.dtype)
+
+
 def _check_shape(name: str, t: torch.Tensor, shape: torch.Size) -> None:
     if t.shape != shape:
         raise ValueError(f"{name} must have shape {tuple(shape)} (like logp), got {tuple(t.shape)}")
@@ -434,6 +491,10 @@ def compute_policy_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor | None = None,
+    *,
+    entropy: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    state: dict | None = None,
     **hparams: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and diagnostics of the objective `name` on masked `[B, K]` log-probs.
@@ -447,11 +508,21 @@ def compute_policy_loss(
         advantages (`torch.Tensor`): `[B]` (broadcast over K) or `[B, K]`.
         mask (`torch.Tensor`, *optional*): `[B, K]`, 1 where the element is trained; padding may hold
             any value, even NaN/inf, and never reaches the loss or the gradient.
+        entropy (`torch.Tensor`, *optional*): `[B, K]` entropies of the current policy at each element (no
+            gradient); needed by the objectives whose `inputs` name it (ASPO, SSPO, ESPO, DHPO's entropy mixing)
+            and by `top_entropy_quantile`.
+        segment_ids (`torch.Tensor`, *optional*): `[B, K]` integers, the segment (turn, sentence) of each element
+            within its row (ST-PPO, SSPO); segments need not be contiguous.
+        state (`dict`, *optional*): a stateful objective's controller state (`get_objective(name).init_state()`),
+            updated in place; the caller checkpoints it.
         **hparams: the objective's hyper-parameters (see `get_objective(name).hparams`) and
             - `agg` (`str`): aggregation, defaults to the objective's (see `flowrl.core.aggregation`),
             - `weights` (`torch.Tensor`): per-element weights broadcastable to `[B, K]` (timestep weighting),
               multiplied onto the per-element loss (no gradient),
-            - `norm_len` (`float`): the constant `L` of `seq_mean_token_sum_norm` (defaults to K).
+            - `norm_len` (`float`): the constant `L` of `seq_mean_token_sum_norm` (defaults to K),
+            - `top_entropy_quantile` (`float`): train only the elements whose entropy is in the top fraction
+              rho of the batch's valid elements (across processes), with the normaliser unchanged ("Beyond the
+              80/20 rule", Wang et al. 2025, arXiv:2506.01939 sec. 4; trl's `top_entropy_quantile`).
 
     Returns:
         `(loss, metrics)`: a scalar loss (fp32, or fp64 for fp64 inputs) and detached tensors:
@@ -467,6 +538,7 @@ def compute_policy_loss(
     agg = hparams.pop("agg", objective.agg)
     weights = hparams.pop("weights", None)
     norm_len = hparams.pop("norm_len", None)
+    top_entropy = hparams.pop("top_entropy_quantile", objective.hparams.get("top_entropy_quantile"))
     for key in hparams:
         if key not in objective.hparams and key not in objective.required:
             valid = sorted([*objective.hparams, *objective.required, *COMMON_HPARAMS])
@@ -475,6 +547,14 @@ def compute_policy_loss(
     if missing:
         raise ValueError(f"objective {name!r} needs hyper-parameter(s) {', '.join(missing)}")
     hp = {**objective.hparams, **hparams}
+    hp.pop("top_entropy_quantile", None)
+    given = {"entropy": entropy, "segment_ids": segment_ids, "state": state}
+    wanted = [*objective.inputs, *(["entropy"] if top_entropy is not None else [])]
+    for key in wanted:
+        if given[key] is None:
+            what = {"entropy": "per-element entropies [B, K]", "segment_ids": "per-element segment ids [B, K]",
+                    "state": f"its controller state (get_objective({name!r}).init_state())"}[key]  # fmt: skip
+            raise ValueError(f"objective {name!r} needs {key}= ({what})")
 
     if logp.ndim != 2:
         raise ValueError(f"logp must be [B, K], got shape {tuple(logp.shape)}")
@@ -497,15 +577,29 @@ def compute_policy_loss(
     if adv.shape == shape:
         adv = torch.where(mask, adv, 0.0)
 
-    x = objective.log_ratio(log_ratio, mask, **{k: hp[k] for k in objective.ratio_params})  # [B, K]
+    inputs = {"mask": mask, "adv": adv, "state": state}
+    inputs["logp"] = torch.where(mask, logp.detach().to(dtype), 0.0)
+    inputs["old_logp"] = torch.where(mask, old_logp.detach().to(dtype), 0.0)
+    for key, value in (("entropy", entropy), ("segment_ids", segment_ids)):
+        if value is not None:
+            _check_shape(key, value, shape)
+            fill = 0.0 if key == "entropy" else 0
+            inputs[key] = torch.where(mask, value.detach().to(dtype if key == "entropy" else torch.long), fill)
+    x = objective.log_ratio(log_ratio, mask, **{k: hp[k] for k in objective.ratio_params},
+                            **{k: inputs[k] for k in objective.ratio_inputs})  # [B, K]  # fmt: skip
     fmask = mask.to(dtype)
     with torch.no_grad():
         ratio = torch.exp(x.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, K]
         kwargs = {k: hp[k] for k in objective.surrogate_params}
-        if objective.needs_logp:
-            kwargs["logp"] = torch.where(mask, logp.detach().to(dtype), 0.0)
+        kwargs.update({k: inputs[k] for k in objective.surrogate_inputs})
         terms = objective.surrogate(ratio, adv, **kwargs)
+        if top_entropy is not None:
+            keep = top_entropy_mask(inputs["entropy"], mask, top_entropy)  # [B, K]
+            terms = terms._replace(value=terms.value * keep, coef=terms.coef * keep)
         metrics = _metrics(ratio, terms, log_ratio.detach(), mask, fmask)
+        if top_entropy is not None:
+            metrics["entropy_kept_frac"] = (keep * fmask).sum() / fmask.sum().clamp_min(1.0)
+        metrics.update(terms.metrics or {})
 
     # value v, gradient g * grad(x): (x - sg(x)) is exactly 0 in the forward pass
     per_element = torch.addcmul(terms.value, terms.coef, x - x.detach())  # [B, K] = v + g * (x - sg(x))

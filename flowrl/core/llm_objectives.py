@@ -1,0 +1,643 @@
+"""Objectives from the text-RL literature, on the same `[B, K]` value / gradient-weight core.
+
+They were published for tokens; nothing in them is text-specific, so they work on denoising steps and control
+actions too (with image-scale trust regions set by the user). Each surrogate returns the per-element loss value
+`v` and `g = dv/dx` with `x` the objective's log-ratio (`flowrl.core.objectives`); the test-suite checks value
+and gradient against a direct autograd implementation of the published formula (`tests/core/test_llm_objectives.py`).
+Where a paper left a choice open, the docstring says which one is implemented and `docs/objectives.md` says why.
+
+Inputs beyond `(ratio, adv)` are named keyword parameters (`logp`, `old_logp`, `mask`, `entropy`,
+`segment_ids`, `state`); batch statistics go through `flowrl.core.dist`, so with several processes every
+process uses the statistic of the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flowrl.core.dist import all_reduce_sum, gather_valid
+from flowrl.core.objectives import Surrogate, _dual_clip, gppo, ppo_clip, register_objective, sequence_log_ratio
+
+
+def _none(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like, dtype=torch.bool)
+
+
+def _clip_between(ratio, adv, low, high, dual_clip_c=None) -> Surrogate:
+    """PPO-clip with absolute bounds `low < 1 < high` (scalars or `[B, K]` tensors) and an optional dual clip."""
+    low = torch.as_tensor(low, dtype=ratio.dtype, device=ratio.device)
+    high = torch.as_tensor(high, dtype=ratio.dtype, device=ratio.device)
+    unclipped = -adv * ratio  # [B, K]
+    clipped_high = (ratio > high) & (adv > 0)
+    clipped_low = (ratio < low) & (adv < 0)
+    binding = clipped_high | clipped_low
+    value = torch.where(binding, -adv * torch.minimum(torch.maximum(ratio, low), high), unclipped)
+    coef = torch.where(binding, 0.0, unclipped)
+    value, coef, dual = _dual_clip(value, coef, adv, dual_clip_c)
+    return Surrogate(value, coef, clipped_high, clipped_low, dual)
+
+
+# ----------------------------------------------------------------------------------------------
+# log-ratio estimators
+# ----------------------------------------------------------------------------------------------
+
+
+def segment_mean(values: torch.Tensor, mask: torch.Tensor, segment_ids: torch.Tensor, reduce: str = "mean"):
+    """`[B, K]`: the mean (or sum) of `values` over each element's segment (same row, same id), differentiable.
+
+    Segments need not be contiguous (ESPO's entropy groups); masked elements take no part and get 0.
+    """
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"segment reduce must be 'mean' or 'sum', got {reduce!r}")
+    b, k = values.shape
+    ids = segment_ids.long().clamp_min(0)
+    width = int(ids.max()) + 1 if ids.numel() else 1
+    flat = (torch.arange(b, device=values.device)[:, None] * width + ids).reshape(-1)  # [B*K]
+    fmask = mask.to(values.dtype)
+    sums = torch.zeros(b * width, dtype=values.dtype, device=values.device).index_add(
+        0, flat, (values * fmask).reshape(-1)
+    )
+    if reduce == "mean":
+        counts = torch.zeros(b * width, dtype=values.dtype, device=values.device).index_add(0, flat, fmask.reshape(-1))
+        sums = sums / counts.clamp_min(1.0)  # clamp: segments of padding only
+    return sums[flat].reshape(b, k) * fmask
+
+
+def segment_log_ratio(log_ratio, mask, *, segment_ids, segment_reduce: str = "mean"):
+    """Segment-level log-ratio (Turn-PPO / ST-PPO arXiv:2511.20718, SSPO arXiv:2511.04256): the geometric mean
+    (`mean`) or product (`sum`) of the token ratios of each element's segment, shared by its tokens."""
+    return segment_mean(log_ratio, mask, segment_ids, segment_reduce)
+
+
+def gmpo_log_ratio(log_ratio, mask, *, adv, clip_log: float = 0.4):
+    """GMPO (Zhao et al. 2025, arXiv:2507.20673 eq. 4): the sequence mean of token log-ratios clipped in log space
+    on the advantage's side, `d~ = sgn(A) min(sgn(A) d, sgn(A) clip(d, -eps, eps))`, broadcast to `[B, K]`."""
+    sign = torch.where(adv >= 0, 1.0, -1.0).to(log_ratio.dtype).expand_as(log_ratio)
+    clipped = log_ratio.clamp(-clip_log, clip_log)
+    token = sign * torch.minimum(sign * log_ratio, sign * clipped)  # [B, K]; grad 0 where the clip binds
+    return sequence_log_ratio(token, mask)
+
+
+def exp_surrogate(ratio, adv):
+    """`l = -A r` on an estimator's (already clipped) log-ratio: GMPO's and DHPO's outer objective."""
+    value = -adv * ratio  # [B, K]
+    return Surrogate(value, value, _none(value), _none(value))
+
+
+def _sign_clip(x, sign, eps: float):
+    """Pessimistic clip of a log-ratio on the advantage's side: `sgn(A) min(sgn(A) x, sgn(A) clip(x))` with the
+    bounds `log(1 - eps), log(1 + eps)`; the gradient stops where the clip binds (PPO's one-sided clip)."""
+    clipped = x.clamp(math.log1p(-eps) if eps < 1 else -math.inf, math.log1p(eps))
+    return sign * torch.minimum(sign * x, sign * clipped)
+
+
+def dhpo_log_ratio(log_ratio, mask, *, adv, clip_eps_token: float = 0.2, clip_eps_seq: float = 0.2,
+                   mix: float = 0.5):  # fmt: skip
+    """DHPO's mixed log-ratio (arXiv:2601.05607): `w clip(x_token) + (1 - w) clip(x_seq)`, each branch clipped
+    pessimistically in its own trust region (`1 +- eps_tok` for the token ratio, `1 +- eps_seq` for the sequence's
+    geometric mean), i.e. the geometric mix `clip(r)^w clip(s)^(1-w)`; `w = 1` is GRPO's token clip and `w = 0`
+    GSPO's sequence clip."""
+    if not 0.0 <= mix <= 1.0:
+        raise ValueError(f"mix must lie in [0, 1], got {mix}")
+    sign = torch.where(adv >= 0, 1.0, -1.0).to(log_ratio.dtype).expand_as(log_ratio)
+    token = _sign_clip(log_ratio, sign, clip_eps_token)
+    seq = _sign_clip(sequence_log_ratio(log_ratio, mask), sign, clip_eps_seq)
+    return mix * token + (1 - mix) * seq
+
+
+# ----------------------------------------------------------------------------------------------
+# surrogates
+# ----------------------------------------------------------------------------------------------
+
+
+def bapo(
+    ratio,
+    adv,
+    *,
+    mask,
+    rho0: float = 0.5,
+    clip_low_start: float = 0.6,
+    clip_low_max: float = 0.9,
+    clip_low_step: float = 0.05,
+    clip_high_start: float = 1.2,
+    clip_high_max: float = 3.0,
+    clip_high_step: float = 0.1,
+    dual_clip_c: float | None = 3.0,
+):
+    """BAPO: PPO-clip with bounds searched per batch for balanced positive contributions (arXiv:2510.18927 sec. 4).
+
+    With the contribution of the tokens that still receive gradient, `P(c_high) = sum r A 1[A > 0, r <= c_high]`
+    and `N(c_low) = sum r |A| 1[A < 0, r >= c_low]`, first raise `c_low` from `clip_low_start` by
+    `clip_low_step` (dropping low-probability negatives) while `P / (P + N) < rho0` and `c_low < clip_low_max`,
+    then `c_high` likewise. The loss is `max(-A r, -A clip(r, c_low, c_high))`, dual-clipped at `c` for A < 0.
+    The sums are over the global batch (all processes), so every process trains with the same bounds. This is the
+    paper's monotone measure; the authors' plugin clamps the ratios instead, which moves the other way (see
+    `docs/objectives.md`).
+    """
+    lows = _grid(clip_low_start, clip_low_max, clip_low_step).to(ratio)  # [I]
+    highs = _grid(clip_high_start, clip_high_max, clip_high_step).to(ratio)  # [J]
+    a = adv.expand_as(ratio)
+    weight = ratio * a.abs() * mask  # [B, K]
+    pos, neg = (a > 0) & mask, (a < 0) & mask
+    p = ((ratio[None] <= highs[:, None, None]) & pos).to(ratio.dtype).mul(weight).sum((1, 2))  # [J]
+    n = ((ratio[None] >= lows[:, None, None]) & neg).to(ratio.dtype).mul(weight).sum((1, 2))  # [I]
+    sums = all_reduce_sum(torch.cat([p, n]))
+    p, n = sums[: highs.numel()], sums[highs.numel() :]
+
+    def balanced(pos_sum, neg_sum):  # P / (P + N) >= rho0; an empty batch is balanced
+        total = pos_sum + neg_sum
+        return (total <= 0) | (pos_sum >= rho0 * total)
+
+    i = _first_true(balanced(p[0], n))
+    j = _first_true(balanced(p, n[i]))
+    low, high = lows[i], highs[j]
+    terms = _clip_between(ratio, adv, low, high, dual_clip_c)
+    total = p[j] + n[i]
+    metrics = {"bapo_clip_low": low, "bapo_clip_high": high,
+               "bapo_pos_frac": p[j] / total if total > 0 else torch.ones((), dtype=ratio.dtype)}  # fmt: skip
+    return terms._replace(metrics=metrics)
+
+
+def _grid(start: float, stop: float, step: float) -> torch.Tensor:
+    """`start, start + step, ..., stop` computed from integer counts (no accumulated rounding)."""
+    if step <= 0 or stop < start:
+        raise ValueError(f"a bound search needs step > 0 and max >= start, got {start}, {stop}, {step}")
+    count = int(math.floor((stop - start) / step + 1e-9)) + 1
+    return torch.tensor([round(start + i * step, 12) for i in range(count)], dtype=torch.float64)
+
+
+def _first_true(flags: torch.Tensor) -> int:
+    """Index of the first True of a 1-D bool tensor, or the last index when none is."""
+    hits = torch.nonzero(flags.reshape(-1))
+    return int(hits[0]) if hits.numel() else flags.numel() - 1
+
+
+def dcpo(
+    ratio,
+    adv,
+    *,
+    old_logp,
+    clip_eps_low: float = 0.16,
+    clip_eps_high: float = 0.2,
+    max_ratio: float = 10.0,
+    dual_clip_c: float | None = 10.0,
+):
+    """DCPO's dynamic clipping from the token's prior probability (Yang et al. 2025, arXiv:2509.02333 eq. 6-8).
+
+    With `q = pi_old(token)`, the bounds satisfy `|r - 1| r q <= eps`: `r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low
+    / q, 0))`, `r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), max_ratio)`, so rare tokens may move further.
+    Then `l = max(-A r, -A clip(r, r_low, r_high))`, dual-clipped at `c` for A < 0 (the official script: 10).
+    """
+    q = old_logp.exp()  # [B, K]
+    # clamp: padding and q -> 0 would divide by zero; r_high saturates at max_ratio there anyway
+    q = q.clamp_min(1e-12)
+    low = 0.5 + 0.5 * torch.sqrt((1 - 4 * clip_eps_low / q).clamp_min(0.0))
+    high = (0.5 + 0.5 * torch.sqrt(1 + 4 * clip_eps_high / q)).clamp_max(max_ratio)
+    return _clip_between(ratio, adv, low, high, dual_clip_c)
+
+
+def pspo(ratio, adv, *, alpha: float = 0.1, clip_eps: float | None = None):
+    """PSPO: probability smoothing before the ratio (Dwyer et al. 2025, arXiv:2509.21282 sec. 3).
+
+    `pi~ = (1 - alpha) pi_theta + alpha pi_old`, so `r~ = (1 - alpha) r + alpha`; GR-PSPO's surrogate is the
+    unclipped `l = -A r~` with gradient `-A (1 - alpha) r`: the trust region is soft and never zeroes a gradient.
+    With `clip_eps`, PPO's clip is applied to `r~` instead (the composed variant).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+    smooth = (1 - alpha) * ratio + alpha  # [B, K]
+    if clip_eps is None:
+        value = -adv * smooth
+        return Surrogate(value, -adv * (1 - alpha) * ratio, _none(value), _none(value))
+    terms = ppo_clip(smooth, adv, clip_eps_low=clip_eps)
+    # d r~ / d log r = (1 - alpha) r, and ppo_clip's coef is -A r~ where unclipped
+    coef = torch.where(terms.coef != 0, -adv * (1 - alpha) * ratio, 0.0)
+    return terms._replace(coef=coef)
+
+
+def aspo(
+    ratio,
+    adv,
+    *,
+    logp,
+    mask,
+    entropy,
+    clip_eps: float = 0.2,
+    clip_eps_high_entropy: float = 0.4,
+    entropy_quantile: float = 0.8,
+    max_weight_neg: float = 3.0,
+    max_weight_pos: float = 3.0,
+):
+    """ASPO: asymmetric importance sampling, flipped weights for positive tokens (arXiv:2510.06062 sec. 4).
+
+    A > 0: weight `1 / r~`, `r~ = min(r, 1 + eps)`, as `l = -A (r~ / sg(r~)) / sg(r~)` (value `-A / r~`, gradient
+    `-A / r~` below the bound, 0 above); once `1 / r~ > max_weight_pos` the weight is capped and the gradient kept
+    (`l = -A sg(c_pos) log pi`). A < 0: PPO's one-sided clip `r' = max(r, 1 - eps)`, `l = -A r'`, and above
+    `max_weight_neg` the gradient-preserving dual clip `l = -A sg(c_neg) log pi`. `eps` is `clip_eps` for the
+    tokens at or below the `entropy_quantile` of their response's entropies and `clip_eps_high_entropy` above
+    (the official code's split; its mask names are swapped).
+    """
+    ent = torch.where(mask, entropy, torch.nan)
+    cut = torch.nanquantile(ent, entropy_quantile, dim=-1, keepdim=True)  # [B, 1]; rows without tokens: nan
+    eps = torch.where(entropy > cut, clip_eps_high_entropy, clip_eps).to(ratio.dtype)  # [B, K]
+    a = adv.expand_as(ratio)
+    # A > 0: flipped weight
+    capped_r = torch.minimum(ratio, 1 + eps)
+    inv = 1.0 / capped_r
+    above = ratio > 1 + eps
+    pos_value = torch.where(inv > max_weight_pos, -a * max_weight_pos * logp, -a * inv)
+    pos_coef = torch.where(inv > max_weight_pos, -a * max_weight_pos, torch.where(above, 0.0, -a * inv))
+    # A < 0: one-sided clip below, gradient-preserving dual clip above
+    floored = torch.maximum(ratio, 1 - eps)
+    below = ratio < 1 - eps
+    neg_value = torch.where(floored > max_weight_neg, -a * max_weight_neg * logp, -a * floored)
+    neg_coef = torch.where(floored > max_weight_neg, -a * max_weight_neg, torch.where(below, 0.0, -a * ratio))
+    positive = a > 0
+    value = torch.where(positive, pos_value, neg_value)
+    coef = torch.where(positive, pos_coef, neg_coef)
+    return Surrogate(value, coef, positive & above, ~positive & below & (a < 0))
+
+
+def dispo(
+    ratio,
+    adv,
+    *,
+    logp,
+    clip_eps_low_pos: float = 0.2,
+    clip_eps_high_pos: float = 0.28,
+    clip_eps_low_neg: float = 0.2,
+    clip_eps_high_neg: float = 0.28,
+):
+    """DISPO: four decoupled bounds on a REINFORCE-style IS weight (arXiv:2602.00983).
+
+    `l = -A sg(w) log pi` with `w = r` inside `[1 - eps_low^s, 1 + eps_high^s]` and `w = 0` outside (masked,
+    not clamped: the paper's criticism of CISPO is that clamped weights still push outside the trust region), `s`
+    the sign of A (correct vs incorrect responses). Gradient `-A w`.
+    """
+    a = adv.expand_as(ratio)
+    positive = a > 0
+    low = torch.where(positive, 1 - clip_eps_low_pos, 1 - clip_eps_low_neg).to(ratio.dtype)
+    high = torch.where(positive, 1 + clip_eps_high_pos, 1 + clip_eps_high_neg).to(ratio.dtype)
+    above, below = ratio > high, ratio < low
+    weight = torch.where(above | below, 0.0, ratio)  # [B, K]
+    coef = -a * weight
+    return Surrogate(coef * logp, coef, above, below)
+
+
+def minpro(ratio, adv, *, mask, clip_eps_low: float = 0.2, clip_eps_high: float | None = None,
+           cap_at_one: bool = False):  # fmt: skip
+    """MinPRO: the token loss weighted by the minimum ratio of the preceding prefix (arXiv:2601.22718).
+
+    The correct off-policy weight of token t is the prefix product `prod_{j<t} r_j`; MinPRO replaces it by the
+    stable `w_t = sg(min_{j<t} r_j)` over the valid tokens before t (1 for the first) and multiplies PPO-clip's
+    token loss by it, so every token after a strongly down-weighted one is down-weighted too. `cap_at_one`
+    also bounds the weight by 1.
+    """
+    terms = ppo_clip(ratio, adv, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
+    padded = torch.where(mask, ratio, torch.inf)  # padding never lowers the minimum
+    prefix = torch.cummin(padded, dim=1).values  # [B, K] inclusive minimum
+    weight = torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], dim=1)  # exclusive: min over j < t
+    weight = torch.where(torch.isinf(weight), 1.0, weight)  # only padding before t: an empty prefix
+    if cap_at_one:
+        weight = weight.clamp_max(1.0)
+    metrics = {"prefix_weight_mean": (weight * mask).sum() / mask.sum().clamp_min(1)}
+    return terms._replace(value=terms.value * weight, coef=terms.coef * weight, metrics=metrics)
+
+
+def clip_cov(
+    ratio,
+    adv,
+    *,
+    logp,
+    mask,
+    state,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    cov_fraction: float = 2e-4,
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+    seed: int = 0,
+):
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617 sec. 4).
+
+    PPO-clip, plus: among the tokens PPO does not clip whose centred covariance `(A - mean A)(log pi - mean
+    log pi)` (means over the global batch) lies in `(cov_low, cov_high)`, a random `max(1, floor(cov_fraction
+    * N))` of this process's N valid tokens lose their loss and gradient (verl's `clip_cov`). The draw is seeded
+    by `seed` and the call count kept in `state`, so a resumed run draws what the uninterrupted one did.
+    """
+    terms = ppo_clip(ratio, adv, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
+    a = adv.expand_as(ratio)
+    cov = _centred_cov(a, logp, mask)
+    eligible = mask & ~terms.clipped_high & ~terms.clipped_low & (cov > cov_low) & (cov < cov_high)
+    candidates = torch.nonzero(eligible.reshape(-1)).reshape(-1)
+    count = max(1, int(cov_fraction * int(mask.sum())))
+    generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(state["calls"]) * 101 + _rank())
+    state["calls"] += 1
+    chosen = candidates[torch.randperm(candidates.numel(), generator=generator)[:count].to(candidates.device)]
+    keep = torch.ones(ratio.numel(), dtype=ratio.dtype, device=ratio.device)
+    keep[chosen] = 0.0
+    keep = keep.reshape(ratio.shape)
+    metrics = {"cov_selected_frac": (1 - keep).sum() / mask.sum().clamp_min(1)}
+    return terms._replace(value=terms.value * keep, coef=terms.coef * keep, metrics=metrics)
+
+
+def kl_cov(ratio, adv, *, logp, old_logp, mask, cov_fraction: float = 2e-4, kl_coef: float = 1.0):
+    """KL-Cov (arXiv:2505.22617 sec. 4): no clip, `l = -A r`, plus `kl_coef |log pi - log pi_old|` on the top
+    `max(1, floor(cov_fraction * N))` tokens of the global batch by centred covariance `(A - mean A)(log pi - mean
+    log pi)`; their gradient gains `kl_coef sign(log r)`."""
+    a = adv.expand_as(ratio)
+    cov = _centred_cov(a, logp, mask)
+    values = gather_valid(cov, mask)
+    count = max(1, int(cov_fraction * values.numel())) if values.numel() else 0
+    selected = torch.zeros_like(mask)
+    if count:
+        threshold = torch.topk(values, min(count, values.numel())).values[-1]
+        selected = mask & (cov >= threshold)
+    log_ratio = logp - old_logp
+    value = -a * ratio + selected * kl_coef * log_ratio.abs()
+    coef = -a * ratio + selected * kl_coef * torch.sign(log_ratio)
+    metrics = {"cov_selected_frac": selected.sum() / mask.sum().clamp_min(1)}
+    return Surrogate(value, coef, _none(value), _none(value), metrics=metrics)
+
+
+def _centred_cov(a, logp, mask):
+    """`(A - mean A)(log pi - mean log pi)` with means over the valid elements of the global batch."""
+    fm = mask.to(a.dtype)
+    sums = all_reduce_sum(torch.stack([(a * fm).sum(), (logp * fm).sum(), fm.sum()]))
+    count = sums[2].clamp_min(1.0)
+    return (a - sums[0] / count) * (logp - sums[1] / count) * fm
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def r2vpo(ratio, adv, *, mask, state, var_target: float = 0.01, dual_lr: float = 0.1):
+    """R2VPO: a ratio-variance constraint instead of a clip, solved primal-dual (arXiv:2601.03320).
+
+    `L = -E[r A] + lambda (Var(r) - delta)` over the valid elements of the global batch, with the dual ascent
+    `lambda <- max(0, lambda + eta (Var(r) - delta))` after each call (lambda lives in `state` and is
+    checkpointed). Per element: value `-A r + lambda ((r - m)^2 - delta)`, gradient `-A r + 2 lambda r (r - m)`
+    (with `token_mean`, exactly the gradient of the batch objective; `m` the batch mean ratio).
+    """
+    fm = mask.to(ratio.dtype)
+    sums = all_reduce_sum(torch.stack([(ratio * fm).sum(), (ratio * ratio * fm).sum(), fm.sum()]))
+    count = sums[2].clamp_min(1.0)
+    mean = sums[0] / count
+    var = (sums[1] / count - mean * mean).clamp_min(0.0)
+    lam = torch.as_tensor(float(state["lambda"]), dtype=ratio.dtype, device=ratio.device)
+    value = -adv * ratio + lam * ((ratio - mean) ** 2 - var_target)
+    coef = -adv * ratio + 2 * lam * ratio * (ratio - mean)
+    state["lambda"] = max(0.0, float(lam) + dual_lr * (float(var) - var_target))
+    none = _none(value)
+    return Surrogate(value, coef, none, none, metrics={"r2vpo_lambda": lam, "ratio_var": var})
+
+
+def dro(ratio, adv, *, logp, old_logp, beta: float = 1.0):
+    """Regularised REINFORCE / OPMD (Yao et al. 2025, arXiv:2509.24203; verl's `dro`):
+    `l = -(A log pi - beta/2 (log pi - log pi_old)^2)`, gradient `-A + beta log r`: a k2 pull towards pi_old."""
+    log_ratio = logp - old_logp
+    value = -adv * logp + 0.5 * beta * log_ratio**2
+    coef = -adv + beta * log_ratio
+    return Surrogate(value, coef.expand_as(value), _none(value), _none(value))
+
+
+def gpg(ratio, adv, *, logp):
+    """GPG / plain REINFORCE on log-probs (arXiv:2504.02546; verl's `gpg`): `l = -A log pi`, gradient `-A`."""
+    value = -adv * logp
+    return Surrogate(value, (-adv).expand_as(value), _none(value), _none(value))
+
+
+def dppo_mask(
+    ratio,
+    adv,
+    *,
+    logp,
+    old_logp,
+    divergence: str = "tv",
+    delta_low: float | None = None,
+    delta_high: float | None = None,
+    max_weight: float = 20.0,
+):
+    """DPPO's divergence-masked REINFORCE (arXiv:2602.04879; verl's `dppo_tv` / `dppo_kl`).
+
+    `l = -A sg(min(r, max_weight)) log pi`, except that a token is dropped once its probability has moved too far
+    in the advantage's direction: `tv`: `p - q > delta_high` (A > 0) or `q - p > delta_low` (A < 0), with
+    `p = pi(token)`, `q = pi_old(token)`; `kl`: the Bernoulli KL `q log(q/p) + (1-q) log((1-q)/(1-p))` exceeds
+    `delta` while p moved in the advantage's direction. Defaults: the authors' 0.15 (tv) and 0.05 (kl); verl's
+    function default truncation 20.
+    """
+    if divergence not in ("tv", "kl"):
+        raise ValueError(f"divergence must be 'tv' or 'kl', got {divergence!r}")
+    default = 0.15 if divergence == "tv" else 0.05
+    low = default if delta_low is None else delta_low
+    high = default if delta_high is None else delta_high
+    a = adv.expand_as(ratio)
+    p, q = logp.exp(), old_logp.exp()
+    up, down = (a > 0) & (p > q), (a < 0) & (p < q)
+    if divergence == "tv":
+        gap = (p - q).abs()
+    else:
+        # clamp: probabilities of exactly 0 or 1 make the Bernoulli KL infinite
+        pc, qc = p.clamp(1e-12, 1 - 1e-7), q.clamp(1e-12, 1 - 1e-7)
+        gap = qc * (qc / pc).log() + (1 - qc) * ((1 - qc) / (1 - pc)).log()
+    dropped_high, dropped_low = up & (gap > high), down & (gap > low)
+    weight = torch.where(dropped_high | dropped_low, 0.0, ratio.clamp_max(max_weight))
+    coef = -a * weight
+    return Surrogate(coef * logp, coef, dropped_high, dropped_low)
+
+
+def vespo(ratio, adv, *, logp, mask, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
+          lambda_neg: float = 2.0):  # fmt: skip
+    """VESPO (Shen et al. 2026; trl's `vespo`): `l = -phi(w) A log pi` with `w` the sequence's product ratio
+    `exp(sum_t log r_t)` (log w clamped to `[log 1e-8, 20]`, as trl) and the detached Gamma-kernel weight
+    `phi(w) = w^k exp(lambda (1 - w))` (`phi(1) = 1`), `(k, lambda) = (2, 3)` for A >= 0 and `(3, 2)` for A < 0.
+    The gradient is `-phi A` on every token of the sequence."""
+    a = adv.expand_as(ratio)
+    log_w = (ratio.log() * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)  # [B, 1]
+    w = log_w.exp()
+    k = torch.where(a >= 0, k_pos, k_neg).to(ratio.dtype)
+    lam = torch.where(a >= 0, lambda_pos, lambda_neg).to(ratio.dtype)
+    phi = torch.exp(k * log_w + lam * (1 - w))  # [B, K]
+    coef = -a * phi
+    return Surrogate(coef * logp, coef, _none(coef), _none(coef), metrics={"vespo_weight_mean": phi.mean()})
+
+
+def sequence_log_ratio_estimator(log_ratio, mask):
+    """GSPO's sequence log-ratio (the geometric mean over the valid elements), broadcast to `[B, K]`."""
+    return sequence_log_ratio(log_ratio, mask)
+
+
+def entropy_clip_eps(mean_entropy: torch.Tensor, reference: torch.Tensor, clip_eps: float, spread: float):
+    """Entropy-adaptive clip range `eps (H / H_ref)^spread`, clamped to `[eps / 2, 2 eps]` (SSPO, ESPO)."""
+    scale = (mean_entropy / reference.clamp_min(1e-8)).clamp_min(1e-8) ** spread
+    return clip_eps * scale.clamp(0.5, 2.0)
+
+
+def sspo(ratio, adv, *, mask, entropy, segment_ids, clip_eps: float = 0.2, entropy_spread: float = 1.0):
+    """SSPO: sentence-level ratio with a clip range set by the sentence's mean entropy (arXiv:2511.04256).
+
+    The ratio is the sentence's geometric mean (`segment_log_ratio`); its clip range is
+    `eps (H_k / H)^spread` clamped to `[eps/2, 2 eps]`, `H_k` the sentence's mean token entropy and `H` the batch's
+    (global) mean: uncertain sentences may move further, confident ones less.
+    """
+    h_seg = segment_mean(entropy, mask, segment_ids)  # [B, K]
+    sums = all_reduce_sum(torch.stack([(entropy * mask).sum(), mask.sum().to(entropy.dtype)]))
+    eps = entropy_clip_eps(h_seg, sums[0] / sums[1].clamp_min(1.0), clip_eps, entropy_spread)
+    return _clip_between(ratio, adv, 1 - eps, 1 + eps)
+
+
+def espo_log_ratio(log_ratio, mask, *, entropy, num_groups: int = 4):
+    """ESPO's entropy-grouped log-ratio (arXiv:2512.00499): each response's tokens are split into `num_groups`
+    entropy quantile bins; a token's ratio is the geometric mean over its bin."""
+    return segment_mean(log_ratio, mask, entropy_groups(entropy, mask, num_groups))
+
+
+def entropy_groups(entropy: torch.Tensor, mask: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """`[B, K]` group index in `0..num_groups-1` of each token by its entropy rank within its row (equal counts)."""
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+    filled = torch.where(mask, entropy, torch.inf)
+    rank = filled.argsort(dim=-1, stable=True).argsort(dim=-1)  # [B, K]; valid tokens first, by entropy
+    n = mask.sum(-1, keepdim=True).clamp_min(1)
+    return torch.where(mask, (rank * num_groups) // n, 0).clamp_max(num_groups - 1)
+
+
+def espo(ratio, adv, *, mask, entropy, num_groups: int = 4, clip_eps: float = 0.2, entropy_spread: float = 1.0):
+    """ESPO: PPO-clip on entropy-group ratios with entropy-adaptive clip ranges (arXiv:2512.00499).
+
+    Each group's clip range is `eps (H_g / H)^spread` clamped to `[eps/2, 2 eps]`, `H_g` the group's mean entropy
+    and `H` the batch's; with one group this is GSPO's sequence ratio with PPO's clip.
+    """
+    groups = entropy_groups(entropy, mask, num_groups)
+    h_group = segment_mean(entropy, mask, groups)
+    sums = all_reduce_sum(torch.stack([(entropy * mask).sum(), mask.sum().to(entropy.dtype)]))
+    eps = entropy_clip_eps(h_group, sums[0] / sums[1].clamp_min(1.0), clip_eps, entropy_spread)
+    return _clip_between(ratio, adv, 1 - eps, 1 + eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# the registry (docs/objectives.md: the paper, defaults and the choices made for each)
+# ----------------------------------------------------------------------------------------------
+
+register_objective(
+    "bnpo",
+    ppo_clip,
+    agg="token_mean",
+    description="BNPO (trl): PPO-clip (eps 0.2) with token-mean over the local batch",
+)
+register_objective(
+    "gmpo",
+    exp_surrogate,
+    log_ratio=gmpo_log_ratio,
+    elementwise=False,
+    agg="seq_mean_token_mean",
+    description="GMPO: geometric mean of token ratios clipped in log space (eps 0.4) (arXiv:2507.20673)",
+)
+register_objective("bapo", bapo, agg="token_mean", elementwise=False)
+register_objective("dcpo", dcpo, agg="token_mean")
+register_objective(
+    "ce_gppo",
+    gppo,
+    agg="token_mean",
+    clip_eps_high=0.2,
+    beta_low=0.5,
+    beta_high=1.0,
+    dual_clip_c=10.0,
+    description="CE-GPPO: gradient-preserving clip, scaled negatives beta_1 0.5 (arXiv:2509.20712)",
+)
+register_objective("pspo", pspo, agg="token_mean")
+register_objective("aspo", aspo, agg="token_mean", elementwise=False)
+register_objective("dispo", dispo, agg="token_mean")
+register_objective(
+    "turn_ppo",
+    ppo_clip,
+    log_ratio=segment_log_ratio,
+    elementwise=False,
+    agg="token_mean",
+    description="ST-PPO/Turn-PPO: PPO-clip on the segment (turn) geometric-mean ratio (arXiv:2511.20718)",
+)
+register_objective(
+    "sspo",
+    sspo,
+    log_ratio=segment_log_ratio,
+    elementwise=False,
+    agg="token_mean",
+    description="SSPO: sentence geometric-mean ratio, clip range from sentence entropy (arXiv:2511.04256)",
+)
+register_objective(
+    "espo",
+    espo,
+    log_ratio=espo_log_ratio,
+    elementwise=False,
+    agg="token_mean",
+    description="ESPO: entropy-group ratios with entropy-adaptive clip ranges (arXiv:2512.00499)",
+)
+register_objective(
+    "dhpo",
+    exp_surrogate,
+    log_ratio=dhpo_log_ratio,
+    elementwise=False,
+    agg="token_mean",
+    description="DHPO: token and sequence ratios clipped per branch, geometric mix (arXiv:2601.05607)",
+)
+register_objective("minpro", minpro, agg="token_mean", elementwise=False)
+register_objective(
+    "high_entropy",
+    ppo_clip,
+    agg="token_mean",
+    clip_eps_high=0.28,
+    top_entropy_quantile=0.2,
+    elementwise=False,
+    description="80/20 rule: DAPO on the 20% highest-entropy tokens of the batch (arXiv:2506.01939)",
+)
+register_objective("clip_cov", clip_cov, agg="token_mean", elementwise=False, init_state=lambda: {"calls": 0})
+register_objective(
+    "kl_cov",
+    kl_cov,
+    agg="token_mean",
+    elementwise=False,
+    description="KL-Cov: unclipped -A r plus |log r| on the top-covariance tokens (arXiv:2505.22617 sec. 4)",
+)
+register_objective("r2vpo", r2vpo, agg="token_mean", elementwise=False, init_state=lambda: {"lambda": 0.0})
+register_objective(
+    "dro",
+    dro,
+    agg="token_mean",
+    description="DRO / OPMD: REINFORCE with a (log pi - log pi_old)^2 / 2 pull (arXiv:2509.24203; verl dro)",
+)
+register_objective("gpg", gpg, agg="token_mean")
+register_objective(
+    "dppo_tv",
+    dppo_mask,
+    agg="token_mean",
+    divergence="tv",
+    description="DPPO-TV: REINFORCE masked where |p - q| > 0.15 in the advantage's direction (arXiv:2602.04879)",
+)
+register_objective(
+    "dppo_kl",
+    dppo_mask,
+    agg="token_mean",
+    divergence="kl",
+    description="DPPO-KL: REINFORCE masked where the Bernoulli KL > 0.05 (arXiv:2602.04879)",
+)
+register_objective(
+    "vespo",
+    vespo,
+    agg="token_mean",
+    elementwise=False,
+    description="VESPO: REINFORCE weighted by a Gamma kernel of the sequence ratio (trl vespo)",
+)
+register_objective(
+    "luspo",
+    ppo_clip,
+    log_ratio=sequence_log_ratio_estimator,
+    elementwise=False,
+    agg="seq_mean_token_sum",
+    clip_eps_low=2e-3,
+    clip_eps_high=2.5e-3,
+    description="LUSPO: GSPO's sequence-ratio clip scaled by the response length (trl's luspo)",
+)

@@ -237,7 +237,7 @@ class Trainer(ABC):
         cfg = self.config
         index = self.train_elements(rollout, epoch)  # [B, k]
         rows = trainable.nonzero().flatten()
-        size, accumulate = cfg.sampling.forward_batch_size, cfg.optim.gradient_accumulation
+        size, accumulate = self.minibatch_size, cfg.optim.gradient_accumulation
         stats = EpochStats()
         self.model.train()
         for inner in range(cfg.inner_epochs):
@@ -250,6 +250,16 @@ class Trainer(ABC):
                     stats.add(self.train_minibatch(rollout.select(mb), index[mb], advantages[mb], scale=scale))
                 stats.add_scalar("grad_norm", self.optimizer_step())
         return stats.summary()
+
+    @property
+    def minibatch_size(self) -> int:
+        """Rows per training minibatch (images: `sampling.forward_batch_size`)."""
+        return self.config.sampling.forward_batch_size
+
+    def element_valid(self, batch, index: torch.Tensor) -> torch.Tensor | None:
+        """`[b, k]` bool, False where a row's element is padding (text: tokens after the end of sequence); None:
+        every element is real."""
+        return None
 
     def window_scales(self, indices: list[torch.Tensor]) -> list[float]:
         """Each minibatch's weight in its accumulation window: its share of the aggregation's normaliser
@@ -279,6 +289,7 @@ class Trainer(ABC):
                 lambda columns: self.score(batch, index[:, columns]), index, self.num_elements(batch), advantages,
                 objective=self.objective, hparams=self.objective_hparams,
                 per_step=self.config.optim.backward == "per_step", scale=scale, backward=backward,
+                valid=self.element_valid(batch, index),
             )  # fmt: skip
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -290,7 +301,8 @@ class Trainer(ABC):
         losses = []
         metrics = minibatch_update(lambda columns: self.score(batch, index[:, columns]), index,
                                    self.num_elements(batch), advantages, objective=self.objective,
-                                   hparams=self.objective_hparams, backward=losses.append)  # fmt: skip
+                                   hparams=self.objective_hparams, backward=losses.append,
+                                   valid=self.element_valid(batch, index))  # fmt: skip
         return losses[0], metrics
 
     def optimizer_step(self) -> float:

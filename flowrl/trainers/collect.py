@@ -37,6 +37,15 @@ class Collected:
     """Seconds spent sampling and then waiting for the rewards."""
 
 
+def epoch_prompts(train_prompts: list, m: int, k: int, seed: int, epoch: int) -> list:
+    """Epoch `epoch`'s m prompts drawn from `(seed, epoch)`, each repeated k times (the same on every process)."""
+    g = seeded(seed, epoch, 1)
+    order = torch.randperm(len(train_prompts), generator=g).tolist()
+    while len(order) < m:  # fewer prompts than m: cycle through a reshuffle
+        order += torch.randperm(len(train_prompts), generator=g).tolist()
+    return [train_prompts[i] for i in order[:m] for _ in range(k)]
+
+
 class ImageCollector:
     """An epoch of images and their rewards.
 
@@ -61,11 +70,7 @@ class ImageCollector:
 
     def epoch_prompts(self, epoch: int) -> list:
         """This epoch's m prompts, each repeated k times (the same list on every process)."""
-        g = seeded(self.seed, epoch, 1)
-        order = torch.randperm(len(self.train_prompts), generator=g).tolist()
-        while len(order) < self.m:  # fewer prompts than m: cycle through a reshuffle
-            order += torch.randperm(len(self.train_prompts), generator=g).tolist()
-        return [self.train_prompts[i] for i in order[: self.m] for _ in range(self.k)]
+        return epoch_prompts(self.train_prompts, self.m, self.k, self.seed, epoch)
 
     def sample(self, epoch: int, on_part=None) -> tuple[DiffusionRollout, list, slice]:
         """Rollout of this process's share of the epoch's prompts; returns `(rollout, prompts, local)`.

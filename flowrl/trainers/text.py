@@ -203,6 +203,9 @@ class TextTrainer(Trainer):
         spec = get_objective(self.objective)
         self.needs_entropy = "entropy" in spec.inputs or "top_entropy_quantile" in self.objective_hparams
         self.needs_segments = "segment_ids" in spec.inputs
+        if self.agg == "seq_mean_token_sum_norm" and "norm_len" not in self.objective_hparams:
+            # Dr.GRPO's constant L is the completion budget, not the batch's padded width (which varies)
+            self.objective_hparams["norm_len"] = float(self.config.generation.max_new_tokens)
         self.objective_state = spec.init_state() if spec.init_state is not None else None
         if self.objective_state is not None:
             self.objective_hparams["state"] = self.objective_state  # updated in place by each loss call

@@ -2,6 +2,7 @@
 learning, log-prob padding invariance, errors and the CLI."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +71,19 @@ def test_every_objective_trains_one_epoch(name, tmp_path):
     assert record["trained_samples"] == 0 or any(not torch.equal(a, b) for a, b in zip(before, trainer.params))
     if get_objective(name).inputs:
         assert torch.isfinite(torch.tensor(record["loss"]))
+
+
+@pytest.mark.parametrize("path", sorted(Path("configs/llm").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_llm_config_trains_one_short_epoch(path, tmp_path):
+    overrides = ["run.epochs=1", "run.log_with=[]", "eval.every=0", "eval.max_prompts=8",
+                 "prompts.prompts_per_epoch=4", "run.save_every=0", "run.images_every=0"]  # fmt: skip
+    summary = build_trainer(load_config(path, overrides), output_dir=tmp_path).train()
+    assert summary["epochs"] == 1
+
+
+def test_dr_grpo_normalises_by_the_completion_budget(tmp_path):
+    trainer = build_trainer(tiny(**{"objective.name": "dr_grpo"}), output_dir=tmp_path)
+    assert trainer.objective_hparams["norm_len"] == 4.0  # generation.max_new_tokens
 
 
 def test_exact_resume_with_controller_state(tmp_path):

@@ -25,6 +25,17 @@ from flowrl.core import get_objective, list_objectives  # noqa: E402
 from flowrl.llm.trl import FlowrlGRPOConfig, FlowrlGRPOTrainer, trl_loss_as_objective, turn_ids  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """trl's TrainingArguments initialise accelerate's process-wide state; later tests build their own
+    `Accelerator(cpu=..., mixed_precision=...)`, which that state would refuse."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 B, P, T = 4, 3, 6  # rows, prompt length, completion length (= max_completion_length)
 LENGTHS = [6, 4, 2, 5]  # valid completion tokens per row
 ADVANTAGES = [1.0, -0.5, 0.7, -1.2]

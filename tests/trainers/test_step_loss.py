@@ -122,7 +122,7 @@ TEXT_SCALE_NEVER_BINDS = ("ppo", "grpo", "dapo", "dr_grpo", "sapo", "cispo", "sp
 defaults are image-scale already)."""
 
 
-@pytest.mark.parametrize("name", [n for n in list_objectives() if n != "reinforce"])
+@pytest.mark.parametrize("name", [n for n in list_objectives() if get_objective(n).image_hparams])
 def test_image_scale_trust_regions_bind_on_a_digits_batch(tiny_world, tmp_path, name):
     trainer_name = "grpo_guard" if name == "grpo_guard" else "flow_grpo"
     config = tiny_config(trainer_name, tmp_path, objective={"name": name}, steps={"selection": "all"})

@@ -22,6 +22,7 @@ for reference. Median of `--repeats` calls after `--warmup`, the two trainers in
     python benchmarks/llm_objectives.py                      # both parts, the full tables
     python benchmarks/llm_objectives.py --parts timing       # the loss times only (keeps the stored accuracy)
     python benchmarks/llm_objectives.py --quick              # a smoke test (1 seed, 2 objectives, 8 epochs)
+    python benchmarks/llm_objectives.py --reuse              # rerun only the runs missing from --runs
 
 Writes `benchmarks/results/llm_objectives.json` (every run, every timing) and `llm_objectives.md` (the tables);
 `--quick` writes `llm_objectives_quick.{json,md}` unless `--out` is given.
@@ -147,6 +148,14 @@ def accuracy_part(args, runs: Path) -> tuple[list[dict], list[str]]:
     seeds = [int(s) for s in args.seeds.split(",")]
     pending = [(o, s) for s in seeds for o in objectives]
     running, rows, failed = [], [], []
+    if args.reuse:  # runs of the same settings already in --runs
+        for job in list(pending):
+            result = runs / f"{job[0]}_seed{job[1]}" / "result.json"
+            row = json.loads(result.read_text()) if result.is_file() else {}
+            if row.get("epochs") == args.epochs and row.get("inner_epochs") == args.inner_epochs:
+                rows.append(row)
+                pending.remove(job)
+        print(f"reusing {len(rows)} finished runs from {runs}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "FLOWRL_THREADING": "torch"}
     runs.mkdir(parents=True, exist_ok=True)
     while pending or running:
@@ -433,6 +442,7 @@ def main() -> int:
         "--quick", action="store_true", help="smoke test: 1 seed, 2 objectives, 8 epochs, 5 repeats (unless given)"
     )
     parser.add_argument("--runs", default="/tmp/flowrl_llm_objectives", help="run folders")
+    parser.add_argument("--reuse", action="store_true", help="keep finished runs of the same epochs in --runs")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/llm_objectives[_quick].json)")
     parser.add_argument("--single", nargs=4, metavar=("OBJECTIVE", "SEED", "EPOCHS", "INNER"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -18,25 +18,19 @@ import math
 import torch
 
 from flowrl.core.dist import all_reduce_sum, gather_valid
-from flowrl.core.objectives import Surrogate, _dual_clip, gppo, ppo_clip, register_objective, sequence_log_ratio
+from flowrl.core.objectives import (
+    Surrogate,
+    _clip_between,
+    gppo,
+    gspo_log_ratio,
+    ppo_clip,
+    register_objective,
+    sequence_log_ratio,
+)
 
 
 def _none(like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like, dtype=torch.bool)
-
-
-def _clip_between(ratio, adv, low, high, dual_clip_c=None) -> Surrogate:
-    """PPO-clip with absolute bounds `low < 1 < high` (scalars or `[B, K]` tensors) and an optional dual clip."""
-    low = torch.as_tensor(low, dtype=ratio.dtype, device=ratio.device)
-    high = torch.as_tensor(high, dtype=ratio.dtype, device=ratio.device)
-    unclipped = -adv * ratio  # [B, K]
-    clipped_high = (ratio > high) & (adv > 0)
-    clipped_low = (ratio < low) & (adv < 0)
-    binding = clipped_high | clipped_low
-    value = torch.where(binding, -adv * torch.minimum(torch.maximum(ratio, low), high), unclipped)
-    coef = torch.where(binding, 0.0, unclipped)
-    value, coef, dual = _dual_clip(value, coef, adv, dual_clip_c)
-    return Surrogate(value, coef, clipped_high, clipped_low, dual)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,11 +460,6 @@ def vespo(ratio, adv, *, logp, mask, k_pos: float = 2.0, lambda_pos: float = 3.0
     return Surrogate(coef * logp, coef, _none(coef), _none(coef), metrics={"vespo_weight_mean": phi.mean()})
 
 
-def sequence_log_ratio_estimator(log_ratio, mask):
-    """GSPO's sequence log-ratio (the geometric mean over the valid elements), broadcast to `[B, K]`."""
-    return sequence_log_ratio(log_ratio, mask)
-
-
 def entropy_clip_eps(mean_entropy: torch.Tensor, reference: torch.Tensor, clip_eps: float, spread: float):
     """Entropy-adaptive clip range `eps (H / H_ref)^spread`, clamped to `[eps / 2, 2 eps]` (SSPO, ESPO)."""
     scale = (mean_entropy / reference.clamp_min(1e-8)).clamp_min(1e-8) ** spread
@@ -634,7 +623,7 @@ register_objective(
 register_objective(
     "luspo",
     ppo_clip,
-    log_ratio=sequence_log_ratio_estimator,
+    log_ratio=gspo_log_ratio,
     elementwise=False,
     agg="seq_mean_token_sum",
     clip_eps_low=2e-3,

@@ -257,6 +257,22 @@ def _bounds(clip_eps_low: float, clip_eps_high: float | None) -> tuple[float, fl
     return 1.0 - clip_eps_low, 1.0 + high
 
 
+def _clip_between(ratio, adv, low, high, dual_clip_c=None) -> Surrogate:
+    """PPO-clip with absolute bounds `low < 1 < high` (scalars or `[B, K]` tensors) and an optional dual clip."""
+    low = torch.as_tensor(low, dtype=ratio.dtype, device=ratio.device)
+    high = torch.as_tensor(high, dtype=ratio.dtype, device=ratio.device)
+    unclipped = -adv * ratio  # [B, K]
+    # a bound binds where the clipped branch is strictly the max: A > 0 above 1+eps_h, A < 0 below 1-eps_l
+    # (at the bound itself the branches tie and the gradient is kept, as autograd does)
+    clipped_high = (ratio > high) & (adv > 0)
+    clipped_low = (ratio < low) & (adv < 0)
+    binding = clipped_high | clipped_low
+    value = torch.where(binding, -adv * torch.minimum(torch.maximum(ratio, low), high), unclipped)
+    coef = torch.where(binding, 0.0, unclipped)  # dl/dlog r = -A r on the unclipped branch
+    value, coef, dual = _dual_clip(value, coef, adv, dual_clip_c)
+    return Surrogate(value, coef, clipped_high, clipped_low, dual)
+
+
 def ppo_clip(ratio, adv, *, clip_eps_low: float = 0.2, clip_eps_high: float | None = None, dual_clip_c=None):
     """PPO-clip, asymmetric bounds, optional dual clip (Schulman et al. 2017, arXiv:1707.06347 eq. 7).
 
@@ -264,17 +280,7 @@ def ppo_clip(ratio, adv, *, clip_eps_low: float = 0.2, clip_eps_high: float | No
     (clip-higher: DAPO, arXiv:2503.14476 sec. 3.1); with `dual_clip_c` = c, `l = min(l, -A c)` for A < 0.
     Gradient `dl/dlog r = -A r` where the unclipped branch is active, 0 where a bound binds.
     """
-    low, high = _bounds(clip_eps_low, clip_eps_high)
-    unclipped = -adv * ratio  # [B, K]
-    # a bound binds where the clipped branch is strictly the max: A > 0 above 1+eps_h, A < 0 below 1-eps_l
-    # (at the bound itself the branches tie and the gradient is kept, as autograd does)
-    clipped_high = (ratio > high) & (adv > 0)
-    clipped_low = (ratio < low) & (adv < 0)
-    binding = clipped_high | clipped_low
-    value = torch.where(binding, -adv * ratio.clamp(low, high), unclipped)
-    coef = torch.where(binding, 0.0, unclipped)  # dl/dlog r = -A r on the unclipped branch
-    value, coef, dual = _dual_clip(value, coef, adv, dual_clip_c)
-    return Surrogate(value, coef, clipped_high, clipped_low, dual)
+    return _clip_between(ratio, adv, *_bounds(clip_eps_low, clip_eps_high), dual_clip_c)
 
 
 def gppo(

@@ -51,8 +51,10 @@ CONFIG = ROOT / "configs" / "llm" / "arith_grpo.yaml"
 
 SHARED = ["grpo", "dapo", "dr_grpo", "gspo", "sapo", "cispo"]
 """Objectives other libraries (trl, verl) have too."""
-SEED_PAPERS = ["bapo", "dcpo", "ce_gppo", "pspo", "aspo", "minpro", "high_entropy", "dispo"]
+SEED_PAPERS = ["bapo", "dcpo", "dcpo_sas", "ce_gppo", "pspo", "aspo", "minpro", "high_entropy", "dispo"]
 """Objectives of papers no other library implements."""
+VARIANTS = {"dcpo_sas": ["objective.name=dcpo", "advantage.estimator=sas"]}
+"""Rows that change more than the objective: DCPO with its own advantage estimator (SAS)."""
 OBJECTIVES = SHARED + SEED_PAPERS
 EPOCHS = 50
 INNER_EPOCHS = 2
@@ -85,7 +87,8 @@ TRL_LABELS = {"gspo": "gspo (grpo, sequence level)", "luspo": "luspo (sequence l
 
 
 def overrides(objective: str, seed: int, epochs: int, inner_epochs: int) -> list[str]:
-    return [f"objective.name={objective}", f"run.seed={seed}", f"run.epochs={epochs}",
+    name = VARIANTS.get(objective, [f"objective.name={objective}"])
+    return [*name, f"run.seed={seed}", f"run.epochs={epochs}",
             f"inner_epochs={inner_epochs}", "eval.every=0", "run.log_with=[]", "run.threads=1",
             "run.save_every=0", "run.images_every=0"]  # fmt: skip
 
@@ -121,7 +124,8 @@ def run_accuracy(objective: str, seed: int, epochs: int, inner_epochs: int, out:
 def paper(objective: str) -> str:
     from flowrl.core import get_objective
 
-    found = re.findall(r"arXiv:\s*(\d{4}\.\d{4,5})", get_objective(objective).description)
+    base = next((o.split("=")[1] for o in VARIANTS.get(objective, []) if o.startswith("objective.name=")), objective)
+    found = re.findall(r"arXiv:\s*(\d{4}\.\d{4,5})", get_objective(base).description)
     return f"arXiv:{found[0]}" if found else "-"
 
 
@@ -346,23 +350,30 @@ def timing_part(args) -> dict:
             loss_err = abs(float(loss - loss_ref)) / max(abs(float(loss_ref)), 1e-12)
             grad_err = float((grad - grad_ref).abs().max() / grad_ref.abs().max().clamp(min=1e-30))
             ok = loss_err < 1e-4 and grad_err < 1e-4
-            times = {"flowrl": [], "trl": [], "core": []}
+            times = {"flowrl": [], "flowrl_full": [], "trl": [], "core": []}
+            clip_kwargs = dict(ours.args.objective_kwargs)
+            full_kwargs = {**clip_kwargs, "diagnostics": "full"}
             for i in range(args.warmup + args.repeats):
-                order = [("flowrl", ours, FlowrlGRPOTrainer._compute_loss), ("trl", ref, GRPOTrainer._compute_loss)]
+                order = [("flowrl", ours, FlowrlGRPOTrainer._compute_loss), ("trl", ref, GRPOTrainer._compute_loss),
+                         ("flowrl_full", ours, FlowrlGRPOTrainer._compute_loss)]  # fmt: skip
                 for side, trainer, fn in order if i % 2 == 0 else order[::-1]:
+                    ours.args.objective_kwargs = full_kwargs if side == "flowrl_full" else clip_kwargs
                     elapsed = call(trainer, fn, inputs, base, entropy)[0]
                     if i >= args.warmup:
                         times[side].append(elapsed)
                 elapsed = core(inputs, base, settings)
                 if i >= args.warmup:
                     times["core"].append(elapsed)
+            ours.args.objective_kwargs = clip_kwargs
             med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
             row = {"loss_type": case, "flowrl_objective": settings["objective"],
                    "flowrl_kwargs": settings["objective_kwargs"], "flowrl_ms": med["flowrl"], "trl_ms": med["trl"],
-                   "core_ms": med["core"], "ratio": med["flowrl"] / med["trl"], "loss_rel_err": loss_err,
+                   "flowrl_full_ms": med["flowrl_full"], "core_ms": med["core"], "ratio": med["flowrl"] / med["trl"],
+                   "ratio_full": med["flowrl_full"] / med["trl"], "loss_rel_err": loss_err,
                    "grad_rel_err": grad_err, "match": ok, "loss": float(loss_ref)}  # fmt: skip
             rows.append(row)
             print(f"{case:8s} flowrl {med['flowrl']:7.2f} ms  trl {med['trl']:7.2f} ms  ratio {row['ratio']:.2f}  "
+                  f"full diagnostics {med['flowrl_full']:7.2f} ms ({row['ratio_full']:.2f})  "
                   f"core {med['core']:6.2f} ms  {'match' if ok else 'MISMATCH'} (loss {loss_err:.1e}, grad "
                   f"{grad_err:.1e})", flush=True)  # fmt: skip
     meta = {"B": B, "K": K, "dtype": "fp32", "device": "cpu", "threads": args.threads, "repeats": args.repeats,
@@ -371,12 +382,12 @@ def timing_part(args) -> dict:
 
 
 def timing_table(timing: dict) -> str:
-    lines = ["| loss type | flowrl objective | flowrl ms | trl ms | ratio flowrl/trl | bare core ms | values match |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| loss type | flowrl objective | flowrl ms | trl ms | ratio flowrl/trl | flowrl, full diagnostics ms "
+             "(ratio) | bare core ms | values match |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in timing["rows"]:
         lines.append(f"| {TRL_LABELS.get(r['loss_type'], r['loss_type'])} | {r['flowrl_objective']} | "
-                     f"{r['flowrl_ms']:.2f} | {r['trl_ms']:.2f} | {r['ratio']:.2f} | {r['core_ms']:.2f} | "
-                     f"{'yes' if r['match'] else 'NO'} |")  # fmt: skip
+                     f"{r['flowrl_ms']:.2f} | {r['trl_ms']:.2f} | {r['ratio']:.2f} | {r['flowrl_full_ms']:.2f} "
+                     f"({r['ratio_full']:.2f}) | {r['core_ms']:.2f} | {'yes' if r['match'] else 'NO'} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -397,7 +408,8 @@ def markdown(data: dict) -> str:
             "",
             f"Equal budgets: `configs/llm/arith_grpo.yaml` with `run.epochs={m['epochs']}`, "
             f"`inner_epochs={m['inner_epochs']}`, 32 prompts x 8 completions per epoch, lr 1e-4, minibatch 64, "
-            f"seeds {', '.join(map(str, m['seeds']))}; only `objective.name` differs. Every objective keeps its "
+            f"seeds {', '.join(map(str, m['seeds']))}; only `objective.name` differs (dcpo_sas: also "
+            "`advantage.estimator=sas`, DCPO's own advantages). Every objective keeps its "
             "published hyper-parameters (`get_objective(name).hparams`), the trust regions included (GSPO's "
             "sequence clip 3e-4 / 4e-4). clip frac: the trainer's `clipfrac` averaged over the epochs. train s: "
             "the epochs alone; wall s: one run (imports, build, both evaluations, training), "
@@ -419,9 +431,11 @@ def markdown(data: dict) -> str:
             "Forward + backward of the loss alone (the model stubbed: per-token log-probs are a leaf with "
             "`requires_grad`), median of "
             f"{m['repeats']} calls after {m['warmup']} warm-up, flowrl and trl interleaved. flowrl: "
-            "`FlowrlGRPOTrainer._compute_loss` (trl's code path with `flowrl.core.compute_policy_loss`); trl: "
-            "`GRPOTrainer._compute_loss`; both include their metrics. bare core: `compute_policy_loss` with its "
-            "own aggregation, no trainer. values match: loss and gradient equal to trl's (relative 1e-4).",
+            "`FlowrlGRPOTrainer._compute_loss` (trl's code path with `flowrl.core.compute_policy_loss`), logging "
+            'the clip fractions as trl does (the bridge\'s default `diagnostics="clip"`); full diagnostics: also '
+            "the ratio mean/std/min/max and k3 KL; trl: `GRPOTrainer._compute_loss`; each includes its metrics. "
+            "bare core: `compute_policy_loss` with its own aggregation and full diagnostics, no trainer. values "
+            "match: loss and gradient equal to trl's (relative 1e-4).",
         ]
     return "\n".join(parts) + "\n"
 

@@ -272,11 +272,12 @@ class AdvantageConfig:
     """How a sample's advantage comes from its rewards (`flowrl list` shows the estimators)."""
 
     selector: ClassVar[str] = "estimator"
-    estimator: Literal["group", "batch", "leave_one_out", "per_prompt", "raw"] = "group"
+    estimator: Literal["group", "batch", "leave_one_out", "per_prompt", "sas", "raw"] = "group"
     """`group`: z-score within each prompt's group (GRPO, Flow-GRPO); `batch`: over the whole batch;
     `leave_one_out`: the mean of the group's other samples as baseline (RLOO, LOOP); `per_prompt`: DDPO's
-    running per-prompt statistics (saved in checkpoints); `raw`: the reward itself (a learned baseline is
-    subtracted later: DPOK's value network, FIND's calibration network)."""
+    running per-prompt statistics (saved in checkpoints); `sas`: DCPO's smooth advantage standardisation, this
+    step's group z-score blended with the prompt's pooled history (saved in checkpoints); `raw`: the reward
+    itself (a learned baseline is subtracted later: DPOK's value network, FIND's calibration network)."""
     std: Literal["group", "global", "none"] = "group"
     """Scale: the group's std, one std over the epoch (Flow-GRPO's `global_std`), or none (Dr.GRPO). For
     `leave_one_out`, `group` divides by the group's std and `global` is not available."""
@@ -440,8 +441,11 @@ class TrainerConfig:
             (self.ema_decay is None or 0 < self.ema_decay < 1, "ema_decay must lie in (0, 1)"),
             (self.kl.form in self.kl_forms,
              f"kl.form {self.kl.form!r} is not one of {self.trainer or 'this trainer'}'s: {', '.join(self.kl_forms)}"),
-            (self.advantage.estimator != "per_prompt" or self.reward_aggregation == "sum",
-             "advantage.estimator=per_prompt tracks the weighted reward sum; reward_aggregation must be 'sum'"),
+            (self.advantage.estimator not in ("per_prompt", "sas") or self.reward_aggregation == "sum",
+             f"advantage.estimator={self.advantage.estimator} tracks the weighted reward sum; reward_aggregation "
+             "must be 'sum'"),
+            (self.advantage.estimator != "sas" or p.group_size >= 2,
+             "advantage.estimator=sas needs prompts.group_size >= 2 (each step's group std)"),
             (self.advantage.estimator != "leave_one_out" or p.group_size >= 2,
              "the leave_one_out baseline needs prompts.group_size >= 2 (the k - 1 others of each sample)"),
             (self.advantage.estimator != "group" or p.group_size >= 2,

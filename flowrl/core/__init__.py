@@ -4,6 +4,7 @@ from flowrl.core import llm_objectives  # noqa: F401  (registers the text-litera
 from flowrl.core.advantages import (
     ADVANTAGES,
     PerPromptStatTracker,
+    SmoothAdvantageStandardizer,
     batch_advantages,
     gae,
     group_advantages,
@@ -58,6 +59,7 @@ __all__ = [
     "STEP_WEIGHTINGS",
     "Objective",
     "PerPromptStatTracker",
+    "SmoothAdvantageStandardizer",
     "Surrogate",
     "aggregate",
     "aggregation_weights",

@@ -245,6 +245,75 @@ class PerPromptStatTracker:
         self.buffers = {p: deque(map(float, b), maxlen=self.buffer_size) for p, b in state["buffers"].items()}
 
 
+@ADVANTAGES.register("sas")
+class SmoothAdvantageStandardizer:
+    """DCPO's Smooth Advantage Standardisation (SAS; Yang et al. 2025, arXiv:2509.02333 sec. 3.2; lime-RL/DCPO's
+    `compute_dcpo_outcome_advantage`).
+
+    Each prompt keeps `(i, mu_tot, sigma_tot)`: the number of steps it was sampled in and the pooled mean and
+    std of its per-step groups. At the i-th visit, with this step's group statistics `(mu_new, sigma_new)`
+    (sample std) folded into the pool as one more equally weighted group,
+
+        A_new = (R - mu_new) / sigma_new,   A_tot = (R - mu_tot) / sigma_tot   (0 where the std is 0)
+        SA_new = ((i-1)/i) A_new + (1/i) A_tot,   SA_tot = (1/i) A_new + ((i-1)/i) A_tot
+        A = SA_new if |SA_new| < |SA_tot| else SA_tot
+
+    so the first visit is the ordinary group z-score, and a group whose rewards are all equal still learns from
+    the prompt's history (`A_tot / i`) instead of getting zero advantage. The pool update is the official one:
+    `mu_tot = ((i-1) mu_old + mu_new) / i`, `sigma_tot^2 = ((i-1) sigma_old^2 + sigma_new^2 +
+    ((i-1)/i) (mu_new - mu_old)^2) / i`. State is JSON-serialisable (`state_dict`), so checkpoints keep it.
+
+    Args:
+        clip (`float`, *optional*): clip advantages to `[-clip, clip]`.
+    """
+
+    def __init__(self, clip: float | None = None):
+        self.clip = clip
+        self.prompts: dict[str, tuple[int, float, float]] = {}
+        """Each prompt's `(visits i, mu_tot, sigma_tot)`."""
+
+    def __call__(self, rewards: torch.Tensor, prompts: Sequence[str]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Fold this batch into the per-prompt pools and return `(advantages[N], stats)`."""
+        inverse, num_groups = group_index(list(prompts), device=rewards.device)
+        r = _check_rewards(rewards, inverse.numel())
+        count, mean, var_unbiased, _, equal = _group_stats(r, inverse, num_groups)
+        if num_groups and int(count.min()) < 2:
+            raise ValueError("advantage.estimator=sas needs at least 2 samples of every prompt per step "
+                             "(prompts.group_size >= 2): the group std is a sample std")  # fmt: skip
+        adv = torch.empty_like(r)
+        degenerate = torch.zeros(num_groups, dtype=torch.bool)
+        for g, prompt in enumerate(dict.fromkeys(prompts)):  # a loop over distinct prompts, not over samples
+            sel = inverse == g
+            # an all-equal group has std exactly 0 (its float mean may differ from the rewards by rounding)
+            mu_new, sigma_new = float(mean[g]), 0.0 if bool(equal[g]) else math.sqrt(float(var_unbiased[g]))
+            visits, mu_old, sigma_old = self.prompts.get(prompt, (0, 0.0, 0.0))
+            i = visits + 1
+            if visits == 0:
+                mu_tot, sigma_tot = mu_new, sigma_new
+            else:
+                mu_tot = (visits * mu_old + mu_new) / i
+                var = (visits * sigma_old**2 + sigma_new**2 + visits / i * (mu_new - mu_old) ** 2) / i
+                sigma_tot = math.sqrt(var)
+            self.prompts[prompt] = (i, mu_tot, sigma_tot)
+            a_new = (r[sel] - mu_new) / sigma_new if sigma_new > 0 else torch.zeros_like(r[sel])
+            a_tot = (r[sel] - mu_tot) / sigma_tot if sigma_tot > 0 else torch.zeros_like(r[sel])
+            sa_new = (i - 1) / i * a_new + a_tot / i
+            sa_tot = a_new / i + (i - 1) / i * a_tot
+            adv[sel] = torch.where(sa_new.abs() < sa_tot.abs(), sa_new, sa_tot)
+            degenerate[g] = sigma_new == 0
+        if self.clip is not None:
+            adv = adv.clamp(-self.clip, self.clip)
+        return adv, _stats(adv, degenerate)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: every prompt's `[visits, mu_tot, sigma_tot]`."""
+        return {"prompts": {p: list(v) for p, v in self.prompts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()`."""
+        self.prompts = {p: (int(v[0]), float(v[1]), float(v[2])) for p, v in state["prompts"].items()}
+
+
 @ADVANTAGES.register("gae")
 def gae(
     rewards: torch.Tensor,

@@ -38,10 +38,12 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, agg: str = "token_mean", *
     An all-masked batch gives a loss of 0 (not NaN) that still carries a (zero) gradient.
     """
     mask = mask.to(loss.dtype)
-    masked = loss * mask  # [B, K]
     if agg == "token_mean":
         # clamp: an all-masked batch divides 0 by 1 instead of 0 by 0
-        return masked.sum() / mask.sum().clamp_min(1.0)
+        return torch.dot(loss.reshape(-1), mask.reshape(-1)) / mask.sum().clamp_min(1.0)
+    if agg == "sum":
+        return torch.dot(loss.reshape(-1), mask.reshape(-1))
+    masked = loss * mask  # [B, K]
     n_i = mask.sum(-1)  # [B]
     num_seqs = (n_i > 0).sum().clamp_min(1)  # B'; clamp for an all-masked batch
     row_sum = masked.sum(-1)  # [B]
@@ -54,8 +56,6 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, agg: str = "token_mean", *
         if length <= 0:
             raise ValueError(f"norm_len must be positive, got {norm_len}")
         return row_sum.sum() / (num_seqs * length)
-    if agg == "sum":
-        return masked.sum()
     raise unknown_name_error("aggregation", agg, list(AGGREGATIONS))
 
 

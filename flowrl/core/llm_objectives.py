@@ -29,10 +29,6 @@ from flowrl.core.objectives import (
 )
 
 
-def _none(like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like, dtype=torch.bool)
-
-
 # ----------------------------------------------------------------------------------------------
 # log-ratio estimators
 # ----------------------------------------------------------------------------------------------
@@ -77,7 +73,7 @@ def gmpo_log_ratio(log_ratio, mask, *, adv, clip_log: float = 0.4):
 def exp_surrogate(ratio, adv):
     """`l = -A r` on an estimator's (already clipped) log-ratio: GMPO's and DHPO's outer objective."""
     value = -adv * ratio  # [B, K]
-    return Surrogate(value, value, _none(value), _none(value))
+    return Surrogate(value, value, None, None)
 
 
 def _sign_clip(x, sign, eps: float):
@@ -204,7 +200,7 @@ def pspo(ratio, adv, *, alpha: float = 0.1, clip_eps: float | None = None):
     smooth = (1 - alpha) * ratio + alpha  # [B, K]
     if clip_eps is None:
         value = -adv * smooth
-        return Surrogate(value, -adv * (1 - alpha) * ratio, _none(value), _none(value))
+        return Surrogate(value, -adv * (1 - alpha) * ratio, None, None)
     terms = ppo_clip(smooth, adv, clip_eps_low=clip_eps)
     # d r~ / d log r = (1 - alpha) r, and ppo_clip's coef is -A r~ where unclipped
     coef = torch.where(terms.coef != 0, -adv * (1 - alpha) * ratio, 0.0)
@@ -324,7 +320,7 @@ def clip_cov(
     terms = ppo_clip(ratio, adv, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
     a = adv.expand_as(ratio)
     cov = _centred_cov(a, logp, mask)
-    eligible = mask & ~terms.clipped_high & ~terms.clipped_low & (cov > cov_low) & (cov < cov_high)
+    eligible = mask & (terms.clipped_high == 0) & (terms.clipped_low == 0) & (cov > cov_low) & (cov < cov_high)
     candidates = torch.nonzero(eligible.reshape(-1)).reshape(-1)
     count = max(1, int(cov_fraction * int(mask.sum())))
     generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(state["calls"]) * 101 + _rank())
@@ -353,7 +349,7 @@ def kl_cov(ratio, adv, *, logp, old_logp, mask, cov_fraction: float = 2e-4, kl_c
     value = -a * ratio + selected * kl_coef * log_ratio.abs()
     coef = -a * ratio + selected * kl_coef * torch.sign(log_ratio)
     metrics = {"cov_selected_frac": selected.sum() / mask.sum().clamp_min(1)}
-    return Surrogate(value, coef, _none(value), _none(value), metrics=metrics)
+    return Surrogate(value, coef, None, None, metrics=metrics)
 
 
 def _centred_cov(a, logp, mask):
@@ -386,8 +382,7 @@ def r2vpo(ratio, adv, *, mask, state, var_target: float = 0.01, dual_lr: float =
     value = -adv * ratio + lam * ((ratio - mean) ** 2 - var_target)
     coef = -adv * ratio + 2 * lam * ratio * (ratio - mean)
     state["lambda"] = max(0.0, float(lam) + dual_lr * (float(var) - var_target))
-    none = _none(value)
-    return Surrogate(value, coef, none, none, metrics={"r2vpo_lambda": lam, "ratio_var": var})
+    return Surrogate(value, coef, None, None, metrics={"r2vpo_lambda": lam, "ratio_var": var})
 
 
 def dro(ratio, adv, *, logp, old_logp, beta: float = 1.0):
@@ -396,13 +391,13 @@ def dro(ratio, adv, *, logp, old_logp, beta: float = 1.0):
     log_ratio = logp - old_logp
     value = -adv * logp + 0.5 * beta * log_ratio**2
     coef = -adv + beta * log_ratio
-    return Surrogate(value, coef.expand_as(value), _none(value), _none(value))
+    return Surrogate(value, coef.expand_as(value), None, None)
 
 
 def gpg(ratio, adv, *, logp):
     """GPG / plain REINFORCE on log-probs (arXiv:2504.02546; verl's `gpg`): `l = -A log pi`, gradient `-A`."""
     value = -adv * logp
-    return Surrogate(value, (-adv).expand_as(value), _none(value), _none(value))
+    return Surrogate(value, (-adv).expand_as(value), None, None)
 
 
 def dppo_mask(
@@ -444,20 +439,21 @@ def dppo_mask(
     return Surrogate(coef * logp, coef, dropped_high, dropped_low)
 
 
-def vespo(ratio, adv, *, logp, mask, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
+def vespo(ratio, adv, *, logp, log_ratio, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
           lambda_neg: float = 2.0):  # fmt: skip
     """VESPO (Shen et al. 2026; trl's `vespo`): `l = -phi(w) A log pi` with `w` the sequence's product ratio
     `exp(sum_t log r_t)` (log w clamped to `[log 1e-8, 20]`, as trl) and the detached Gamma-kernel weight
     `phi(w) = w^k exp(lambda (1 - w))` (`phi(1) = 1`), `(k, lambda) = (2, 3)` for A >= 0 and `(3, 2)` for A < 0.
     The gradient is `-phi A` on every token of the sequence."""
-    a = adv.expand_as(ratio)
-    log_w = (ratio.log() * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)  # [B, 1]
+    log_w = log_ratio.sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)  # [B, 1]; log_ratio is 0 off the mask
     w = log_w.exp()
-    k = torch.where(a >= 0, k_pos, k_neg).to(ratio.dtype)
-    lam = torch.where(a >= 0, lambda_pos, lambda_neg).to(ratio.dtype)
-    phi = torch.exp(k * log_w + lam * (1 - w))  # [B, K]
-    coef = -a * phi
-    return Surrogate(coef * logp, coef, _none(coef), _none(coef), metrics={"vespo_weight_mean": phi.mean()})
+    nonneg = adv >= 0  # [B, 1] or [B, K]
+    k = torch.full_like(adv, k_neg).masked_fill_(nonneg, k_pos)
+    lam = torch.full_like(adv, lambda_neg).masked_fill_(nonneg, lambda_pos)
+    phi = torch.exp(k * log_w + lam * (1 - w))  # [B, 1] or [B, K]
+    coef = (-adv * phi).expand_as(ratio)  # [B, K]
+    weight_mean = phi.expand_as(ratio).mean()
+    return Surrogate(coef * logp, coef, None, None, metrics={"vespo_weight_mean": weight_mean})
 
 
 def entropy_clip_eps(mean_entropy: torch.Tensor, reference: torch.Tensor, clip_eps: float, spread: float):

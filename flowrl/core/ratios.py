@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from flowrl.core.masking import float_mask
+
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to +-20 before `exp`: exp(20) ~ 4.9e8 stays finite in fp32 (verl does the same)."""
@@ -67,7 +69,7 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     geometric-mean ratio over the sequence (for images: over the trained denoising steps). The gradient
     flows through the mean, so each element receives `1/|o_i|` of the sequence's gradient.
     """
-    mask = mask.to(log_ratio.dtype)
+    mask = float_mask(mask, log_ratio.dtype)
     seq = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)  # [B]; clamp: empty rows give 0
     return seq.unsqueeze(-1).expand_as(log_ratio)
 

@@ -54,7 +54,7 @@ except ImportError as err:  # the `trl` extra
 import torch
 
 from flowrl.core.aggregation import AGGREGATIONS, aggregation_weights
-from flowrl.core.objectives import COMMON_HPARAMS, compute_policy_loss, get_objective, list_objectives
+from flowrl.core.objectives import COMMON_HPARAMS, DIAGNOSTICS, compute_policy_loss, get_objective, list_objectives
 from flowrl.core.ratios import sequence_log_ratio
 from flowrl.registry import unknown_name_error
 
@@ -90,7 +90,9 @@ class FlowrlGRPOConfig(GRPOConfig):
             The objective's hyper-parameters (`get_objective(name).hparams`, e.g. `clip_eps_low`,
             `clip_eps_high`) and the common ones `agg` (an aggregation of `flowrl.core.aggregation`) and
             `norm_len` (`seq_mean_token_sum_norm`'s constant, defaults to `max_completion_length` as in trl's
-            `dr_grpo`). A JSON string is parsed (command lines). Unknown keys raise `ValueError`.
+            `dr_grpo`), and `diagnostics`: `"clip"` (the default here: the clip fractions, the set trl logs),
+            `"full"` (also the ratio's mean, std, min, max and the k3 KL, logged as `flowrl/<name>`) or `"none"`.
+            A JSON string is parsed (command lines). Unknown keys raise `ValueError`.
         token_mean_normalizer (`str`, *optional*):
             For a `token_mean` aggregation: `"global"` divides by the token count of the whole accumulation
             window across processes (trl's `dapo`/`cispo`, DAPO arXiv:2503.14476 sec. 3.3), `"local"` by the
@@ -152,6 +154,9 @@ def _check_objective(name: str, kwargs: dict[str, Any]) -> None:
     agg = kwargs.get("agg", objective.agg)
     if agg not in AGGREGATIONS:
         raise unknown_name_error("aggregation", agg, list(AGGREGATIONS))
+    diagnostics = kwargs.get("diagnostics", "clip")
+    if diagnostics not in DIAGNOSTICS:
+        raise unknown_name_error("diagnostics", diagnostics, list(DIAGNOSTICS))
 
 
 def trl_loss_as_objective(args: GRPOConfig) -> dict[str, Any]:
@@ -284,13 +289,13 @@ class FlowrlGRPOTrainer(GRPOTrainer):
             extra["state"] = self.objective_state
         return extra
 
-    def _aggregation_weights(self, mask, agg, norm_len, inputs, mode) -> tuple[torch.Tensor, float]:
-        """`[B, T]` weights `w` with loss = `sum(w * l)` under trl's normalisers, and trl's accumulation factor.
+    def _aggregation(self, mask, agg, inputs, mode) -> tuple[str, torch.Tensor | float, float]:
+        """trl's normaliser as flowrl's aggregation times a scalar: `(core_agg, factor, scale)`.
 
-        The factor is what trl's logged `policy_loss` is multiplied back by (1 for the global token mean).
+        The policy loss is `factor * aggregate(l, mask, core_agg)`; `scale` is trl's accumulation factor, what its
+        logged `policy_loss` is multiplied back by (1 for the global token mean).
         """
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        fmask = mask.float()
         if agg == "token_mean" and self.args.token_mean_normalizer == "global":
             if "num_items_in_batch" in inputs:
                 # num_items_in_batch counts the tokens of the whole generation batch (steps_per_generation
@@ -298,15 +303,14 @@ class FlowrlGRPOTrainer(GRPOTrainer):
                 normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
                 if mode == "train":
                     normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-            else:
-                normalizer = fmask.sum().clamp(min=1.0) * accumulation
-            return fmask / normalizer, 1.0
-        weights = aggregation_weights(fmask, agg, norm_len=norm_len)  # [B, T]; flowrl's, over B' rows
+                return "sum", 1.0 / normalizer, 1.0
+            return "token_mean", 1.0 / accumulation, 1.0
+        factor = 1.0 / accumulation
         if agg.startswith("seq_mean"):
             # trl averages over all B rows (a fully masked row counts as 0); flowrl over the B' non-empty ones
-            num_valid = (fmask.sum(-1) > 0).sum().clamp(min=1)
-            weights = weights * (num_valid / fmask.shape[0])
-        return weights / accumulation, accumulation
+            num_valid = (mask.sum(-1) > 0).sum().clamp(min=1)
+            factor = num_valid / (mask.shape[0] * accumulation)
+        return agg, factor, accumulation
 
     def _compute_loss(self, model, inputs):
         """trl's `_compute_loss` with the policy term of `flowrl.core.compute_policy_loss(args.objective)`."""
@@ -316,6 +320,7 @@ class FlowrlGRPOTrainer(GRPOTrainer):
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)  # only the completion tokens are scored
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        mask = mask.float()  # [B, T] 0/1: every product below stays in float
 
         per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model,
@@ -340,6 +345,7 @@ class FlowrlGRPOTrainer(GRPOTrainer):
         name = self.args.objective
         objective = get_objective(name)
         hparams = dict(self.args.objective_kwargs or {})
+        hparams.setdefault("diagnostics", "clip")
         agg = hparams.pop("agg", objective.agg)
         norm_len = hparams.pop("norm_len", None)
         if agg == "seq_mean_token_sum_norm" and norm_len is None:
@@ -354,11 +360,11 @@ class FlowrlGRPOTrainer(GRPOTrainer):
 
         # trl's per-token factors on the policy term (no gradient): off-policy sequence mask, high-entropy mask,
         # vLLM importance-sampling ratio; the normaliser still counts every token of `mask`
-        agg_weights, scale = self._aggregation_weights(mask, agg, norm_len, inputs, mode)  # [B, T]
-        weights, entropy_mask = agg_weights, None
+        core_agg, factor, scale = self._aggregation(mask, agg, inputs, mode)
+        weights, entropy_mask = None, None
         if self.off_policy_mask_threshold is not None:
             sampling_per_token_logps = inputs.get("sampling_per_token_logps", old_per_token_logps)
-            weights = weights * self.get_off_policy_mask(
+            weights = self.get_off_policy_mask(
                 advantages=advantages,
                 per_token_logps=per_token_logps,
                 sampling_per_token_logps=sampling_per_token_logps,
@@ -367,20 +373,24 @@ class FlowrlGRPOTrainer(GRPOTrainer):
             )  # [B, 1]
         if self.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-            weights = weights * entropy_mask
+            weights = entropy_mask if weights is None else weights * entropy_mask
         if self.use_vllm and self.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
-            weights = weights * inputs["importance_sampling_ratio"]  # [B, T] or [B, 1], already truncated/masked
+            ratio = inputs["importance_sampling_ratio"]  # [B, T] or [B, 1], already truncated/masked
+            weights = ratio if weights is None else weights * ratio
 
         extra = self._objective_inputs(objective, hparams, inputs, entropies)
         old = old_per_token_logps
         adv = advantages if advantages.shape == per_token_logps.shape else advantages.squeeze(-1)  # [B] or [B, T]
+        if weights is not None:
+            hparams["weights"] = weights
         loss, metrics = compute_policy_loss(
-            name, per_token_logps, old, adv, mask, agg="sum", weights=weights, **extra, **hparams
+            name, per_token_logps, old, adv, mask, agg=core_agg, norm_len=norm_len, **extra, **hparams
         )
+        loss = loss * factor
 
         # k3 KL to the reference model, reduced with the same normaliser (GRPO, arXiv:2402.03300 eq. 4)
-        bool_mask = mask.bool()
         if self.beta != 0.0:
+            bool_mask = mask.bool()
             delta = inputs["ref_per_token_logps"] - per_token_logps
             per_token_kl = torch.exp(delta) - delta - 1  # [B, T]
             if self.args.use_bias_correction_kl:  # unbiased reverse-KL gradient (DeepSeek-V3.2)
@@ -388,6 +398,7 @@ class FlowrlGRPOTrainer(GRPOTrainer):
                 if not objective.elementwise:  # the objective's sequence ratio (GSPO)
                     log_ratio = sequence_log_ratio(log_ratio, bool_mask)
                 per_token_kl = per_token_kl * torch.exp(log_ratio)
+            agg_weights = aggregation_weights(mask, core_agg, norm_len=norm_len) * factor  # [B, T]
             kl = torch.where(bool_mask, per_token_kl * agg_weights, 0.0).sum()
             loss = loss + self.beta * kl
 
@@ -436,9 +447,13 @@ class FlowrlGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return loss
 
+    def _reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum over processes (the identity on one process, without a collective call)."""
+        return values if self.accelerator.num_processes == 1 else self.accelerator.reduce(values, reduction="sum")
+
     def _global_masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         """Mean of `x [B, T]` over the valid tokens of every process (trl's `global_masked_mean`)."""
-        totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().float()]).detach(), reduction="sum")
+        totals = self._reduce_sum(torch.stack([torch.dot(x.reshape(-1), mask.reshape(-1)), mask.sum()]).detach())
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
     def _log_flowrl_metrics(self, metrics: dict[str, torch.Tensor], mask: torch.Tensor, mode: str) -> None:
@@ -447,19 +462,23 @@ class FlowrlGRPOTrainer(GRPOTrainer):
         `ratio_std` is the token-weighted mean of the processes' standard deviations (exact on one process).
         """
         scalars = {k: v.detach().float() for k, v in metrics.items() if v.ndim == 0}
-        count = mask.sum().float().detach()
         extremes = {k: scalars.pop(k) for k in ("ratio_min", "ratio_max") if k in scalars}
+        logged = self._metrics[mode]
         if scalars:
-            names = list(scalars)
-            totals = self.accelerator.reduce(torch.stack([*(scalars[k] * count for k in names), count]), "sum")
-            means = dict(zip(names, (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()))
+            count = mask.sum().detach()
+            totals = self._reduce_sum(torch.stack([*scalars.values(), torch.ones_like(count)]) * count)
+            means = dict(zip(scalars, (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()))
             for key, value in means.items():
-                self._metrics[mode][f"flowrl/{key}"].append(value)
+                logged[f"flowrl/{key}"].append(value)
             if "clipfrac_low" in means and "clipfrac_high" in means:  # trl's names, for dashboards
-                self._metrics[mode]["clip_ratio/low_mean"].append(means["clipfrac_low"])
-                self._metrics[mode]["clip_ratio/high_mean"].append(means["clipfrac_high"])
-                self._metrics[mode]["clip_ratio/region_mean"].append(means["clipfrac_low"] + means["clipfrac_high"])
-        for key, value in extremes.items():
-            gathered = self.accelerator.gather(value.reshape(1))
-            extreme = gathered.min() if key == "ratio_min" else gathered.max()
-            self._metrics[mode][f"flowrl/{key}"].append(extreme.item())
+                logged["clip_ratio/low_mean"].append(means["clipfrac_low"])
+                logged["clip_ratio/high_mean"].append(means["clipfrac_high"])
+                logged["clip_ratio/region_mean"].append(means["clipfrac_low"] + means["clipfrac_high"])
+        if extremes:
+            # one gather for both: min as -(-min) so a single max reduction serves
+            signs = torch.tensor([-1.0 if k == "ratio_min" else 1.0 for k in extremes], device=mask.device)
+            local = torch.stack(list(extremes.values())) * signs
+            if self.accelerator.num_processes > 1:
+                local = self.accelerator.gather(local.reshape(1, -1)).amax(0)
+            for key, value in zip(extremes, (local * signs).tolist()):
+                logged[f"flowrl/{key}"].append(value)

@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -149,3 +150,50 @@ def test_registry_and_group_index():
     assert inverse.tolist() == [0, 1, 0] and n == 2
     inverse, n = group_index(torch.tensor([7, 3, 7]))
     assert inverse.tolist() == [1, 0, 1] and n == 2
+
+
+def test_sas_first_visit_is_the_group_z_score_and_later_visits_blend_history():
+    from flowrl.core import SmoothAdvantageStandardizer
+
+    sas = SmoothAdvantageStandardizer()
+    prompts = ["a"] * 4 + ["b"] * 4
+    r1 = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    adv, stats = sas(r1, prompts)
+    a = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    z = (a - 0.25) / a.std()  # sample std, as DCPO's code
+    torch.testing.assert_close(adv[:4], z)
+    assert stats["zero_std_groups"] == 0
+    # second visit of "a": all rewards 1 (the group z-score would be 0); hand-computed pool:
+    # mu_tot = (0.25 + 1) / 2, sigma_tot^2 = (sigma_1^2 + 0 + (1/2)(1 - 0.25)^2) / 2
+    adv2, stats2 = sas(torch.ones(4), ["a"] * 4)
+    var1 = float(a.var())
+    mu_tot, sigma_tot = 0.625, math.sqrt((var1 + 0.5 * 0.75**2) / 2)
+    a_tot = (1 - mu_tot) / sigma_tot
+    # A_new = 0: SA_new = A_tot / 2, SA_tot = A_tot / 2 (i = 2): both equal
+    torch.testing.assert_close(adv2, torch.full((4,), a_tot / 2))
+    assert stats2["zero_std_groups"] == 1
+    # third visit with spread: the smaller-magnitude blend of (2/3 A_new + 1/3 A_tot) and (1/3 A_new + 2/3 A_tot)
+    r3 = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    adv3, _ = sas(r3, ["a"] * 4)
+    mu_new, s_new = 0.75, float(r3.std())
+    mu3 = (2 * mu_tot + mu_new) / 3
+    s3 = math.sqrt((2 * sigma_tot**2 + s_new**2 + (2 / 3) * (mu_new - mu_tot) ** 2) / 3)
+    a_new, a_t = (r3 - mu_new) / s_new, (r3 - mu3) / s3
+    sa_new, sa_tot = 2 / 3 * a_new + a_t / 3, a_new / 3 + 2 / 3 * a_t
+    torch.testing.assert_close(adv3, torch.where(sa_new.abs() < sa_tot.abs(), sa_new, sa_tot))
+    assert sas.prompts["a"][0] == 3 and sas.prompts["b"][0] == 1
+
+
+def test_sas_state_round_trips_through_json_and_needs_groups_of_two():
+    import json
+
+    from flowrl.core import SmoothAdvantageStandardizer
+
+    sas = SmoothAdvantageStandardizer()
+    sas(torch.tensor([0.2, 0.9, 0.4]), ["p"] * 3)
+    restored = SmoothAdvantageStandardizer()
+    restored.load_state_dict(json.loads(json.dumps(sas.state_dict())))
+    r = torch.tensor([0.5, 0.1, 0.7])
+    torch.testing.assert_close(restored(r, ["p"] * 3)[0], sas(r, ["p"] * 3)[0])
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        sas(torch.tensor([1.0, 0.0]), ["x", "y"])

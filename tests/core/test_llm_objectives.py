@@ -559,3 +559,79 @@ def test_batch_statistics_are_global_across_processes(tmp_path):
     state = {"lambda": 0.0}
     grad_of("r2vpo", logp, old, adv, mask, state=state, var_target=0.0, dual_lr=1.0)
     assert parts[0]["lambda"] == parts[1]["lambda"] == pytest.approx(state["lambda"])
+
+
+def _long_batch(seed=0, B=6, K=100):
+    """A token-length batch (K > 64, the long-sequence paths) with NaN padding and one empty row."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, K + 1, (B,), generator=g)
+    lengths[2] = 0
+    mask = torch.arange(K) < lengths[:, None]  # [B, K]
+    logp = -3.0 * torch.rand(B, K, generator=g, dtype=torch.float64)
+    old = logp + 0.05 * torch.randn(B, K, generator=g, dtype=torch.float64)
+    old = old + 0.02 * torch.randn(B, 1, generator=g, dtype=torch.float64)  # sequence ratios leave the clip range
+    old = torch.where(mask, old, torch.nan)
+    return logp, old, torch.randn(B, generator=g, dtype=torch.float64), mask, torch.rand(B, K, generator=g)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "sum"])
+@pytest.mark.parametrize("name", ["gspo", "luspo", "gmpo"])
+def test_sequence_objectives_run_their_surrogate_per_row_with_the_same_loss_gradient_and_metrics(
+    name, agg, monkeypatch
+):
+    from flowrl.core import objectives
+
+    calls = []
+    row_metrics = objectives._row_metrics
+    monkeypatch.setattr(objectives, "_row_metrics", lambda *a: calls.append(1) or row_metrics(*a))
+    logp, old, adv, mask, weights = _long_batch()
+    results = []
+    for advantages in (adv, adv[:, None].expand_as(logp)):  # [B, K] advantages take the element path
+        x = logp.clone().requires_grad_(True)
+        loss, metrics = compute_policy_loss(name, x, old, advantages, mask, agg=agg, weights=weights)
+        loss.backward()
+        results.append((loss.detach(), x.grad, metrics))
+    assert calls == [1]  # only the [B] advantages ran row-level
+    (loss_row, grad_row, m_row), (loss_el, grad_el, m_el) = results
+    if name != "gmpo":  # GMPO clips inside its log-ratio, it has no clip flags
+        assert 0.1 < m_el["clipfrac"] < 0.9  # both sides of the clip are exercised
+    torch.testing.assert_close(loss_row, loss_el, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad_row, grad_el, rtol=1e-12, atol=1e-14)
+    assert grad_row[~mask].eq(0).all()
+    assert set(m_row) == set(m_el)
+    for key in m_row:
+        torch.testing.assert_close(m_row[key], m_el[key], rtol=1e-9, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("name", ["ppo", "dapo", "cispo", "sapo", "gspo", "vespo", "bapo"])
+def test_diagnostics_levels_report_subsets_of_the_same_numbers(name):
+    logp, old, adv, mask, _ = _long_batch(seed=1)
+    extra = {"state": get_objective(name).init_state()} if get_objective(name).init_state else {}
+    full = compute_policy_loss(name, logp, old, adv, mask, **extra)
+    clip = compute_policy_loss(name, logp, old, adv, mask, diagnostics="clip", **extra)
+    none = compute_policy_loss(name, logp, old, adv, mask, diagnostics="none", **extra)
+    assert full[0] == clip[0] == none[0]
+    own = set(none[1])
+    assert set(clip[1]) == {"clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_dual"} | own
+    assert {"ratio_mean", "ratio_std", "ratio_min", "ratio_max", "approx_kl_k3"} <= set(full[1])
+    for key, value in clip[1].items():
+        torch.testing.assert_close(value, full[1][key], msg=key)
+    with pytest.raises(ValueError, match="diagnostics.*'sparse'.*full"):
+        compute_policy_loss(name, logp, old, adv, mask, diagnostics="sparse", **extra)
+
+
+def test_long_sequence_metrics_match_their_definitions():
+    logp, old, adv, mask, _ = _long_batch(seed=2)
+    _, m = compute_policy_loss("dapo", logp, old, adv, mask)
+    lr = (logp - old)[mask]
+    ratio = lr.exp()
+    torch.testing.assert_close(m["ratio_mean"], ratio.mean())
+    torch.testing.assert_close(m["ratio_std"], ratio.std(unbiased=False))
+    torch.testing.assert_close(m["ratio_min"], ratio.min())
+    torch.testing.assert_close(m["ratio_max"], ratio.max())
+    torch.testing.assert_close(m["approx_kl_k3"], (torch.expm1(lr) - lr).mean())
+    a = adv[:, None].expand_as(logp)[mask]
+    high = ((ratio > 1.28) & (a > 0)).double().mean()
+    low = ((ratio < 0.8) & (a < 0)).double().mean()
+    torch.testing.assert_close(m["clipfrac_high"], high)
+    torch.testing.assert_close(m["clipfrac_low"], low)

@@ -102,6 +102,29 @@ def test_exact_resume_with_controller_state(tmp_path):
     assert saved["objective_state"]["lambda"] == full.objective_state["lambda"]
 
 
+def test_exact_resume_with_dcpo_smooth_advantage_state(tmp_path):
+    from flowrl.llm.arith import make_problems
+
+    train = tmp_path / "four.jsonl"  # 4 prompts, all drawn every epoch: each visit adds to its pool
+    problems = make_problems(4, seed=0, split="train")
+    train.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in problems))
+    overrides = {"objective.name": "dcpo", "advantage.estimator": "sas", "run.epochs": 4, "run.save_every": 2,
+                 "prompts.prompts_per_epoch": 4, "prompts.train": str(train)}  # fmt: skip
+    full = build_trainer(tiny(**overrides), output_dir=tmp_path / "full")
+    full.train()
+    part = build_trainer(tiny(**{**overrides, "run.epochs": 2}), output_dir=tmp_path / "part")
+    part.train()
+    resumed = build_trainer(tiny(**overrides), output_dir=tmp_path / "part")
+    resumed.train(resume=True)
+    pools = full.advantages.tracker.prompts
+    assert [visits for visits, _, _ in pools.values()] == [4] * 4  # every prompt revisited: the history mattered
+    assert resumed.advantages.tracker.prompts == pools
+    for a, b in zip(full.params, resumed.params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    saved = json.loads((tmp_path / "part" / "checkpoints" / "epoch_4" / "trainer_state.json").read_text())
+    assert saved["advantage"]["sas"]["prompts"].keys() == pools.keys()
+
+
 @pytest.mark.slow
 def test_grpo_raises_test_accuracy(tmp_path):
     config = load_config("configs/llm/arith_grpo.yaml", ["run.log_with=[]", "eval.every=0", "run.save_every=0",

@@ -466,13 +466,15 @@ def test_objectives_with_extra_inputs_run(trainers, objective):
         assert ours.objective_state is not None
 
 
-def test_trainer_trains_one_step(tmp_path):
+@pytest.mark.parametrize("diagnostics", ["clip", "full"])
+def test_trainer_trains_one_step(tmp_path, diagnostics):
     model = _model(seed=1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    kwargs = {"clip_eps_high": 5e-4} if diagnostics == "clip" else {"clip_eps_high": 5e-4, "diagnostics": "full"}
     args = FlowrlGRPOConfig(
         **{**_common(tmp_path), "max_completion_length": 4, "gradient_accumulation_steps": 1},
         objective="gspo",
-        objective_kwargs={"clip_eps_high": 5e-4},
+        objective_kwargs=kwargs,
         max_steps=1,
         learning_rate=1e-2,
         disable_tqdm=True,
@@ -483,5 +485,9 @@ def test_trainer_trains_one_step(tmp_path):
     changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert changed
     logged = trainer.state.log_history[0]
-    assert "flowrl/clipfrac" in logged and "flowrl/ratio_mean" in logged
-    assert logged["flowrl/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy: the ratio is 1
+    assert "flowrl/clipfrac" in logged and "clip_ratio/region_mean" in logged
+    if diagnostics == "clip":  # the default: trl's metric set
+        assert "flowrl/ratio_mean" not in logged
+    else:
+        assert logged["flowrl/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy: the ratio is 1
+        assert logged["flowrl/ratio_min"] <= 1.0 + 1e-6 <= logged["flowrl/ratio_max"] + 2e-6

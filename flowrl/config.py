@@ -72,6 +72,18 @@ class SamplingConfig:
     """Step kernel: `flow_sde`, `dance_sde`, `cps`, `cps_gaussian`, `ode` (flow models) or `ddim` (UNets)."""
     sde_window: tuple[int, int] | None = None
     """Stochastic steps `[start, end)`; the others are ODE steps (MixGRPO / Flow-GRPO-Fast). None: all."""
+    sde_window_schedule: Literal["fixed", "progressive", "random"] = "fixed"
+    """How the window moves over training (`flowrl.core.sde_window_at`): `fixed` (`sde_window` every epoch),
+    `progressive` (MixGRPO: `window_size` steps from the start of `window_span`, moved by `window_stride` every
+    `window_every` epochs, wrapping around) or `random` (Flow-GRPO-Fast: a uniform start each epoch)."""
+    window_size: int = 4
+    """Steps in a moving window (MixGRPO 4, Flow-GRPO-Fast 3)."""
+    window_every: int = 1
+    """`progressive`: epochs before the window moves (MixGRPO: 25 iterations)."""
+    window_stride: int = 1
+    """`progressive`: steps the window moves each time (0 freezes it, MixGRPO-Flash*)."""
+    window_span: tuple[int, int] | None = None
+    """Steps `[lo, hi)` a moving window stays in; None: `[0, num_steps - 1)` (Flow-GRPO-Fast: `[0, T // 2)`)."""
     height: int | None = None
     """Image height (default: the model's)."""
     width: int | None = None
@@ -91,6 +103,13 @@ class SamplingConfig:
             raise ValueError("sampling.num_steps must be >= 1")
         if self.forward_batch_size < 1:
             raise ValueError("sampling.forward_batch_size must be >= 1")
+        if self.sde_window_schedule != "fixed":
+            from flowrl.core import sde_window_at
+
+            # every epoch's window is valid (and a random one fits) before anything runs
+            for epoch in range(2):
+                sde_window_at(self.sde_window_schedule, epoch, self.num_steps, size=self.window_size,
+                              every=self.window_every, stride=self.window_stride, span=self.window_span)  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -94,6 +94,6 @@ def check_output(name: str, scores, batch_size: int) -> torch.Tensor:
 
 # Built-in rewards register themselves on import (digits: the digits world rewards and gold metrics); heavy
 # dependencies (transformers, open_clip, PIL) load only when a reward is constructed.
-from flowrl.rewards import aesthetic, clip_score, digits, hpsv2, imagereward, jpeg, pickscore, text  # noqa: E402,F401
+from flowrl.rewards import aesthetic, clip_score, digits, hpsv2, imagereward, jpeg, pairwise, pickscore, text  # noqa: E402,F401
 from flowrl.rewards.executor import RewardExecutor  # noqa: E402,F401
 from flowrl.rewards.multi import MultiReward, MultiRewardOutput, combine_advantages  # noqa: E402,F401

@@ -41,8 +41,10 @@ from flowrl.core.ratios import (
     sequence_log_ratio,
 )
 from flowrl.core.steps import (
+    SDE_WINDOW_SCHEDULES,
     STEP_SELECTIONS,
     STEP_WEIGHTINGS,
+    sde_window_at,
     select_steps,
     step_weights,
     steps_to_mask,
@@ -55,6 +57,7 @@ __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "OBJECTIVES",
+    "SDE_WINDOW_SCHEDULES",
     "STEP_SELECTIONS",
     "STEP_WEIGHTINGS",
     "Objective",
@@ -85,6 +88,7 @@ __all__ = [
     "ratio_norm_grpo_guard",
     "raw_advantages",
     "register_objective",
+    "sde_window_at",
     "select_steps",
     "sequence_log_ratio",
     "step_weights",

@@ -67,6 +67,56 @@ def select_steps(name: str, num_steps: int, batch_size: int, **kwargs) -> torch.
     return fn(num_steps, batch_size, **kwargs)
 
 
+SDE_WINDOW_SCHEDULES = ("fixed", "progressive", "random")
+"""How the stochastic window of the rollouts moves over training (`sde_window_at`)."""
+
+
+def sde_window_at(
+    schedule: str,
+    epoch: int,
+    num_steps: int,
+    *,
+    window: tuple[int, int] | None = None,
+    size: int = 4,
+    every: int = 1,
+    stride: int = 1,
+    span: tuple[int, int] | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int] | None:
+    """The stochastic steps `[start, end)` of the rollouts of epoch `epoch` (0-based); the others are ODE steps.
+
+    - `fixed`: `window` every epoch (None: every step is stochastic);
+    - `progressive` (MixGRPO, arXiv:2507.21802, `sample_strategy="progressive"`): the start moves by `stride`
+      every `every` epochs through `span = [lo, hi)` and wraps back to `lo`; the window is
+      `[start, min(start + size, hi))` (MixGRPO: size 4, every 25 iterations, stride 1, span `[0, T - 2)`);
+      `stride=0` freezes it at `lo` (MixGRPO-Flash*);
+    - `random` (Flow-GRPO-Fast, `train_sd3_fast.py`): a start drawn uniformly from `[lo, hi - size]` each epoch
+      with `generator` (seed it by the epoch, the same on every process), the window `[start, start + size)`
+      (Flow-GRPO-Fast: size 3, span `[0, T // 2)`).
+
+    `span` defaults to `[0, T - 1)`: the last step, which Flow-GRPO's 0.99 fraction never trains, stays ODE.
+    """
+    if schedule not in SDE_WINDOW_SCHEDULES:
+        from flowrl.registry import unknown_name_error
+
+        raise unknown_name_error("sde window schedule", schedule, list(SDE_WINDOW_SCHEDULES))
+    if schedule == "fixed":
+        return window
+    lo, hi = span if span is not None else (0, max(num_steps - 1, 1))
+    if not 0 <= lo < hi <= num_steps:
+        raise ValueError(f"window span must satisfy 0 <= lo < hi <= num_steps={num_steps}, got {(lo, hi)}")
+    if size < 1 or every < 1 or stride < 0:
+        raise ValueError(f"need window size >= 1, every >= 1 and stride >= 0, got {size}, {every}, {stride}")
+    if schedule == "progressive":
+        starts = [lo] if stride == 0 else list(range(lo, hi, stride))
+        start = starts[(epoch // every) % len(starts)]
+        return start, min(start + size, hi)
+    if hi - lo < size:
+        raise ValueError(f"a random window of size {size} does not fit in the span {(lo, hi)}")
+    start = lo + int(torch.randint(hi - lo - size + 1, (1,), generator=generator))
+    return start, start + size
+
+
 def steps_to_mask(indices: torch.Tensor, num_steps: int) -> torch.Tensor:
     """Boolean `[B, T]` mask with the selected steps set."""
     mask = torch.zeros(indices.shape[0], num_steps, dtype=torch.bool, device=indices.device)

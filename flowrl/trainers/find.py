@@ -196,8 +196,9 @@ class FINDTrainer(ImageTrainer):
         condition, text = self.conditions(texts)
         z = self.initial_latents(condition, generator, s.height, s.width)
         with torch.no_grad(), self.accelerator.autocast():
+            window = self.sde_window(self.state.epoch)
             rollout = self.policy.rollout(texts, latents=z, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
-                                          noise_level=s.noise_level, sampler=s.sampler, sde_window=s.sde_window,
+                                          noise_level=s.noise_level, sampler=s.sampler, sde_window=window,
                                           generator=generator, height=s.height, width=s.width)  # fmt: skip
             action = z.float()
             if self.config.old_policy == "prior":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from flowrl import prompts as prompt_sets
-from flowrl.core import gaussian_mean_kl, get_objective, select_steps, step_weights
+from flowrl.core import gaussian_mean_kl, get_objective, sde_window_at, select_steps, step_weights
 from flowrl.core.ratios import reduce_elements
 from flowrl.models import build_policy
 from flowrl.policies.diffusion import DiffusionRollout
@@ -115,12 +115,22 @@ class ImageTrainer(Trainer):
         s = self.config.sampling
         with self.accelerator.autocast():
             rollout = self.policy.rollout(texts, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
-                                          noise_level=s.noise_level, sampler=s.sampler, sde_window=s.sde_window,
+                                          noise_level=s.noise_level, sampler=s.sampler,
+                                          sde_window=self.sde_window(self.state.epoch),
                                           generator=generator, height=s.height, width=s.width,
                                           store_means=self.store_means)  # fmt: skip
         if self.requires_stochastic and not rollout.sde_mask.any():
             raise ValueError(f"sampler {s.sampler!r} with noise_level {s.noise_level} has no stochastic step to train")
         return rollout
+
+    def sde_window(self, epoch: int) -> tuple[int, int] | None:
+        """The stochastic steps of epoch `epoch`'s rollouts (`sampling.sde_window_schedule`), the same on every
+        process and on resume."""
+        s = self.config.sampling
+        generator = seeded(self.config.run.seed, epoch, 7)
+        return sde_window_at(s.sde_window_schedule, epoch, s.num_steps, window=s.sde_window, size=s.window_size,
+                             every=s.window_every, stride=s.window_stride, span=s.window_span,
+                             generator=generator)  # fmt: skip
 
     evaluation_latents = None
     """`(texts, generator, height, width) -> latents` of evaluation samples (FIND), or None: the policy's noise."""

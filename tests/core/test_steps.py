@@ -60,3 +60,32 @@ def test_weighting_errors():
 def test_registries_have_descriptions():
     for reg in (STEP_SELECTIONS, STEP_WEIGHTINGS):
         assert all(reg.describe().values())
+
+
+def test_progressive_sde_window_moves_every_n_epochs_and_wraps():
+    from flowrl.core import sde_window_at
+
+    # MixGRPO's trace at T = 10, span [0, 8): start = (epoch // every) mod 8, the window cut at the span's end
+    trace = [sde_window_at("progressive", e, 10, size=4, every=2, span=(0, 8)) for e in range(20)]
+    assert trace[:6] == [(0, 4), (0, 4), (1, 5), (1, 5), (2, 6), (2, 6)]
+    assert trace[10] == (5, 8) and trace[14] == (7, 8)  # truncated, never empty
+    assert trace[16] == (0, 4)  # wrapped around
+    assert sde_window_at("progressive", 7, 10, size=4, stride=0, span=(2, 8)) == (2, 6)  # frozen (Flash*)
+    assert sde_window_at("progressive", 3, 10, size=2, stride=3) == (0, 2)  # starts 0, 3, 6 over [0, 9)
+    assert sde_window_at("fixed", 5, 10, window=(1, 3)) == (1, 3) and sde_window_at("fixed", 5, 10) is None
+
+
+def test_random_sde_window_is_uniform_in_its_span_and_seeded():
+    from flowrl.core import sde_window_at
+
+    draws = [sde_window_at("random", 0, 10, size=3, span=(0, 5), generator=torch.Generator().manual_seed(s))
+             for s in range(200)]  # fmt: skip
+    assert {start for start, _ in draws} == {0, 1, 2} and all(end - start == 3 for start, end in draws)
+    again = sde_window_at("random", 0, 10, size=3, span=(0, 5), generator=torch.Generator().manual_seed(7))
+    assert again == draws[7]
+    with pytest.raises(ValueError, match="does not fit"):
+        sde_window_at("random", 0, 10, size=6, span=(0, 5))
+    with pytest.raises(ValueError, match="sde window schedule.*'sliding'.*progressive"):
+        sde_window_at("sliding", 0, 10)
+    with pytest.raises(ValueError, match="span"):
+        sde_window_at("progressive", 0, 10, span=(4, 12))

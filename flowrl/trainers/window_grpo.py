@@ -1,0 +1,113 @@
+"""Presets of Flow-GRPO that change where the rollouts are stochastic and which steps train.
+
+They are `FlowGRPOTrainer` with other defaults: the same loop, step kernels (`flowrl.policies.sde`), step
+selection (`steps`) and the moving SDE window of `sampling.sde_window_schedule` (`flowrl.core.sde_window_at`).
+
+- `mix_grpo` (MixGRPO, Li et al. 2025, arXiv:2507.21802; Tencent-Hunyuan/MixGRPO `train_grpo_flux.py`): a window
+  of 4 flow-SDE steps with Euler ODE steps outside it, moved by one step every 25 iterations
+  (`sample_strategy="progressive"`), every window step trained, group z-scores with the sample std.
+- `flow_grpo_fast` (Flow-GRPO-Fast, yifan123/flow_grpo `train_sd3_fast.py`, `config/grpo.py::*_fast_nocfg`): a
+  window of 3 CPS steps (noise level 0.8) drawn uniformly from the first half of the 10 steps each epoch, ODE
+  elsewhere, CFG-free, clip 1e-5 on CPS's `-mean (x' - mu)^2` log-probs, every window step trained.
+- `dance_grpo` (DanceGRPO, Xue et al. 2025, arXiv:2505.07818; XueZeyue/DanceGRPO `train_grpo_flux.py`): its SDE
+  (`dance_sde`, constant eta 0.3) on 16 steps with the last transition dropped, a random 60% of the 15 steps
+  trained per sample (9), group z-scores with the sample std, clip 1e-4.
+
+Not reproduced: the shared initial noise of a prompt's samples (`--init_same_noise`; flowrl draws each sample's
+noise from the epoch's stream), MixGRPO-Flash's DPM-Solver++ steps after the window, DanceGRPO's best-of-n and
+per-reward surrogates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flowrl.config import AdvantageConfig, ObjectiveConfig, SamplingConfig, StepConfig
+from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
+from flowrl.trainers.registry import TRAINERS
+
+
+@dataclasses.dataclass
+class MixGRPOConfig(FlowGRPOConfig):
+    trainer: str = "mix_grpo"
+    sampling: SamplingConfig = dataclasses.field(
+        default_factory=lambda: SamplingConfig(
+            sampler="flow_sde",
+            noise_level=0.7,
+            sde_window_schedule="progressive",
+            window_size=4,
+            window_every=25,
+            window_stride=1,
+        )  # fmt: skip
+    )
+    """Flow-SDE (a 0.7) inside a 4-step window that moves by 1 step every 25 epochs; ODE outside."""
+    advantage: AdvantageConfig = dataclasses.field(
+        default_factory=lambda: AdvantageConfig(std="group", clip=5.0, unbiased=True, eps=1e-8)
+    )
+    """Group mean and sample std + 1e-8, clipped to +-5 (MixGRPO's `advantage_aggr`, one reward)."""
+    steps: StepConfig = dataclasses.field(default_factory=lambda: StepConfig(selection="all"))
+    """Every stochastic (window) step trains."""
+
+
+@dataclasses.dataclass
+class FlowGRPOFastConfig(FlowGRPOConfig):
+    trainer: str = "flow_grpo_fast"
+    sampling: SamplingConfig = dataclasses.field(
+        default_factory=lambda: SamplingConfig(
+            guidance_scale=1.0,
+            sampler="cps",
+            noise_level=0.8,
+            sde_window_schedule="random",
+            window_size=3,
+            window_span=(0, 5),
+        )  # fmt: skip
+    )
+    """CFG-free CPS (a 0.8) in a 3-step window with a uniform start in the first half of the 10 steps."""
+    objective: ObjectiveConfig = dataclasses.field(default_factory=lambda: ObjectiveConfig(clip_eps_low=1e-5))
+    """PPO-clip 1e-5 (`*_fast_nocfg`; CPS log-probs are `-mean (x' - mu)^2`, no 1/(2 s^2))."""
+    steps: StepConfig = dataclasses.field(default_factory=lambda: StepConfig(selection="all"))
+    """Every window step trains."""
+
+
+@dataclasses.dataclass
+class DanceGRPOConfig(FlowGRPOConfig):
+    trainer: str = "dance_grpo"
+    sampling: SamplingConfig = dataclasses.field(
+        default_factory=lambda: SamplingConfig(
+            num_steps=16, sampler="dance_sde", noise_level=0.3, sde_window=(0, 15)
+        )  # fmt: skip
+    )
+    """DanceGRPO's SDE (eta 0.3) on 16 steps; the last transition is ODE and never trained (`--ignore_last`)."""
+    advantage: AdvantageConfig = dataclasses.field(
+        default_factory=lambda: AdvantageConfig(std="group", clip=5.0, unbiased=True, eps=1e-8)
+    )
+    """Group mean and sample std + 1e-8 (`--use_group`), clipped to +-5."""
+    steps: StepConfig = dataclasses.field(default_factory=lambda: StepConfig(selection="random", k=9))
+    """A random int(15 * 0.6) = 9 of the 15 stochastic steps per sample (timestep fraction 0.6)."""
+
+
+@TRAINERS.register(
+    "mix_grpo", description="MixGRPO: Flow-GRPO on a sliding SDE window, ODE outside it (arXiv:2507.21802)"
+)
+class MixGRPOTrainer(FlowGRPOTrainer):
+    """MixGRPO; see the module docstring."""
+
+    config_class = MixGRPOConfig
+
+
+@TRAINERS.register(
+    "flow_grpo_fast", description="Flow-GRPO-Fast: a random 3-step CPS window per epoch, ODE outside, no CFG"
+)
+class FlowGRPOFastTrainer(FlowGRPOTrainer):
+    """Flow-GRPO-Fast; see the module docstring."""
+
+    config_class = FlowGRPOFastConfig
+
+
+@TRAINERS.register(
+    "dance_grpo", description="DanceGRPO: its SDE, a random 60% of the steps per sample (arXiv:2505.07818)"
+)
+class DanceGRPOTrainer(FlowGRPOTrainer):
+    """DanceGRPO; see the module docstring."""
+
+    config_class = DanceGRPOConfig

@@ -1,0 +1,68 @@
+"""The Flow-GRPO presets that move the SDE window (MixGRPO, Flow-GRPO-Fast) or subsample steps (DanceGRPO)."""
+
+import pytest
+import torch
+
+from flowrl.trainers import TRAINERS, load_config
+
+from .conftest import make_trainer, tiny_config, training_rows
+
+
+PRESETS = {
+    # the presets' own settings scaled to the tiny world's 4 steps
+    "mix_grpo": ["sampling.window_size=2", "sampling.window_every=1", "objective.clip_eps_low=1e-2"],
+    "flow_grpo_fast": ["sampling.window_size=2", "sampling.window_span=[0, 3]", "objective.clip_eps_low=1e-2"],
+    "dance_grpo": ["sampling.num_steps=4", "sampling.sde_window=[0, 3]", "steps.k=2", "objective.clip_eps_low=1e-2"],
+}
+
+
+def test_presets_keep_the_papers_settings():
+    mix, fast, dance = (load_config({"trainer": name}) for name in PRESETS)
+    assert (mix.sampling.sde_window_schedule, mix.sampling.window_size, mix.sampling.window_every) == (
+        "progressive", 4, 25)  # fmt: skip
+    assert mix.steps.selection == "all" and mix.advantage.unbiased and mix.advantage.eps == 1e-8
+    assert (fast.sampling.sampler, fast.sampling.noise_level, fast.sampling.guidance_scale) == ("cps", 0.8, 1.0)
+    assert (fast.sampling.sde_window_schedule, fast.sampling.window_size, fast.sampling.window_span) == (
+        "random", 3, (0, 5))  # fmt: skip
+    assert fast.objective.clip_eps_low == 1e-5
+    assert (dance.sampling.sampler, dance.sampling.noise_level, dance.sampling.num_steps) == ("dance_sde", 0.3, 16)
+    assert dance.sampling.sde_window == (0, 15) and (dance.steps.selection, dance.steps.k) == ("random", 9)
+    assert all(name in TRAINERS for name in PRESETS)
+
+
+def test_mix_grpo_rollouts_are_stochastic_only_inside_the_moving_window(tiny_world, tmp_path):
+    trainer = make_trainer(tiny_world, tiny_config("mix_grpo", tmp_path, overrides=PRESETS["mix_grpo"]))
+    for epoch, window in enumerate([(0, 2), (1, 3), (2, 3), (0, 2)]):  # span [0, 3): starts 0, 1, 2, then wrap
+        assert trainer.sde_window(epoch) == window
+        trainer.state.epoch = epoch
+        rollout, _, _ = trainer.collector.sample(epoch)
+        assert rollout.sde_steps.tolist() == list(range(*window))
+        assert trainer.train_elements(rollout, epoch)[0].tolist() == list(range(*window))
+        # outside the window the step is the deterministic Euler step x' = x + dt v: it has no log-prob
+        assert rollout.sde_mask.tolist() == [window[0] <= t < window[1] for t in range(4)]
+
+
+def test_flow_grpo_fast_draws_its_window_per_epoch_the_same_on_resume(tiny_world, tmp_path):
+    config = tiny_config("flow_grpo_fast", tmp_path, overrides=PRESETS["flow_grpo_fast"])
+    trainer = make_trainer(tiny_world, config)
+    windows = [trainer.sde_window(e) for e in range(12)]
+    assert {w for w in windows} <= {(0, 2), (1, 3)} and len(set(windows)) == 2
+    assert windows == [make_trainer(tiny_world, config).sde_window(e) for e in range(12)]
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_two_epochs_train_and_resume_exactly(tiny_world, tmp_path, name):
+    def run(folder, epochs, resume=False):
+        overrides = [*PRESETS[name], f"run.epochs={epochs}", "run.images_every=0"]
+        trainer = make_trainer(tiny_world, tiny_config(name, tmp_path / folder, overrides=overrides))
+        trainer.train(resume=resume)
+        return trainer
+
+    straight = run("a", 2)
+    run("b", 1)
+    resumed = run("b", 2, resume=True)
+    for p, q in zip(straight.policy.trainable_parameters(), resumed.policy.trainable_parameters()):
+        assert torch.equal(p, q)
+    rows = training_rows(tmp_path / "a")
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in training_rows(tmp_path / "b")]
+    assert all(r["clipfrac"] >= 0 for r in rows)

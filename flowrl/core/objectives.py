@@ -670,10 +670,18 @@ def _row_metrics(ratio, terms: Surrogate, log_ratio, fmask) -> dict[str, torch.T
     lr = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, K]: the element log-ratios
     k3 = torch.dot((torch.exp(lr) - 1 - lr).reshape(-1), fmask.reshape(-1))  # k3 of the element ratios
     sums = torch.stack([*((f * n).sum() for f in flags), (shifted * n).sum(), (shifted * shifted * n).sum(), k3])
+    return _summary(sums, count, ratio, greater(n, 0.0))  # empty rows are not valid ratios
+
+
+def _summary(sums, count, ratio, valid) -> dict[str, torch.Tensor]:
+    """The scalar metrics from the masked sums `[high, low, dual, r - 1, (r - 1)^2, k3]` over `count` elements,
+    and the extremes of `ratio` where the 0/1 `valid` (broadcastable to it) is set."""
+    # clamp: an all-masked batch reports zeros, not NaN
     clip_high, clip_low, clip_dual, mean_shift, mean_sq, k3_mean = (sums / count.clamp_min(1.0)).unbind()
     ratio_mean = mean_shift + 1
-    big = torch.finfo(n.dtype).max
-    pad = torch.rsub(greater(n, 0.0), big, alpha=big)  # [B, 1]: empty rows are pushed past every ratio
+    # invalid entries are pushed past every valid ratio (ratios are at most exp(20)); an empty batch reports the mean
+    big = torch.finfo(ratio.dtype).max
+    pad = torch.rsub(valid, big, alpha=big)  # big (1 - valid)
     has_valid = count > 0
     return {
         "clipfrac": clip_high + clip_low + clip_dual,
@@ -722,24 +730,7 @@ def _metrics(ratio, terms: Surrogate, log_ratio, fmask, *, ratio_is_raw: bool) -
             ]
         )
         count = flat.sum()
-    # clamp: an all-masked batch reports zeros, not NaN
-    clip_high, clip_low, clip_dual, mean_shift, mean_sq, k3_mean = (sums / count.clamp_min(1.0)).unbind()
-    ratio_mean = mean_shift + 1
-    # padding is pushed past every valid ratio (ratios are at most exp(20)); an empty batch reports the mean
-    big = torch.finfo(dtype).max
-    pad = torch.rsub(fmask, big, alpha=big)  # [B, K]: big (1 - m)
-    has_valid = count > 0
-    metrics = {
-        "clipfrac": clip_high + clip_low + clip_dual,
-        "clipfrac_high": clip_high,
-        "clipfrac_low": clip_low,
-        "clipfrac_dual": clip_dual,
-        "ratio_mean": ratio_mean,
-        "ratio_std": torch.addcmul(mean_sq, mean_shift, mean_shift, value=-1).clamp_min(0.0).sqrt(),
-        "ratio_min": torch.where(has_valid, (ratio + pad).amin(), ratio_mean),
-        "ratio_max": torch.where(has_valid, (ratio - pad).amax(), ratio_mean),
-        "approx_kl_k3": k3_mean,
-    }
+    metrics = _summary(sums, count, ratio, fmask)
     if per_step_wanted:
         # [8, K]: high, low, dual, r-1, (r-1)^2, k3, raw-1, (raw-1)^2
         means = per_step / count_per_step.clamp_min(1.0)

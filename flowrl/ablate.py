@@ -49,10 +49,12 @@ def variants(configs: list[str], grid: dict[str, list[str]]) -> list[tuple[str, 
 
 def run(configs: list[str], *, grid: dict[str, list[str]] | None = None, seeds: list[int] = (0,),
         output_dir: str | Path = "runs/ablation", overrides: list[str] = (), log=print,
-        skip_done: bool = False) -> list[dict]:  # fmt: skip
+        skip_done: bool = False, threshold: tuple[str, float] | None = None) -> list[dict]:  # fmt: skip
     """Train every variant for every seed (sequentially, in this process) and return one row per run.
 
     `skip_done`: reuse a finished run (its folder has `summary.json` and an identical resolved config).
+    `threshold` (`(metric, value)`, e.g. `("eval/digits_alignment", 0.9)`): each row also gets `to_threshold`,
+    the first evaluation at or above it (`first_reaching`).
     """
     from flowrl.trainers import build_trainer
 
@@ -83,11 +85,32 @@ def run(configs: list[str], *, grid: dict[str, list[str]] | None = None, seeds: 
                 "eval_start": summary["eval_start"],
                 "eval_end": summary["eval_end"],
                 "gold_metric": summary["gold_metric"],
+                "folder": str(folder),
+                **({"to_threshold": first_reaching(folder, *threshold)} if threshold else {}),
             })  # fmt: skip
             (output_dir / "results.json").write_text(json.dumps(rows, indent=1, allow_nan=True))
             gc.collect()
     (output_dir / "results.md").write_text(table(rows))
     return rows
+
+
+def first_reaching(folder: str | Path, metric: str, value: float) -> dict | None:
+    """The first evaluation of the run in `folder` with `metric >= value`: `{"epoch", "reward_evals", "wall_s",
+    "resolution"}` (the training reward's evaluations and the run's seconds up to that epoch, evaluations
+    included; the reward evaluations since the evaluation before, which did not reach it), or None if it never
+    does."""
+    before = 0
+    for line in (Path(folder) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        score = row.get(metric)
+        if not isinstance(score, (int, float)):
+            continue
+        evals = row.get("reward_evals", 0) if row["epoch"] else 0
+        if score >= value:
+            wall = row.get("wall_s", 0.0) if row["epoch"] else 0.0
+            return {"epoch": row["epoch"], "reward_evals": evals, "wall_s": wall, "resolution": evals - before}
+        before = evals
+    return None
 
 
 def _finished(folder: Path, config) -> dict | None:
@@ -121,7 +144,10 @@ def table(rows: list[dict], metrics: list[str] | None = None) -> str:
         for row in rows:
             metrics.extend(k for k in row["eval_end"] if k not in metrics)
     header = ["variant", "seeds"] + [f"{m.removeprefix('eval/')} start -> end" for m in metrics]
+    threshold = any("to_threshold" in r for r in rows)
     header += ["wall s", "reward evals"]
+    if threshold:
+        header += ["reached", "reward evals to it", "wall s to it", "resolution (evals)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, group in by_variant.items():
         cells = [name, str(len(group))]
@@ -131,5 +157,11 @@ def table(rows: list[dict], metrics: list[str] | None = None) -> str:
             cells.append(f"{start} -> {end}")
         cells.append(_stat([r["wall_s"] for r in group]))
         cells.append(str(group[0]["reward_evaluations"]))
+        if threshold:
+            hits = [r["to_threshold"] for r in group if r.get("to_threshold")]
+            cells.append(f"{len(hits)}/{len(group)}")
+            cells.append(_stat([h["reward_evals"] for h in hits]))
+            cells.append(_stat([h["wall_s"] for h in hits]))
+            cells.append(_stat([h["resolution"] for h in hits]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -84,6 +84,9 @@ class SamplingConfig:
     """`progressive`: steps the window moves each time (0 freezes it, MixGRPO-Flash*)."""
     window_span: tuple[int, int] | None = None
     """Steps `[lo, hi)` a moving window stays in; None: `[0, num_steps - 1)` (Flow-GRPO-Fast: `[0, T // 2)`)."""
+    init_same_noise: bool = False
+    """Start every sample of a prompt's group from the same initial noise (MixGRPO's and DanceGRPO's
+    `--init_same_noise`): the group differs only by the SDE steps' noise."""
     height: int | None = None
     """Image height (default: the model's)."""
     width: int | None = None
@@ -358,7 +361,8 @@ class StepConfig:
     k: int = 1
     """`random`: steps per sample, drawn per epoch (DDPO's per-sample subset)."""
     weighting: str = "uniform"
-    """Per-step loss weight: `uniform`, `inv_dt` (GRPO-Guard), `min_snr`, `min_snr_v`, `sigma` (`flowrl list`)."""
+    """Per-step loss weight: `uniform`, `inv_dt` (GRPO-Guard), `min_snr`, `min_snr_v`, `sigma`, `noise_aware`
+    (TempFlow-GRPO) (`flowrl list`)."""
     normalize_weights: bool = False
     """Rescale step weights to mean 1 over the steps (comparable learning rates across weightings)."""
 

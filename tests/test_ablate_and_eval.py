@@ -90,3 +90,25 @@ def test_eval_of_a_run_and_of_a_base_model(tiny_yaml, tmp_path, capsys):
     assert base["evaluated"] == "base model" and base["epoch"] == 0
     assert base["eval/digits_gold"] == pytest.approx(summary["eval_start"]["eval/digits_gold"])
     assert main(["eval", str(tmp_path / "nope")]) == 2
+
+
+def test_first_reaching_reads_the_eval_curve_and_its_resolution(tmp_path):
+    rows = [
+        {"epoch": 0, "eval/a": 0.5},
+        {"epoch": 1, "reward_evals": 64, "wall_s": 3.0, "reward/mean": 0.7},
+        {"epoch": 2, "reward_evals": 128, "wall_s": 6.0, "eval/a": 0.85},
+        {"epoch": 3, "reward_evals": 192, "wall_s": 9.0},
+        {"epoch": 4, "reward_evals": 256, "wall_s": 12.5, "eval/a": 0.93},
+        {"epoch": 5, "reward_evals": 320, "wall_s": 15.0, "eval/a": 0.97},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    hit = ablate.first_reaching(tmp_path, "eval/a", 0.9)
+    assert hit == {"epoch": 4, "reward_evals": 256, "wall_s": 12.5, "resolution": 128}
+    assert ablate.first_reaching(tmp_path, "eval/a", 0.99) is None
+    assert ablate.first_reaching(tmp_path, "eval/a", 0.5) == {"epoch": 0, "reward_evals": 0, "wall_s": 0.0,
+                                                            "resolution": 0}  # fmt: skip
+    table = ablate.table([{"variant": "v", "seed": 0, "eval_start": {"eval/a": 0.5}, "eval_end": {"eval/a": 0.97},
+                           "wall_s": 15.0, "reward_evaluations": 320, "to_threshold": hit},
+                          {"variant": "v", "seed": 1, "eval_start": {"eval/a": 0.5}, "eval_end": {"eval/a": 0.8},
+                           "wall_s": 15.0, "reward_evaluations": 320, "to_threshold": None}])  # fmt: skip
+    assert "| 1/2 | 256.000 | 12.500 | 128.000 |" in table

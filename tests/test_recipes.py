@@ -21,6 +21,15 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("digits", "control", "llm"))
 """The image recipes (control configs: tests/control/test_control.py; text configs: tests/llm/test_text.py)."""
 TINY = {"sd3": tiny_sd3, "flux": tiny_flux, "unet": tiny_unet}
+SHRINK = {
+    "diffusion_nft": ["num_draws=2"],
+    "awm": ["num_draws=1"],
+    "tempflow_grpo": ["seeds_per_prompt=1", "branches=2", "prompts.group_size=4"],  # 1 x 2 x 2 branch steps
+    "mix_grpo": ["sampling.window_size=2"],
+    "flow_grpo_fast": ["sampling.window_size=2", "sampling.window_span=[0, 3]"],
+    "dance_grpo": ["sampling.sde_window=[0, 2]", "steps.k=1"],
+}
+"""What else shrinks with 3 steps and groups of 2: draws, branches, windows."""
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +50,13 @@ def test_every_real_model_config_is_covered():
     assert {p.relative_to(CONFIGS).as_posix() for p in RECIPES} >= {
         "sd35m/grpo_guard_pickscore.yaml",
         "sd35m/flow_grpo_geneval_style.yaml",
+        "sd35m/flow_grpo_fast_pickscore.yaml",
+        "sd35m/diffusion_nft_pickscore.yaml",
+        "sd35m/awm_pickscore.yaml",
+        "sd35m/tempflow_grpo_pickscore.yaml",
         "flux/grpo_guard_pickscore.yaml",
+        "flux/mix_grpo_pickscore.yaml",
+        "flux/dance_grpo_pickscore.yaml",
         "sd15/dpok_imagereward.yaml",
     }
 
@@ -69,6 +84,7 @@ def test_recipe_trains_one_epoch_on_tiny_stand_ins(path, tiny_folders, tmp_path)
         "run.mixed_precision=no",
         f"run.output_dir={tmp_path}",
         "ema_every=1",
+        *SHRINK.get(shipped.trainer, []),
     ]
     # the CLIP-family rewards (PickScore, CLIP score) on a tiny CLIP folder that holds model and processor;
     # ImageReward on a tiny checkpoint in the official layout and a BERT vocabulary
@@ -81,6 +97,7 @@ def test_recipe_trains_one_epoch_on_tiny_stand_ins(path, tiny_folders, tmp_path)
     config = load_config(path, overrides)
     # the algorithm is as shipped: every top-level field but the sections the overrides shrink
     shrunk = {"model", "sampling", "prompts", "rewards", "eval", "optim", "run", "ema_every"}
+    shrunk |= {item.split("=")[0].split(".")[0] for item in SHRINK.get(shipped.trainer, [])}
     for field in dataclasses.fields(config):
         if field.name not in shrunk:
             assert getattr(config, field.name) == getattr(shipped, field.name), field.name

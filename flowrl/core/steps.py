@@ -174,6 +174,17 @@ def weight_sigma(sigmas: torch.Tensor) -> torch.Tensor:
     return sigmas[..., :-1].clone()
 
 
+@STEP_WEIGHTINGS.register("noise_aware")
+def weight_noise_aware(sigmas: torch.Tensor) -> torch.Tensor:
+    """The flow-SDE step's noise `sqrt(t / (1 - t)) sqrt(t - t')` (its std at a = 1; at t = 1 the denominator uses
+    the next level, as Flow-GRPO's kernel): TempFlow-GRPO's noise-aware weight (arXiv:2508.04324 eq. 7), which
+    its code scales to mean 1 over the trained steps (`normalize_weights`)."""
+    t, t_next = sigmas[..., :-1], sigmas[..., 1:]
+    # t = 1 would divide by zero: the kernel's own guard replaces 1 - t by 1 - t_next there
+    denominator = 1 - torch.where(t >= 1, t_next, t)
+    return torch.sqrt(t / denominator.clamp_min(1e-12)) * torch.sqrt((t - t_next).clamp_min(0))
+
+
 def step_weights(
     name: str | Callable[[torch.Tensor], torch.Tensor],
     sigmas: torch.Tensor,
@@ -184,8 +195,8 @@ def step_weights(
     """Per-step weights `[T]` (or `[B, T]` for per-sample `sigmas[B, T + 1]`).
 
     Args:
-        name (`str` or `Callable`): a registered weighting (`uniform`, `inv_dt`, `min_snr`, `min_snr_v`, `sigma`) or a
-            function `sigmas -> weights[T]`.
+        name (`str` or `Callable`): a registered weighting (`uniform`, `inv_dt`, `min_snr`, `min_snr_v`, `sigma`,
+            `noise_aware`) or a function `sigmas -> weights[T]`.
         sigmas (`torch.Tensor`): the sampler's noise levels `[T + 1]`, from 1 (noise) towards 0.
         normalize (`bool`, defaults to `False`): rescale to mean 1 over the steps, so switching weightings
             does not change the effective learning rate.

@@ -85,6 +85,9 @@ class DiffusionRollout(Record):
     """FIND: the initial noise drawn from the noise policy, its conditions and behaviour log-probabilities."""
     draws: FPODraws | None = per_sample(default=None)
     """Conditional flow-matching draws `(tau, eps)` per sample (AC-Flow; FPO also keeps the behaviour losses)."""
+    stochastic_step: torch.Tensor | None = per_sample(default=None)
+    """`[B]` the one stochastic step of each sample when samples branch at different steps (TempFlow-GRPO); then
+    `sde_mask` is the union over the samples. None: `sde_mask` holds for every sample."""
 
     @property
     def num_steps(self) -> int:
@@ -98,6 +101,8 @@ class DiffusionRollout(Record):
     @property
     def mask(self) -> torch.Tensor:
         """`[B, T]` bool: the stochastic steps of every sample."""
+        if self.stochastic_step is not None:
+            return torch.nn.functional.one_hot(self.stochastic_step, self.num_steps).bool()
         return self.sde_mask.unsqueeze(0).expand(len(self), -1)
 
     @property

@@ -24,8 +24,8 @@ from flowrl.trainers.loop import LOOPConfig, LOOPTrainer
 from flowrl.trainers.registry import TRAINERS
 
 
-SHARED_MODULES = {"advantages", "base", "collect", "control", "evaluate", "image", "registry", "scoring", "state",
-                  "update"}  # fmt: skip
+SHARED_MODULES = {"advantages", "base", "collect", "control", "evaluate", "image", "matching", "registry", "scoring",
+                  "state", "update"}  # fmt: skip
 """The loop's parts; every other module of this package is a trainer and is imported (registered) here."""
 for _module in pkgutil.iter_modules(__path__):
     if _module.name not in SHARED_MODULES:

@@ -32,13 +32,10 @@ from typing import ClassVar, Literal
 
 import torch
 
-from flowrl.config import AdvantageConfig, KLConfig, TrainerConfig
-from flowrl.core import velocity_mse
+from flowrl.config import AdvantageConfig, KLConfig
 from flowrl.core.ratios import reduce_elements
-from flowrl.policies.fpo import FPODraws
-from flowrl.policies.rollout import per_sample
 from flowrl.policies.value import StateValueNet, pooled_text
-from flowrl.trainers.image import ImageTrainer
+from flowrl.trainers.matching import MatchingConfig, MatchingDraws, MatchingTrainer, conditional_path, draw_times
 from flowrl.trainers.registry import TRAINERS
 from flowrl.trainers.state import seeded
 from flowrl.trainers.update import Terms
@@ -65,16 +62,7 @@ def critic_weights(adv: torch.Tensor, kind: str, beta: float) -> torch.Tensor:
 
 
 @dataclasses.dataclass
-class CriticDraws(FPODraws):
-    """The epoch's `(t, eps)` draws per sample and the critic weight `g(A)` of each (0 on untrained rows)."""
-
-    weights: torch.Tensor | None = per_sample(default=None)
-    """`[B, N]` critic weights of the flow-matching loss."""
-
-
-@dataclasses.dataclass
-class ACFlowConfig(TrainerConfig):
-    kl_forms: ClassVar[tuple[str, ...]] = ("w2",)
+class ACFlowConfig(MatchingConfig):
     unused: ClassVar[tuple[str, ...]] = ("objective", "steps")
     renamed: ClassVar[dict[str, str]] = {
         "adv_clip": "critic_clip",
@@ -94,10 +82,6 @@ class ACFlowConfig(TrainerConfig):
     weighted reward (`raw`), clipped to `[-c_r, c_r]` with `clip` = c_r = 3."""
     kl: KLConfig = dataclasses.field(default_factory=lambda: KLConfig(beta=1.0, form="w2"))
     """alpha, the weight of the W2 regulariser `||v_theta - v_ref||^2` (ORW-CFM-W2's code: 1.0; 0 turns it off)."""
-    num_draws: int = 2
-    """`(t, eps)` draws per sample and epoch on which the actor trains (its elements)."""
-    t_sampling: Literal["uniform", "logit_normal"] = "uniform"
-    """Noise levels of the draws: `uniform` on (0, 1) (ORW-CFM-W2), or `logit_normal` (SD3's training density)."""
     critic_clip: float | None = 2.0
     """`c_A`: clip the advantage `r~ - V` to `[-c_A, c_A]` (None: off)."""
     weight_fn: Literal["exp", "exp_norm", "softplus"] = "exp_norm"
@@ -119,7 +103,6 @@ class ACFlowConfig(TrainerConfig):
     def __post_init__(self):
         super().__post_init__()
         checks = [
-            (self.num_draws >= 1, "num_draws must be >= 1"),
             (self.critic_warmup_epochs >= 0, "critic_warmup_epochs must be >= 0"),
             (self.critic_steps >= 0, "critic_steps must be >= 0"),
             (self.critic_clip is None or self.critic_clip > 0, "critic_clip must be > 0 (or null)"),
@@ -136,18 +119,15 @@ class ACFlowConfig(TrainerConfig):
 @TRAINERS.register(
     "acflow", description="AC-Flow: critic-weighted flow matching with W2 regularisation (arXiv:2510.18072)"
 )
-class ACFlowTrainer(ImageTrainer):
+class ACFlowTrainer(MatchingTrainer):
     """AC-Flow; see the module docstring and `ACFlowConfig`."""
 
     config_class = ACFlowConfig
     uses_objective = False  # critic-weighted flow matching, not a ratio objective
-    requires_stochastic = False  # the actor trains on final samples; ODE rollouts are fine
 
     def setup(self):
+        super().setup()
         c, s = self.config, self.config.sampling
-        if self.policy.adapter.time_kind != "flow":
-            family = self.policy.family
-            raise ValueError(f"acflow needs a flow-matching (velocity) model; a {family} model predicts noise")
         default_h, default_w = self.policy.adapter.default_size()
         probe = self.policy.adapter.initial_latents(1, s.height or default_h, s.width or default_w, torch.Generator())
         channels = probe.shape[1] if probe.ndim == 4 else probe.shape[-1]  # [C, h, w] or packed [L, D]
@@ -163,27 +143,8 @@ class ACFlowTrainer(ImageTrainer):
     # the pieces
     # ------------------------------------------------------------------------------------------
 
-    def draw_times(self, shape, generator: torch.Generator) -> torch.Tensor:
-        """Noise levels `t` in (0, 1): uniform, or logit-normal (`sigmoid` of a standard normal)."""
-        if self.config.t_sampling == "uniform":
-            return torch.rand(shape, generator=generator)
-        return torch.sigmoid(torch.randn(shape, generator=generator))
-
-    def velocity(self, batch, x: torch.Tensor, t: torch.Tensor, *, reference: bool = False) -> torch.Tensor:
-        """The conditional velocity `v(x_t, t, c)` of the trained network (through its prepared module) or of the
-        reference: `DiffusionPolicy.velocity_fn` with one draw per sample (no CFG; Flux keeps its guidance)."""
-        velocity = self.policy.velocity_fn(batch, 1, reference=reference)
-        return velocity(x.to(device=self.policy.device, dtype=self.policy.dtype), t.float())
-
     def _text(self, rollout) -> torch.Tensor:
         return pooled_text(rollout.cond)[rollout.prompt_ids.to(rollout.latents.device)].float()
-
-    @staticmethod
-    def conditional_path(x1, taus, noises):
-        """States `x_t = (1 - t) x1 + t eps` `[B, ...]` of the conditional path of samples `x1` at `taus [B]`
-        (flowrl's convention, as SD3 and `flowrl.policies.fpo`: t = 1 is noise; target velocity `eps - x1`)."""
-        t = taus.reshape(-1, *([1] * (x1.ndim - 1))).to(x1.device)
-        return (1 - t) * x1 + t * noises.to(x1.device)
 
     def train_critic(self, rollout, shaped: torch.Tensor, epoch: int) -> dict:
         """`critic_steps` AdamW steps of `(V(x_t, t, c) - r~)^2` with a fresh `(t, eps)` per sample and step."""
@@ -194,9 +155,9 @@ class ACFlowTrainer(ImageTrainer):
         net.train()
         losses = []
         for _ in range(self.config.critic_steps):
-            taus = self.draw_times((len(x1),), generator)
+            taus = draw_times(self.config.t_sampling, (len(x1), 1), generator, rollout.sigmas).flatten()
             noises = torch.randn(x1.shape, generator=generator)
-            loss = (net(self.conditional_path(x1, taus, noises), taus.to(x1.device), text) - target).pow(2).mean()
+            loss = (net(conditional_path(x1, taus, noises), taus.to(x1.device), text) - target).pow(2).mean()
             self.accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -205,13 +166,13 @@ class ACFlowTrainer(ImageTrainer):
         return {"critic/loss": losses[-1]} if losses else {}
 
     @torch.no_grad()
-    def critic_advantages(self, rollout, shaped: torch.Tensor, draws: FPODraws) -> torch.Tensor:
+    def critic_advantages(self, rollout, shaped: torch.Tensor, draws: MatchingDraws) -> torch.Tensor:
         """`[B, N]` advantages `clip(r~ - V(x_t, t, c), -c_A, c_A)` at the draws."""
         net, _ = self.aux["critic"]
         b, n = draws.taus.shape
         x1 = rollout.latents[:, -1].float().repeat_interleave(n, dim=0)
         text = self._text(rollout).repeat_interleave(n, dim=0)
-        x_t = self.conditional_path(x1, draws.taus.reshape(-1), draws.noises.reshape(b * n, *draws.noises.shape[2:]))
+        x_t = conditional_path(x1, draws.taus.reshape(-1), draws.noises.reshape(b * n, *draws.noises.shape[2:]))
         values = net(x_t, draws.taus.reshape(-1).to(x1.device), text).reshape(b, n).cpu()
         adv = shaped[:, None] - values
         if self.config.critic_clip is not None:
@@ -236,14 +197,10 @@ class ACFlowTrainer(ImageTrainer):
         rollout = dataclasses.replace(rollout, draws=draws)
         return {**stats, **weigh_stats, **super().update(rollout, shaped, trainable, epoch)}
 
-    def weigh_draws(self, rollout, shaped: torch.Tensor, rows: torch.Tensor, epoch: int) -> tuple[CriticDraws, dict]:
+    def weigh_draws(self, rollout, shaped: torch.Tensor, rows: torch.Tensor, epoch: int) -> tuple[MatchingDraws, dict]:
         """`num_draws` `(t, eps)` per sample, each weighed by `g(A)` (by `g(r~)` during the warm-up)."""
         c = self.config
-        x1 = rollout.latents[:, -1]
-        generator = seeded(c.run.seed, epoch, 5, self.processes.rank)
-        taus = self.draw_times((len(rollout), c.num_draws), generator)
-        noises = torch.randn((len(rollout), c.num_draws, *x1.shape[1:]), generator=generator)
-        draws = CriticDraws(taus=taus, noises=noises)
+        draws = self.make_draws(rollout, epoch)
         if epoch < c.critic_warmup_epochs:  # ORW-CFM-W2's reward weighting while the critic matures
             adv = shaped[:, None].expand(-1, c.num_draws).float()
         else:
@@ -256,33 +213,8 @@ class ACFlowTrainer(ImageTrainer):
                  "weight/max": w.max(), "weight/min": w.min()}  # fmt: skip
         return dataclasses.replace(draws, weights=weights), stats
 
-    def num_elements(self, rollout) -> int:
-        return self.config.num_draws
-
-    def train_elements(self, rollout, epoch):
-        """Each sample trains on its draws `0 .. num_draws - 1`."""
-        return torch.arange(self.config.num_draws).expand(len(rollout), -1)
-
-    def score(self, batch, index):
-        """`w ||v_theta(x_t) - (eps - x1)||^2` and `alpha ||v_theta - v_ref||^2` at the draws `index [b, c]`."""
-        b, c = index.shape
-        rows = torch.arange(b).repeat(c)  # column-major: each column's b rows are one forward chunk
-        draw = index.t().reshape(-1)
-        pairs = batch.select(rows)
-        taus, noises = batch.draws.taus[rows, draw], batch.draws.noises[rows, draw]  # [n], [n, ...]
-        weights = batch.draws.weights[rows, draw]  # [n]
-        x1 = pairs.latents[:, -1].float()
-        x_t = self.conditional_path(x1, taus, noises)
-        target = noises.to(x1.device) - x1  # u_t = eps - x1
-        v = self.velocity(pairs, x_t, taus)
-        cfm = reduce_elements((v.float() - target) ** 2, "mean")  # [n], mean over latent elements (as ORW-CFM-W2)
-        # w_t ||v_theta - u_t||^2 + alpha ||v_theta - v_ref||^2
-        terms = Terms(
-            loss=weights.to(cfm.device) * cfm, logs={"cfm_loss": cfm.detach(), "weight_mean": weights.to(cfm.device)}
-        )
-        alpha = self.config.kl.coef(self.state.epoch)
-        if alpha:
-            w2 = velocity_mse(v, self.velocity(pairs, x_t, taus, reference=True))  # [n]
-            terms.penalty = alpha * w2
-            terms.logs["w2_loss"] = w2.detach()
-        return Terms.from_tensors({k: v.reshape(c, b).t() for k, v in terms.tensors().items()})
+    def draw_terms(self, batch, rows, draw, *, x1, x_t, taus, noises, v):
+        """`w ||v_theta(x_t) - (eps - x1)||^2` at the draws (the W2 term is the base's `kl` penalty)."""
+        weights = batch.draws.weights[rows, draw].to(x1.device)  # [n]
+        cfm = reduce_elements((v.float() - (noises.to(x1.device) - x1)) ** 2, "mean")  # [n], as ORW-CFM-W2
+        return Terms(loss=weights * cfm, logs={"cfm_loss": cfm.detach(), "weight_mean": weights})

@@ -174,6 +174,11 @@ class Trainer(ABC):
     def score(self, batch, index: torch.Tensor) -> Terms:
         """Per-element loss inputs (`[b, c]` each) of the elements `index [b, c]` of the minibatch `batch`."""
 
+    def group_keys(self, texts: list[str]) -> list:
+        """The baseline group of each of the epoch's samples (`[N]` hashables): its prompt. TempFlow-GRPO groups
+        by prompt and branching step."""
+        return texts
+
     def compute_advantages(self, rewards: dict[str, torch.Tensor], group_ids: torch.Tensor, prompts: list[str]):
         """`(advantages [N], stats)` of the valid samples from the `advantage` section (no learned baseline)."""
         return self.advantages(rewards, group_ids, prompts)
@@ -199,8 +204,9 @@ class Trainer(ABC):
         self.state.samples_scored += len(prompts)
         valid, bad = self.rewards.check(rewards)
         texts = [str(p) for p in prompts]
-        unique = {p: i for i, p in enumerate(dict.fromkeys(texts))}
-        group_ids = torch.tensor([unique[p] for p in texts])
+        keys = self.group_keys(texts)
+        unique = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+        group_ids = torch.tensor([unique[key] for key in keys])
         advantages = torch.zeros(len(prompts))
         valid_rewards = {k: v[valid] for k, v in rewards.items()}
         valid_texts = [t for t, ok in zip(texts, valid.tolist()) if ok]
@@ -221,6 +227,7 @@ class Trainer(ABC):
             **{f"adv/{k}": v for k, v in adv_stats.items()},
             **bad,
             "trained_samples": int(self.processes.gather(local_trainable.float()).sum()),
+            "reward_evals": self.state.samples_scored,
             "lr": lr,
             "threads": threads,
             **train,

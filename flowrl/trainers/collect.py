@@ -50,7 +50,9 @@ class ImageCollector:
     """An epoch of images and their rewards.
 
     Args:
-        sample_part (`Callable`): `sample_part(texts, generator) -> DiffusionRollout`: one sampling call.
+        sample_part (`Callable`): `sample_part(texts, generator, rows) -> DiffusionRollout`: one sampling call;
+            `rows` are the samples' positions in the epoch's prompt list (sample `i` of a group of `k` is
+            `rows % k`), the same on every process.
         rewards (`Rewards`): the training rewards.
         processes (`Processes`): this process's share.
         train_prompts (`list`): the training prompt set (`flowrl.prompts.Prompt`s).
@@ -59,9 +61,9 @@ class ImageCollector:
         reward_overlap (`int`): sample in this many parts, scoring each finished part while the next samples.
     """
 
-    def __init__(self, *, sample_part: Callable[[list[str], torch.Generator], DiffusionRollout], rewards: Rewards,
-                 processes: Processes, train_prompts: list, prompts_per_epoch: int, group_size: int, seed: int,
-                 reward_overlap: int = 1):  # fmt: skip
+    def __init__(self, *, sample_part: Callable[[list[str], torch.Generator, range], DiffusionRollout],
+                 rewards: Rewards, processes: Processes, train_prompts: list, prompts_per_epoch: int,
+                 group_size: int, seed: int, reward_overlap: int = 1):  # fmt: skip
         if not train_prompts:
             raise ValueError("the training prompt set is empty")
         self.sample_part, self.rewards, self.processes = sample_part, rewards, processes
@@ -88,7 +90,8 @@ class ImageCollector:
             rows = slice(bounds[i], bounds[i + 1])
             stream = (i,) if n > 1 else ()  # n = 1 keeps the single-call stream
             generator = seeded(self.seed, epoch, 2, self.processes.rank, *stream)
-            part = self.sample_part([str(p) for p in mine[rows]], generator)
+            positions = range(local.start + rows.start, local.start + rows.stop)
+            part = self.sample_part([str(p) for p in mine[rows]], generator, positions)
             if on_part is not None:
                 on_part(part, mine[rows])
             parts.append(part)

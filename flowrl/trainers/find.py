@@ -190,7 +190,7 @@ class FINDTrainer(ImageTrainer):
     # the loop's hooks
     # ------------------------------------------------------------------------------------------
 
-    def sample_part(self, texts, generator):
+    def sample_part(self, texts, generator, rows=None):
         """`texts` through the frozen sampler from `z_T ~ pi_theta`; the draws ride along as `rollout.noise`."""
         s = self.config.sampling
         condition, text = self.conditions(texts)

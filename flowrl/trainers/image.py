@@ -110,18 +110,36 @@ class ImageTrainer(Trainer):
         """Rollouts keep each step's behaviour mean when the objective needs it (GRPO-Guard's RatioNorm)."""
         return self.objective is not None and "mean_diff_sq" in get_objective(self.objective).required
 
-    def sample_part(self, texts: list[str], generator: torch.Generator) -> DiffusionRollout:
-        """One sampling call: the policy's samples of `texts` with the configured sampler."""
+    def sample_part(self, texts: list[str], generator: torch.Generator, rows: range | None = None) -> DiffusionRollout:
+        """One sampling call: the policy's samples of `texts` (at positions `rows` of the epoch's prompt list)
+        with the configured sampler; with `sampling.init_same_noise` a group's samples start from one noise."""
         s = self.config.sampling
+        latents = self.group_noise(rows, s.height, s.width) if s.init_same_noise and rows is not None else None
         with self.accelerator.autocast():
             rollout = self.policy.rollout(texts, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
                                           noise_level=s.noise_level, sampler=s.sampler,
-                                          sde_window=self.sde_window(self.state.epoch),
+                                          sde_window=self.sde_window(self.state.epoch), latents=latents,
                                           generator=generator, height=s.height, width=s.width,
                                           store_means=self.store_means)  # fmt: skip
         if self.requires_stochastic and not rollout.sde_mask.any():
             raise ValueError(f"sampler {s.sampler!r} with noise_level {s.noise_level} has no stochastic step to train")
         return rollout
+
+    def group_noise(self, rows, height: int | None, width: int | None, per_group: int = 1) -> torch.Tensor:
+        """Initial latents `[len(rows), ...]` shared within each group of the epoch's prompt list (MixGRPO's and
+        DanceGRPO's `--init_same_noise`): `per_group` draws per group (TempFlow-GRPO's seeds), draw `d` of group
+        `g` seeded by `(seed, epoch, 8, g, d)`, so every process and a resumed run start from the same noise.
+        Sample `i` of a group of `k` takes draw `i * per_group // k`."""
+        k = self.config.prompts.group_size
+        default_h, default_w = self.policy.adapter.default_size()
+        height, width = height or default_h, width or default_w
+        noises = {}
+        for row in rows:
+            key = (row // k, (row % k) * per_group // k)
+            if key not in noises:
+                generator = seeded(self.config.run.seed, self.state.epoch, 8, *key)
+                noises[key] = self.policy.adapter.initial_latents(1, height, width, generator)
+        return torch.cat([noises[(row // k, (row % k) * per_group // k)] for row in rows])
 
     def sde_window(self, epoch: int) -> tuple[int, int] | None:
         """The stochastic steps of epoch `epoch`'s rollouts (`sampling.sde_window_schedule`), the same on every

@@ -64,16 +64,19 @@ class Processes:
 
 
 class EMA:
-    """Exponential moving average of parameters (`ema <- d ema + (1 - d) theta`)."""
+    """Exponential moving average of parameters (`ema <- d ema + (1 - d) theta`); also a lagged copy with a
+    decay that changes per update (DiffusionNFT's old policy). `prefix` names its tensors in checkpoints."""
 
-    def __init__(self, params: list[torch.nn.Parameter], decay: float):
-        self.params, self.decay = params, decay
+    def __init__(self, params: list[torch.nn.Parameter], decay: float, prefix: str = "ema"):
+        self.params, self.decay, self.prefix = params, decay, prefix
         self.shadow = [p.detach().clone() for p in params]
 
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, decay: float | None = None) -> None:
+        """`shadow <- d shadow + (1 - d) theta` with `d = decay` (default: the constructor's)."""
+        d = self.decay if decay is None else decay
         for shadow, p in zip(self.shadow, self.params):
-            shadow.lerp_(p.detach(), 1 - self.decay)
+            shadow.lerp_(p.detach(), 1 - d)
 
     @contextmanager
     def swapped(self):
@@ -90,11 +93,11 @@ class EMA:
                     p.copy_(b)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"ema.{i}": t for i, t in enumerate(self.shadow)}
+        return {f"{self.prefix}.{i}": t for i, t in enumerate(self.shadow)}
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         for i, shadow in enumerate(self.shadow):
-            shadow.copy_(tensors[f"ema.{i}"])
+            shadow.copy_(tensors[f"{self.prefix}.{i}"])
 
 
 @dataclasses.dataclass

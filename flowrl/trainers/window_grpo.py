@@ -5,17 +5,17 @@ selection (`steps`) and the moving SDE window of `sampling.sde_window_schedule` 
 
 - `mix_grpo` (MixGRPO, Li et al. 2025, arXiv:2507.21802; Tencent-Hunyuan/MixGRPO `train_grpo_flux.py`): a window
   of 4 flow-SDE steps with Euler ODE steps outside it, moved by one step every 25 iterations
-  (`sample_strategy="progressive"`), every window step trained, group z-scores with the sample std.
+  (`sample_strategy="progressive"`), every window step trained, group z-scores with the sample std, one initial
+  noise per group (`sampling.init_same_noise`).
 - `flow_grpo_fast` (Flow-GRPO-Fast, yifan123/flow_grpo `train_sd3_fast.py`, `config/grpo.py::*_fast_nocfg`): a
   window of 3 CPS steps (noise level 0.8) drawn uniformly from the first half of the 10 steps each epoch, ODE
   elsewhere, CFG-free, clip 1e-5 on CPS's `-mean (x' - mu)^2` log-probs, every window step trained.
 - `dance_grpo` (DanceGRPO, Xue et al. 2025, arXiv:2505.07818; XueZeyue/DanceGRPO `train_grpo_flux.py`): its SDE
   (`dance_sde`, constant eta 0.3) on 16 steps with the last transition dropped, a random 60% of the 15 steps
-  trained per sample (9), group z-scores with the sample std, clip 1e-4.
+  trained per sample (9), group z-scores with the sample std, clip 1e-4, one initial noise per group.
 
-Not reproduced: the shared initial noise of a prompt's samples (`--init_same_noise`; flowrl draws each sample's
-noise from the epoch's stream), MixGRPO-Flash's DPM-Solver++ steps after the window, DanceGRPO's best-of-n and
-per-reward surrogates.
+Not reproduced: MixGRPO-Flash's DPM-Solver++ steps after the window, DanceGRPO's best-of-n and per-reward
+surrogates.
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ class MixGRPOConfig(FlowGRPOConfig):
             window_size=4,
             window_every=25,
             window_stride=1,
+            init_same_noise=True,
         )  # fmt: skip
     )
-    """Flow-SDE (a 0.7) inside a 4-step window that moves by 1 step every 25 epochs; ODE outside."""
+    """Flow-SDE (a 0.7) inside a 4-step window that moves by 1 step every 25 epochs; ODE outside; a group's
+    samples start from one noise (`--init_same_noise`)."""
     advantage: AdvantageConfig = dataclasses.field(
         default_factory=lambda: AdvantageConfig(std="group", clip=5.0, unbiased=True, eps=1e-8)
     )
@@ -74,10 +76,11 @@ class DanceGRPOConfig(FlowGRPOConfig):
     trainer: str = "dance_grpo"
     sampling: SamplingConfig = dataclasses.field(
         default_factory=lambda: SamplingConfig(
-            num_steps=16, sampler="dance_sde", noise_level=0.3, sde_window=(0, 15)
+            num_steps=16, sampler="dance_sde", noise_level=0.3, sde_window=(0, 15), init_same_noise=True
         )  # fmt: skip
     )
-    """DanceGRPO's SDE (eta 0.3) on 16 steps; the last transition is ODE and never trained (`--ignore_last`)."""
+    """DanceGRPO's SDE (eta 0.3) on 16 steps; the last transition is ODE and never trained (`--ignore_last`); a
+    group's samples start from one noise (`--init_same_noise`)."""
     advantage: AdvantageConfig = dataclasses.field(
         default_factory=lambda: AdvantageConfig(std="group", clip=5.0, unbiased=True, eps=1e-8)
     )

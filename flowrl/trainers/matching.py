@@ -176,5 +176,5 @@ class MatchingTrainer(ImageTrainer):
 
     def draw_terms(self, batch, rows: torch.Tensor, draw: torch.Tensor, *, x1, x_t, taus, noises, v) -> Terms:
         """`Terms` (`[n]` each) of the `n` draws `(rows, draw)` of `batch`: `x1`, `x_t`, `taus`, `noises` and the
-        current velocity `v` (with its graph) at them."""
-        raise NotImplementedError
+        current velocity `v` (with its graph) at them. A subclass implements this or replaces `score`."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither draw_terms nor score")

@@ -30,6 +30,27 @@ def make_trainer(world, config, reward_fns=None, **kwargs):
     return build_trainer(config, policy=policy, reward_fns=fns, eval_fns=evals, **kwargs)
 
 
+def train_and_resume(world, tmp_path, name, overrides=()):
+    """`name` trained 2 epochs straight and 1 + 1 epochs with a resume; asserts the weights and the per-epoch
+    rewards are identical and returns `(straight trainer, resumed trainer, the straight run's rows)`."""
+    import torch
+
+    def run(folder, epochs, resume=False):
+        extra = [*overrides, f"run.epochs={epochs}", "run.images_every=0"]
+        trainer = make_trainer(world, tiny_config(name, tmp_path / folder, overrides=extra))
+        trainer.train(resume=resume)
+        return trainer
+
+    straight = run("a", 2)
+    run("b", 1)
+    resumed = run("b", 2, resume=True)
+    for p, q in zip(straight.policy.trainable_parameters(), resumed.policy.trainable_parameters()):
+        assert torch.equal(p, q)
+    rows = training_rows(tmp_path / "a")
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in training_rows(tmp_path / "b")]
+    return straight, resumed, rows
+
+
 def training_rows(run_dir):
     """The `metrics.jsonl` rows of the training epochs (the file starts with the epoch-0 evaluation row)."""
     import json

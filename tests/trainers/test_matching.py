@@ -10,7 +10,7 @@ from flowrl.trainers.awm import awm_weight
 from flowrl.trainers.matching import draw_times
 from flowrl.trainers.nft import implicit_velocities, nft_loss, optimality
 
-from .conftest import make_trainer, tiny_config, training_rows
+from .conftest import make_trainer, tiny_config, train_and_resume
 
 
 TINY = {
@@ -212,18 +212,7 @@ def test_image_fpo_ratio_is_exactly_one_before_an_update(tiny_world, tmp_path, r
 
 @pytest.mark.parametrize("name", list(TINY))
 def test_two_epochs_train_and_resume_exactly(tiny_world, tmp_path, name):
-    def run(folder, epochs, resume=False):
-        trainer = trainer_for(tiny_world, tmp_path / folder, name, [f"run.epochs={epochs}", "run.images_every=0"])
-        trainer.train(resume=resume)
-        return trainer
-
-    straight = run("a", 2)
-    run("b", 1)
-    resumed = run("b", 2, resume=True)
-    for p, q in zip(straight.policy.trainable_parameters(), resumed.policy.trainable_parameters()):
-        assert torch.equal(p, q)
-    rows = training_rows(tmp_path / "a")
-    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in training_rows(tmp_path / "b")]
+    straight, resumed, rows = train_and_resume(tiny_world, tmp_path, name, TINY[name])
     assert all(r["grad_norm"] > 0 for r in rows)
     if name == "diffusion_nft":
         assert all(torch.equal(s, t) for s, t in zip(straight.old.shadow, resumed.old.shadow))

@@ -1,11 +1,10 @@
 """The Flow-GRPO presets that move the SDE window (MixGRPO, Flow-GRPO-Fast) or subsample steps (DanceGRPO)."""
 
 import pytest
-import torch
 
 from flowrl.trainers import TRAINERS, load_config
 
-from .conftest import make_trainer, tiny_config, training_rows
+from .conftest import make_trainer, tiny_config, train_and_resume
 
 
 PRESETS = {
@@ -52,17 +51,5 @@ def test_flow_grpo_fast_draws_its_window_per_epoch_the_same_on_resume(tiny_world
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_two_epochs_train_and_resume_exactly(tiny_world, tmp_path, name):
-    def run(folder, epochs, resume=False):
-        overrides = [*PRESETS[name], f"run.epochs={epochs}", "run.images_every=0"]
-        trainer = make_trainer(tiny_world, tiny_config(name, tmp_path / folder, overrides=overrides))
-        trainer.train(resume=resume)
-        return trainer
-
-    straight = run("a", 2)
-    run("b", 1)
-    resumed = run("b", 2, resume=True)
-    for p, q in zip(straight.policy.trainable_parameters(), resumed.policy.trainable_parameters()):
-        assert torch.equal(p, q)
-    rows = training_rows(tmp_path / "a")
-    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in training_rows(tmp_path / "b")]
+    _, _, rows = train_and_resume(tiny_world, tmp_path, name, PRESETS[name])
     assert all(r["clipfrac"] >= 0 for r in rows)

@@ -1,13 +1,15 @@
 """All image trainers on the digits world, several seeds: alignment, gold metrics, wall time, reward budget.
 
     python benchmarks/digits_table.py [--seeds 0,1,2] [--trainers flow_grpo,grpo_guard,...] [--eval-every 2] [--keep]
+                                     [--merge]
 
 Runs `configs/digits/<trainer>.yaml` for every trainer and seed (sequentially, one process, the shipped
 settings; `--eval-every` overrides every config's evaluation period) through `flowrl.ablate`, and writes
 `benchmarks/results/digits_table.{json,md}`. Sample efficiency: the reward evaluations and wall seconds until
 the test alignment (`eval/digits_alignment`, the training reward on held-out prompts) first reaches
 `--threshold` (0.9), read from the eval curve; its resolution is `eval.every` epochs of each trainer's batch
-(the table's `resolution` column, in reward evaluations).
+(the table's `resolution` column, in reward evaluations). `--merge` replaces the rows of the trainers run in
+the existing JSON and keeps the others (each row records its own machine, threads and date).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 from flowrl import ablate  # noqa: E402
 
 
-TRAINERS = ["flow_grpo", "grpo_guard", "loop", "dpok", "find", "acflow", "mix_grpo", "flow_grpo_fast", "dance_grpo",
-            "tempflow_grpo", "diffusion_nft", "awm", "image_fpo"]  # fmt: skip
+TRAINERS = ["flow_grpo", "grpo_guard", "loop", "dpok", "find", "acflow", "mix_grpo", "mix_grpo_flash",
+            "flow_grpo_fast", "dance_grpo", "tempflow_grpo", "diffusion_nft", "awm", "image_fpo"]  # fmt: skip
 METRICS = ["eval/digits_accuracy", "eval/digits_gold", "eval/digits_realism", "eval/diversity", "eval/reward"]
 
 
@@ -51,6 +54,7 @@ def main():
         "--threshold", type=float, default=0.9, help="test alignment for the sample-efficiency columns"
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "digits_table"))
+    parser.add_argument("--merge", action="store_true", help="keep the other trainers' rows of the existing --out")
     args = parser.parse_args()
     configs = [str(ROOT / "configs" / "digits" / f"{name}.yaml") for name in args.trainers.split(",")]
     missing = [c for c in configs if not Path(c).is_file()]
@@ -62,6 +66,15 @@ def main():
     rows = ablate.run(configs, seeds=seeds, output_dir=args.runs, skip_done=args.keep,
                       overrides=[f"eval.every={args.eval_every}"] if args.eval_every else [],
                       threshold=("eval/digits_alignment", args.threshold))  # fmt: skip
+    stamp = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+             "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    rows = [{**row, **stamp} for row in rows]
+    existing = Path(args.out + ".json")
+    if args.merge and existing.is_file():
+        ran = {row["variant"] for row in rows}
+        kept = [row for row in json.loads(existing.read_text())["rows"] if row["variant"] not in ran]
+        order = {name: i for i, name in enumerate(TRAINERS)}
+        rows = sorted(kept + rows, key=lambda r: (order.get(r["variant"], len(order)), r["seed"]))
     markdown = ablate.table(rows, METRICS)
     result = {
         "benchmark": "digits_table",

@@ -84,6 +84,11 @@ class SamplingConfig:
     """`progressive`: steps the window moves each time (0 freezes it, MixGRPO-Flash*)."""
     window_span: tuple[int, int] | None = None
     """Steps `[lo, hi)` a moving window stays in; None: `[0, num_steps - 1)` (Flow-GRPO-Fast: `[0, T // 2)`)."""
+    post_window_solver: Literal["euler", "dpm_solver_2m"] = "euler"
+    """The steps after the SDE window: `euler` (ODE on the same grid) or `dpm_solver_2m` (MixGRPO-Flash:
+    re-discretised to fewer steps, `post_window_ratio` of them, and integrated with DPM-Solver++(2M))."""
+    post_window_ratio: float = 0.4
+    """`dpm_solver_2m`: the fraction of the post-window steps kept (Flash 0.4, Flash* 0.2)."""
     init_same_noise: bool = False
     """Start every sample of a prompt's group from the same initial noise (MixGRPO's and DanceGRPO's
     `--init_same_noise`): the group differs only by the SDE steps' noise."""
@@ -106,6 +111,8 @@ class SamplingConfig:
             raise ValueError("sampling.num_steps must be >= 1")
         if self.forward_batch_size < 1:
             raise ValueError("sampling.forward_batch_size must be >= 1")
+        if not 0 < self.post_window_ratio <= 1:
+            raise ValueError(f"sampling.post_window_ratio must be in (0, 1], got {self.post_window_ratio}")
         if self.sde_window_schedule != "fixed":
             from flowrl.core import sde_window_at
 

@@ -26,6 +26,7 @@ SHRINK = {
     "awm": ["num_draws=1"],
     "tempflow_grpo": ["seeds_per_prompt=1", "branches=2", "prompts.group_size=4"],  # 1 x 2 x 2 branch steps
     "mix_grpo": ["sampling.window_size=2"],
+    "mix_grpo_flash": ["sampling.window_size=1"],
     "flow_grpo_fast": ["sampling.window_size=2", "sampling.window_span=[0, 3]"],
     "dance_grpo": ["sampling.sde_window=[0, 2]", "steps.k=1"],
 }
@@ -56,6 +57,7 @@ def test_every_real_model_config_is_covered():
         "sd35m/tempflow_grpo_pickscore.yaml",
         "flux/grpo_guard_pickscore.yaml",
         "flux/mix_grpo_pickscore.yaml",
+        "flux/mix_grpo_flash_pickscore.yaml",
         "flux/dance_grpo_pickscore.yaml",
         "sd15/dpok_imagereward.yaml",
     }

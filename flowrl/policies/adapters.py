@@ -13,6 +13,7 @@ not change any number; `decode` unpacks.
 from __future__ import annotations
 
 import copy
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -98,6 +99,34 @@ class ModelAdapter(ABC):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Images `[B, 3, H, W]` in [0, 1]."""
 
+    def shift_mu(self, latent_shape) -> float | None:
+        """The resolution-dependent shift `mu` the schedule uses (None: the scheduler's static `shift`)."""
+        return None
+
+    def resample_sigmas(self, sigma_start: float, num_intervals: int, latent_shape) -> torch.Tensor:
+        """`[num_intervals + 1]` sigmas from `sigma_start` down to 0, uniform in the scheduler's unshifted time.
+
+        MixGRPO-Flash's re-discretisation after the SDE window (`dpm_apply_strategy="post"`): a flow scheduler
+        maps unshifted `t` to `s = a t / (1 + (a - 1) t)` (`a` = its `shift`, or `e^mu` / `mu` for exponential /
+        linear dynamic shifting), so `sigma_start` is unshifted, `num_intervals` equal steps are taken to 0,
+        and the points are shifted back; the first point is `sigma_start` itself.
+        """
+        if self.time_kind != "flow":
+            raise ValueError(f"re-discretising the sigmas needs a flow-matching model, not a {self.family} model")
+        if num_intervals < 1:
+            raise ValueError(f"num_intervals must be >= 1, got {num_intervals}")
+        config = self.scheduler.config
+        mu = self.shift_mu(latent_shape)
+        if mu is None:
+            a = float(config.get("shift", 1.0))
+        else:
+            a = math.exp(mu) if config.get("time_shift_type", "exponential") == "exponential" else float(mu)
+        t0 = sigma_start / (a - (a - 1) * sigma_start)  # the inverse of the shift
+        t = torch.linspace(t0, 0.0, num_intervals + 1, dtype=torch.float64)
+        sigmas = (a * t / (1 + (a - 1) * t)).float()
+        sigmas[0] = sigma_start
+        return sigmas
+
     def default_size(self) -> tuple[int, int]:
         """The pipeline's default image size."""
         pipe = self.pipeline
@@ -155,25 +184,28 @@ class SD3Adapter(ModelAdapter):
         )
 
     def schedule(self, num_steps, latent_shape):
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
-            calculate_shift,
-            retrieve_timesteps,
-        )
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import retrieve_timesteps
 
-        kwargs = {}
-        config = self.scheduler.config
-        if config.get("use_dynamic_shifting", None):
-            patch = self.model.config.patch_size
-            seq_len = (latent_shape[-2] // patch) * (latent_shape[-1] // patch)
-            kwargs["mu"] = calculate_shift(
-                seq_len,
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.16),
-            )
+        mu = self.shift_mu(latent_shape)
+        kwargs = {} if mu is None else {"mu": mu}
         timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, self.device, **kwargs)
         return timesteps, self.scheduler.sigmas.to(torch.float32)
+
+    def shift_mu(self, latent_shape):
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+        config = self.scheduler.config
+        if not config.get("use_dynamic_shifting", None):
+            return None
+        patch = self.model.config.patch_size
+        seq_len = (latent_shape[-2] // patch) * (latent_shape[-1] // patch)
+        return calculate_shift(
+            seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.16),
+        )
 
     def decode(self, latents, height, width):
         return _decode_vae(self.pipeline, latents)
@@ -234,22 +266,28 @@ class FluxAdapter(ModelAdapter):
         return packed
 
     def schedule(self, num_steps, latent_shape):
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+        from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
+
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        if self.scheduler.config.get("use_flow_sigmas", False):
+            sigmas = None
+        mu = self.shift_mu(latent_shape)
+        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, self.device, sigmas=sigmas, mu=mu)
+        return timesteps, self.scheduler.sigmas.to(torch.float32)
+
+    def shift_mu(self, latent_shape):
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         config = self.scheduler.config
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        if config.get("use_flow_sigmas", False):
-            sigmas = None
-        seq_len = latent_shape[1]  # packed tokens, as the pipeline's image_seq_len
-        mu = calculate_shift(
-            seq_len,
+        if not config.get("use_dynamic_shifting", None):
+            return None
+        return calculate_shift(
+            latent_shape[1],  # packed tokens, as the pipeline's image_seq_len
             config.get("base_image_seq_len", 256),
             config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5),
             config.get("max_shift", 1.15),
         )
-        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, self.device, sigmas=sigmas, mu=mu)
-        return timesteps, self.scheduler.sigmas.to(torch.float32)
 
     def decode(self, latents, height, width):
         spatial = self.pipeline._unpack_latents(latents, height, width, self.pipeline.vae_scale_factor)

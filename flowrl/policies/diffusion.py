@@ -29,10 +29,12 @@ from flowrl.policies.adapters import CallableAdapter, ModelAdapter, adapter_for
 from flowrl.policies.fpo import FPODraws
 from flowrl.policies.noise import NoiseDraws
 from flowrl.policies.rollout import Record, per_sample
-from flowrl.policies.sde import SAMPLERS, StepOutput, ddim_step, sde_step
+from flowrl.policies.sde import SAMPLERS, StepOutput, ddim_step, dpm_solver_2m_step, sde_step
 
 
 FLOW_SAMPLERS = ("flow_sde", "dance_sde", "cps", "cps_gaussian", "ode")
+POST_WINDOW_SOLVERS = ("euler", "dpm_solver_2m")
+"""How the steps after the SDE window are integrated (`DiffusionPolicy.rollout`)."""
 
 
 @dataclass
@@ -426,6 +428,8 @@ class DiffusionPolicy:
         decode: bool = True,
         store_means: bool = False,
         progress: str | None = None,
+        post_window_solver: str = "euler",
+        post_window_ratio: float = 0.4,
     ) -> DiffusionRollout:
         """Sample one trajectory per prompt and record its per-step log-probabilities.
 
@@ -446,6 +450,11 @@ class DiffusionPolicy:
             decode (`bool`, defaults to `True`): decode the final latents to images.
             store_means (`bool`, defaults to `False`): keep each step's behaviour mean (GRPO-Guard).
             progress (`str`, *optional*): show a progress bar over the denoising steps with this label.
+            post_window_solver (`str`, defaults to `"euler"`): the steps after `sde_window`: `euler` (the ODE on
+                the same grid) or `dpm_solver_2m` (MixGRPO-Flash: the `T - end` steps re-discretised to
+                `max(int((T - end + 1) * post_window_ratio), 2) - 1` and integrated with DPM-Solver++(2M); the
+                rollout then has fewer steps, and its `sigmas`/`timesteps` are the grid it ran on).
+            post_window_ratio (`float`, defaults to 0.4): the compression of `dpm_solver_2m` (Flash 0.4, Flash* 0.2).
         """
         prompts = list(prompts)
         if not prompts:
@@ -482,20 +491,34 @@ class DiffusionPolicy:
         timesteps, sigmas = self.adapter.schedule(num_steps, x.shape)
         if len(timesteps) != num_steps:
             raise ValueError(f"the scheduler produced {len(timesteps)} steps for num_steps={num_steps}")
+        if post_window_solver not in POST_WINDOW_SOLVERS:
+            raise ValueError(f"post_window_solver must be one of {', '.join(POST_WINDOW_SOLVERS)}, "
+                             f"got {post_window_solver!r}")  # fmt: skip
+        multistep = post_window_solver == "dpm_solver_2m" and end < num_steps
+        if multistep:
+            timesteps, sigmas = self._after_window(timesteps, sigmas, end, post_window_ratio, x.shape)
+            num_steps = len(timesteps)
 
         stochastic = sampler != "ode" and not (sampler == "ddim" and noise_level == 0)
         sde_mask = torch.zeros(num_steps, dtype=torch.bool)
         sde_mask[start:end] = stochastic
         states, log_probs, stds, means = [x], [], [], []
+        x0_prev = None  # the previous step's data prediction, for the multistep solver after the window
         for i in _steps(num_steps, progress):
             kind = sampler if sde_mask[i] else "ode"  # "ode" is eta-0 DDIM for UNets
             noise = None
             if kind != "ode":
                 noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
             step = torch.full((batch,), i, dtype=torch.long)
+            predictions = [] if multistep and i >= end - 1 else None
             out = self._run(self.model, kind, x, step, plan, cfg=cfg, static=static, sigmas=sigmas,
                             timesteps=timesteps, guidance_scale=guidance_scale, noise_level=noise_level,
-                            noise=noise)  # fmt: skip
+                            noise=noise, predictions=predictions)  # fmt: skip
+            if predictions is not None:
+                v = torch.cat(predictions)
+                if i >= end:  # replaces the Euler step just computed (a few element-wise ops; the call is shared)
+                    out = dpm_solver_2m_step(v, sigmas[i], sigmas[i + 1], x, x0_prev=x0_prev, sigma_prev=sigmas[i - 1])
+                x0_prev = x.float() - float(sigmas[i]) * v.float()
             x = out.prev_sample
             states.append(x)
             log_probs.append(out.log_prob)
@@ -528,6 +551,19 @@ class DiffusionPolicy:
             images=self.adapter.decode(x, height, width) if decode else None,
             means=torch.stack(means, dim=1) if store_means else None,
         )
+
+    def _after_window(self, timesteps, sigmas, end: int, ratio: float, latent_shape):
+        """MixGRPO-Flash's grid: the first `end` steps as scheduled, then `sigmas[end] -> 0` in
+        `max(int((T - end + 1) * ratio), 2) - 1` steps uniform in unshifted time (`ModelAdapter.resample_sigmas`;
+        MixGRPO keeps `int((T - end + 1) * ratio)` points, which never reach 0 when that is 1)."""
+        if not 0 < ratio <= 1:
+            raise ValueError(f"post_window_ratio must be in (0, 1], got {ratio}")
+        num_steps = len(timesteps)
+        intervals = max(int((num_steps - end + 1) * ratio), 2) - 1
+        post = self.adapter.resample_sigmas(float(sigmas[end]), intervals, latent_shape).to(sigmas)
+        scale = self.adapter.scheduler.config.num_train_timesteps  # flow timesteps are sigma * 1000
+        post_t = (post[:-1] * scale).to(device=timesteps.device, dtype=timesteps.dtype)
+        return torch.cat([timesteps[:end], post_t]), torch.cat([sigmas[:end], post])
 
     # ------------------------------------------------------------------------------------------
     # re-scoring

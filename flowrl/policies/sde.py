@@ -279,3 +279,43 @@ def ddim_step(
 
 
 SAMPLERS.register("ddim", ddim_step)
+
+
+def dpm_solver_2m_step(
+    model_output: torch.Tensor,
+    sigma: float,
+    sigma_next: float,
+    sample: torch.Tensor,
+    *,
+    x0_prev: torch.Tensor | None = None,
+    sigma_prev: float | None = None,
+) -> StepOutput:
+    """A deterministic multistep DPM-Solver++(2M) step (midpoint form) in the flow convention: no density.
+
+    Lu et al. 2022 (arXiv:2211.01095, Alg. 2), as MixGRPO-Flash integrates the steps after its SDE window
+    (Tencent-Hunyuan/MixGRPO `sampling_utils.py::multistep_dpm_solver_second_order_update`). With `alpha = 1 - s`,
+    `lambda = log(alpha / s)`, the data predictions `D0 = x - s v` (now) and `x0_prev` (at `sigma_prev`, the grid
+    point before `sigma`), `h = lambda' - lambda`, `r = (lambda - lambda_prev) / h`:
+
+        x' = (s' / s) x - alpha' (e^-h - 1) [D0 + (D0 - x0_prev) / (2 r)]
+
+    First order (DDIM in data prediction) without a previous prediction, when `sigma_prev` is pure noise, and at
+    `s' = 0`, where `x' = D0` (the solvers' `lower_order_final`). `sigma` must be < 1 (`alpha > 0`).
+    """
+    v, x = _upcast(model_output, sample)
+    s, s_next = float(sigma), float(sigma_next)
+    if not 0 <= s_next < s < 1:
+        raise ValueError(f"a DPM-Solver++ step needs 0 <= sigma_next < sigma < 1, got {s_next} -> {s}")
+    d0 = x - s * v  # [B, ...] the data prediction
+    if s_next == 0:
+        mean = d0
+    else:
+        lam = math.log((1 - s) / s)
+        h = math.log((1 - s_next) / s_next) - lam
+        mean = (s_next / s) * x - (1 - s_next) * math.expm1(-h) * d0
+        if x0_prev is not None and sigma_prev is not None and float(sigma_prev) < 1:
+            sp = float(sigma_prev)
+            r = (lam - math.log((1 - sp) / sp)) / h
+            mean = mean - (1 - s_next) * math.expm1(-h) / (2 * r) * (d0 - x0_prev.to(d0.dtype))
+    zero = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    return _finish(mean, zero, sample, None, None, None, "mean")

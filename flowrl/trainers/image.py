@@ -120,7 +120,8 @@ class ImageTrainer(Trainer):
                                           noise_level=s.noise_level, sampler=s.sampler,
                                           sde_window=self.sde_window(self.state.epoch), latents=latents,
                                           generator=generator, height=s.height, width=s.width,
-                                          store_means=self.store_means)  # fmt: skip
+                                          store_means=self.store_means, post_window_solver=s.post_window_solver,
+                                          post_window_ratio=s.post_window_ratio)  # fmt: skip
         if self.requires_stochastic and not rollout.sde_mask.any():
             raise ValueError(f"sampler {s.sampler!r} with noise_level {s.noise_level} has no stochastic step to train")
         return rollout

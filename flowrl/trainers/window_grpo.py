@@ -7,6 +7,10 @@ selection (`steps`) and the moving SDE window of `sampling.sde_window_schedule` 
   of 4 flow-SDE steps with Euler ODE steps outside it, moved by one step every 25 iterations
   (`sample_strategy="progressive"`), every window step trained, group z-scores with the sample std, one initial
   noise per group (`sampling.init_same_noise`).
+- `mix_grpo_flash` (MixGRPO-Flash, the same code's `--dpm_algorithm_type dpmsolver++ --dpm_apply_strategy post`):
+  MixGRPO's window moved every 20 iterations; the steps after it re-discretised to `int((T - end + 1) * 0.4)`
+  points and integrated with DPM-Solver++(2M) (`sampling.post_window_solver`), so a rollout makes
+  `end + that - 1` network calls instead of T (Flash*: a frozen window, ratio 0.2).
 - `flow_grpo_fast` (Flow-GRPO-Fast, yifan123/flow_grpo `train_sd3_fast.py`, `config/grpo.py::*_fast_nocfg`): a
   window of 3 CPS steps (noise level 0.8) drawn uniformly from the first half of the 10 steps each epoch, ODE
   elsewhere, CFG-free, clip 1e-5 on CPS's `-mean (x' - mu)^2` log-probs, every window step trained.
@@ -14,8 +18,7 @@ selection (`steps`) and the moving SDE window of `sampling.sde_window_schedule` 
   (`dance_sde`, constant eta 0.3) on 16 steps with the last transition dropped, a random 60% of the 15 steps
   trained per sample (9), group z-scores with the sample std, clip 1e-4, one initial noise per group.
 
-Not reproduced: MixGRPO-Flash's DPM-Solver++ steps after the window, DanceGRPO's best-of-n and per-reward
-surrogates.
+Not reproduced: DanceGRPO's best-of-n and per-reward surrogates.
 """
 
 from __future__ import annotations
@@ -49,6 +52,26 @@ class MixGRPOConfig(FlowGRPOConfig):
     """Group mean and sample std + 1e-8, clipped to +-5 (MixGRPO's `advantage_aggr`, one reward)."""
     steps: StepConfig = dataclasses.field(default_factory=lambda: StepConfig(selection="all"))
     """Every stochastic (window) step trains."""
+
+
+@dataclasses.dataclass
+class MixGRPOFlashConfig(MixGRPOConfig):
+    trainer: str = "mix_grpo_flash"
+    sampling: SamplingConfig = dataclasses.field(
+        default_factory=lambda: SamplingConfig(
+            sampler="flow_sde",
+            noise_level=0.7,
+            sde_window_schedule="progressive",
+            window_size=4,
+            window_every=20,
+            window_stride=1,
+            init_same_noise=True,
+            post_window_solver="dpm_solver_2m",
+            post_window_ratio=0.4,
+        )  # fmt: skip
+    )
+    """MixGRPO's window, moved every 20 epochs; after it, 0.4 of the remaining steps with DPM-Solver++(2M)
+    (`--dpm_apply_strategy post`). Flash*: `window_stride: 0` (frozen at the first steps), `post_window_ratio: 0.2`."""
 
 
 @dataclasses.dataclass
@@ -96,6 +119,16 @@ class MixGRPOTrainer(FlowGRPOTrainer):
     """MixGRPO; see the module docstring."""
 
     config_class = MixGRPOConfig
+
+
+@TRAINERS.register(
+    "mix_grpo_flash",
+    description="MixGRPO-Flash: MixGRPO with fewer DPM-Solver++(2M) steps after the window (arXiv:2507.21802)",
+)
+class MixGRPOFlashTrainer(FlowGRPOTrainer):
+    """MixGRPO-Flash; see the module docstring."""
+
+    config_class = MixGRPOFlashConfig
 
 
 @TRAINERS.register(

@@ -272,8 +272,8 @@ def test_bad_arguments(sd3_pipe, unet_pipe):
         unet.rollout(["a cat"], num_steps=2, sampler="flow_sde")
 
 
-def test_callable_adapter_policy():
-    # any SD3-convention velocity network with callable text encoder and decoder (the digits world's shape)
+def _random_callable_policy():
+    """A random SD3-convention velocity network with callable text encoder and decoder (the digits world's shape)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
     from flowrl.policies import from_callable
@@ -291,7 +291,11 @@ def test_callable_adapter_policy():
     def decode(latents):
         return ((latents.clamp(-1, 1) + 1) / 2).expand(-1, 3, -1, -1)
 
-    policy = from_callable(net, encode, decode, (1, 8, 8), FlowMatchEulerDiscreteScheduler(shift=1.0))
+    return from_callable(net, encode, decode, (1, 8, 8), FlowMatchEulerDiscreteScheduler(shift=1.0))
+
+
+def test_callable_adapter_policy():
+    policy = _random_callable_policy()
     rollout = policy.rollout(["zero", "one", "zero"], num_steps=4, guidance_scale=2.0, generator=_gen())
     assert rollout.images.shape == (3, 3, 8, 8) and rollout.latents.shape == (3, 5, 1, 8, 8)
     # the same batch layout re-scores bit for bit; another layout (one row alone: a different GEMM shape) may
@@ -300,4 +304,83 @@ def test_callable_adapter_policy():
     torch.testing.assert_close(policy.log_prob(rollout.select([1]), 2), rollout.log_probs[1:2, 2:3], rtol=1e-5,
                                atol=1e-6)  # fmt: skip
     policy.log_prob(rollout, 0).sum().backward()
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.model.parameters())
+
+
+@pytest.mark.parametrize("fixture", ["sd3_pipe", "flux_pipe"])
+def test_dpm_solver_after_the_window(request, fixture):
+    # MixGRPO-Flash: the window's transitions are those of the Euler-after-window rollout (same noise), the grid
+    # after it is shorter, decreasing and ends at 0, and the stored transitions re-score exactly
+    policy, _ = _policy(request.getfixturevalue(fixture))
+    kwargs = dict(num_steps=10, sde_window=(1, 3), guidance_scale=1.0, height=64, width=64)
+    euler = policy.rollout(PROMPTS, generator=_gen(), **kwargs)
+    flash = policy.rollout(PROMPTS, generator=_gen(), post_window_solver="dpm_solver_2m", post_window_ratio=0.4,
+                           **kwargs)  # fmt: skip
+    assert flash.num_steps == 3 + max(int((10 - 3 + 1) * 0.4), 2) - 1 == 5
+    assert torch.equal(flash.sigmas[:4], euler.sigmas[:4]) and flash.sigmas[-1] == 0
+    assert (flash.sigmas.diff() < 0).all() and flash.sde_mask.tolist() == [False, True, True, False, False]
+    assert torch.equal(flash.latents[:, :4], euler.latents[:, :4])
+    assert torch.equal(flash.log_probs[:, :3], euler.log_probs[:, :3])
+    assert torch.equal(policy.log_prob(flash, torch.tensor([[1, 2]] * len(PROMPTS))), flash.log_probs[:, 1:3])
+    assert flash.images.shape == euler.images.shape
+    # a window reaching the last step leaves nothing to re-discretise
+    whole = policy.rollout(PROMPTS[:1], num_steps=4, sde_window=(0, 4), post_window_solver="dpm_solver_2m",
+                           generator=_gen(), height=64, width=64)  # fmt: skip
+    assert whole.num_steps == 4
+    with pytest.raises(ValueError, match="post_window_solver must be one of euler, dpm_solver_2m"):
+        policy.rollout(PROMPTS[:1], num_steps=4, post_window_solver="heun")
+
+
+def test_resampled_sigmas_are_uniform_in_unshifted_time(flux_pipe, sd3_pipe):
+    # Flux's pipeline schedules linspace(1, 1/T, T) shifted by e^mu, so re-discretising the tail with as many
+    # steps as it had reproduces the schedule; SD3's static shift 3 inverts likewise
+    policy, _ = _policy(flux_pipe)
+    shape = policy.adapter.initial_latents(1, 64, 64, _gen()).shape
+    _, sigmas = policy.adapter.schedule(10, shape)
+    torch.testing.assert_close(policy.adapter.resample_sigmas(float(sigmas[4]), 6, shape), sigmas[4:])
+    sd3, _ = _policy(sd3_pipe)
+    t = torch.tensor([0.75, 0.5, 0.25, 0.0])
+    shifted = 3 * t / (1 + 2 * t)
+    torch.testing.assert_close(sd3.adapter.resample_sigmas(float(shifted[0]), 3, (1, 4, 8, 8)), shifted)
+
+
+class _GaussianFlow(torch.nn.Module):
+    """The exact velocity of data N(mu, s^2 I): `x_t = (1 - t) mu + m(t) z`, `m(t) = sqrt((1 - t)^2 s^2 + t^2)`,
+    so the ODE carries `z = x_1` to `x_0 = mu + s z`."""
+
+    def __init__(self, mu: float = 0.5, s: float = 0.3):
+        super().__init__()
+        self.mu, self.s = mu, s
+        self.anchor = torch.nn.Parameter(torch.zeros(()))  # dtype and device for the adapter
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections):
+        t = (timestep.to(torch.float64) / 1000).reshape(-1, 1, 1, 1)
+        m = ((1 - t) ** 2 * self.s**2 + t**2).sqrt()
+        z = (hidden_states.double() - (1 - t) * self.mu) / m
+        return (-self.mu + (t - (1 - t) * self.s**2) / m * z).to(hidden_states.dtype)
+
+
+def test_dpm_solver_after_the_window_is_second_order():
+    # on the exact Gaussian flow, doubling the steps after a one-step window cuts DPM-Solver++(2M)'s error about
+    # 4x and Euler's about 2x (the point of MixGRPO-Flash's higher-order solver)
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from flowrl.policies import from_callable
+
+    def encode(prompts):
+        return {"prompt_embeds": torch.zeros(len(prompts), 1, 2), "pooled": torch.zeros(len(prompts), 2)}
+
+    flow = _GaussianFlow().double()
+    policy = from_callable(flow, encode, lambda x: x, (1, 4, 4), FlowMatchEulerDiscreteScheduler(shift=3.0))
+    noise = torch.randn(6, 1, 4, 4, generator=_gen(), dtype=torch.float64)
+    exact = flow.mu + flow.s * noise
+
+    def error(solver, steps):
+        rollout = policy.rollout(["x"] * 6, num_steps=steps, sampler="ode", latents=noise, sde_window=(0, 1),
+                                 post_window_solver=solver, post_window_ratio=1.0, decode=False)  # fmt: skip
+        return (rollout.latents[:, -1] - exact).norm().item()
+
+    # (from 32 steps on: its first-order last step jumps from the last re-discretised sigma straight to 0)
+    assert 1.5 < error("euler", 32) / error("euler", 64) < 2.5
+    assert error("dpm_solver_2m", 32) / error("dpm_solver_2m", 64) > 3.5
+    assert error("dpm_solver_2m", 64) < error("euler", 64) / 5

@@ -211,3 +211,39 @@ def test_ddim_mean_with_eta_matches_the_scheduler_with_zero_noise(prediction_typ
             ours = ddim_step(scheduler, v, t, x, eta=eta)
             ref = scheduler.step(v, t, x, eta=eta, variance_noise=torch.zeros_like(x)).prev_sample
             torch.testing.assert_close(ours.mean, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dpm_solver_2m_step_by_hand():
+    # x = 1, v = 0.5 at s = 0.5 -> s' = 0.25; D0 = x - s v = 0.75; lambda = log((1 - s) / s): 0, log 3, -log 3
+    # h = log 3, e^-h = 1/3, alpha' = 0.75. First order: (s'/s) x - alpha' (e^-h - 1) D0 = 0.5 + 0.375 = 0.875.
+    # With x0_prev = 0.2 at s_prev = 0.75: r = (0 + log 3) / log 3 = 1, correction -alpha' (e^-h - 1) / 2 (D0 - 0.2)
+    # = 0.25 * 0.55 = 0.1375.
+    from flowrl.policies.sde import dpm_solver_2m_step
+
+    x, v = torch.ones(1, 2), torch.full((1, 2), 0.5)
+    first = dpm_solver_2m_step(v, 0.5, 0.25, x)
+    torch.testing.assert_close(first.prev_sample, torch.full((1, 2), 0.875))
+    second = dpm_solver_2m_step(v, 0.5, 0.25, x, x0_prev=torch.full((1, 2), 0.2), sigma_prev=0.75)
+    torch.testing.assert_close(second.prev_sample, torch.full((1, 2), 1.0125))
+    assert second.log_prob.eq(0).all() and second.std.eq(0).all()  # deterministic: no density
+    # the last step lands on the data prediction; pure noise before has no log-SNR: first order
+    torch.testing.assert_close(dpm_solver_2m_step(v, 0.5, 0.0, x, x0_prev=x, sigma_prev=0.75).prev_sample, x - 0.25)
+    torch.testing.assert_close(dpm_solver_2m_step(v, 0.5, 0.25, x, x0_prev=x, sigma_prev=1.0).prev_sample,
+                               first.prev_sample)  # fmt: skip
+    with pytest.raises(ValueError, match="sigma_next < sigma < 1"):
+        dpm_solver_2m_step(v, 1.0, 0.5, x)
+
+
+def test_dpm_solver_2m_is_exact_for_a_point_mass():
+    # data = c: x_s = (1 - s) c + s eps, v = eps - c, D = c at every step; the ODE's solution is
+    # x_s' = (s'/s) x + (1 - s'/s) c, which DPM-Solver++ reproduces exactly at first and second order
+    from flowrl.policies.sde import dpm_solver_2m_step
+
+    torch.manual_seed(0)
+    c, eps = torch.randn(3, 4), torch.randn(3, 4)
+    grid = [0.9, 0.7, 0.4, 0.15, 0.0]
+    x, x0_prev, s_prev = (1 - grid[0]) * c + grid[0] * eps, None, None
+    for s, s_next in zip(grid, grid[1:]):
+        out = dpm_solver_2m_step(eps - c, s, s_next, x, x0_prev=x0_prev, sigma_prev=s_prev)
+        torch.testing.assert_close(out.prev_sample, (1 - s_next) * c + s_next * eps, atol=1e-6, rtol=1e-5)
+        x, x0_prev, s_prev = out.prev_sample, c, s

@@ -10,16 +10,25 @@ from .conftest import make_trainer, tiny_config, train_and_resume
 PRESETS = {
     # the presets' own settings scaled to the tiny world's 4 steps
     "mix_grpo": ["sampling.window_size=2", "sampling.window_every=1", "objective.clip_eps_low=1e-2"],
+    "mix_grpo_flash": [
+        "sampling.window_size=1",
+        "sampling.window_every=1",
+        "sampling.post_window_ratio=0.5",
+        "objective.clip_eps_low=1e-2",
+    ],
     "flow_grpo_fast": ["sampling.window_size=2", "sampling.window_span=[0, 3]", "objective.clip_eps_low=1e-2"],
     "dance_grpo": ["sampling.num_steps=4", "sampling.sde_window=[0, 3]", "steps.k=2", "objective.clip_eps_low=1e-2"],
 }
 
 
 def test_presets_keep_the_papers_settings():
-    mix, fast, dance = (load_config({"trainer": name}) for name in PRESETS)
+    mix, flash, fast, dance = (load_config({"trainer": name}) for name in PRESETS)
     assert (mix.sampling.sde_window_schedule, mix.sampling.window_size, mix.sampling.window_every) == (
         "progressive", 4, 25)  # fmt: skip
     assert mix.steps.selection == "all" and mix.advantage.unbiased and mix.advantage.eps == 1e-8
+    assert (flash.sampling.window_every, flash.sampling.post_window_solver, flash.sampling.post_window_ratio) == (
+        20, "dpm_solver_2m", 0.4)  # fmt: skip
+    assert mix.sampling.post_window_solver == "euler" and flash.sampling.init_same_noise
     assert (fast.sampling.sampler, fast.sampling.noise_level, fast.sampling.guidance_scale) == ("cps", 0.8, 1.0)
     assert (fast.sampling.sde_window_schedule, fast.sampling.window_size, fast.sampling.window_span) == (
         "random", 3, (0, 5))  # fmt: skip
@@ -39,6 +48,18 @@ def test_mix_grpo_rollouts_are_stochastic_only_inside_the_moving_window(tiny_wor
         assert trainer.train_elements(rollout, epoch)[0].tolist() == list(range(*window))
         # outside the window the step is the deterministic Euler step x' = x + dt v: it has no log-prob
         assert rollout.sde_mask.tolist() == [window[0] <= t < window[1] for t in range(4)]
+
+
+def test_mix_grpo_flash_samples_fewer_steps_after_the_window(tiny_world, tmp_path):
+    # 4 steps, a 1-step window moving over [0, 3): after window [s, s + 1) the 4 - s - 1 Euler steps become
+    # max(int((4 - s) * 0.5), 2) - 1 = 1 DPM-Solver++(2M) step to sigma 0; only the window step is trained
+    trainer = make_trainer(tiny_world, tiny_config("mix_grpo_flash", tmp_path, overrides=PRESETS["mix_grpo_flash"]))
+    for epoch, start in enumerate([0, 1, 2]):
+        trainer.state.epoch = epoch
+        rollout, _, _ = trainer.collector.sample(epoch)
+        assert rollout.num_steps == start + 2 and rollout.sigmas[-1] == 0
+        assert rollout.sde_mask.tolist() == [t == start for t in range(start + 2)]
+        assert trainer.train_elements(rollout, epoch)[0].tolist() == [start]
 
 
 def test_flow_grpo_fast_draws_its_window_per_epoch_the_same_on_resume(tiny_world, tmp_path):

@@ -4,8 +4,9 @@
     flowrl ablate configs/digits/*.yaml --seeds 0,1,2 --output-dir runs/digits-table
 
 Every run gets its own folder `<output_dir>/<variant>/seed_<s>/` and its normal run artifacts; the results
-(`results.json`, `results.md`) report each variant's start/end evaluation metrics as mean +- std over seeds,
-its wall time, and the reward evaluations it used (samples scored by the training reward; evaluations excluded).
+(`results.json`, `results.md`, `results.csv`, and the plots in `plots/`, see `plot`) report each variant's
+start/end evaluation metrics as mean +- std over seeds, its wall time, and the reward evaluations it used
+(samples scored by the training reward; evaluations excluded).
 With `skip_done` (`--skip-done`), a run whose folder already holds a `summary.json` and the same resolved
 `config.yaml` is read back instead of trained again, so an interrupted sweep picks up where it stopped.
 """
@@ -21,6 +22,59 @@ from pathlib import Path
 
 from flowrl.config import ConfigError, read_yaml, to_dict
 from flowrl.trainers import load_config
+
+
+STUDY_KEYS = {
+    "configs": "run configs (paths relative to the working directory)",
+    "grid": "{key: [values]} swept in every combination",
+    "seeds": "seeds of every cell",
+    "set": "overrides of every run (KEY=VALUE)",
+    "output_dir": "where the runs, results and plots go",
+    "threshold": "METRIC=VALUE: reward evaluations and seconds until METRIC first reaches VALUE",
+}
+"""The keys of a study file's `ablate:` section."""
+
+
+def is_study(path: str | Path) -> bool:
+    """Whether a YAML file is a study file (its one top-level key is `ablate`) rather than a run config."""
+    data = read_yaml(path)
+    return isinstance(data, dict) and "ablate" in data
+
+
+def load_study(path: str | Path) -> dict:
+    """A study file (`ablate:` with `STUDY_KEYS`) as `run` arguments; unknown keys fail naming the valid ones."""
+    from flowrl.registry import unknown_name_error
+
+    data = read_yaml(path)
+    if not isinstance(data, dict) or set(data) != {"ablate"} or not isinstance(data["ablate"], dict):
+        raise ConfigError(f"{path}: a study file holds one `ablate:` section with {', '.join(STUDY_KEYS)}")
+    study = data["ablate"]
+    for key in study:
+        if key not in STUDY_KEYS:
+            raise unknown_name_error("study key", key, list(STUDY_KEYS), where=f"in {path}")
+    if not study.get("configs"):
+        raise ConfigError(f"{path}: ablate.configs names no run config")
+    grid = {k: [str(v) for v in (values if isinstance(values, list) else [values])]
+            for k, values in (study.get("grid") or {}).items()}  # fmt: skip
+    out = {"configs": [str(c) for c in study["configs"]], "grid": grid,
+           "seeds": [int(s) for s in study.get("seeds", [0])], "overrides": [str(o) for o in study.get("set", [])],
+           "output_dir": str(study.get("output_dir", "runs/ablation"))}  # fmt: skip
+    if study.get("threshold"):
+        out["threshold"] = parse_threshold(str(study["threshold"]))
+    return out
+
+
+def parse_threshold(text: str) -> tuple[str, float]:
+    """`"eval/digits_alignment=0.9"` -> `("eval/digits_alignment", 0.9)` (`eval/` added when missing)."""
+    metric, sep, value = text.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if not sep or not metric.strip() or number is None:
+        raise ConfigError(f"threshold {text!r} must look like METRIC=VALUE, e.g. eval/digits_alignment=0.9")
+    metric = metric.strip()
+    return (metric if metric.startswith("eval/") else f"eval/{metric}"), number
 
 
 def parse_grid(items: list[str]) -> dict[str, list[str]]:
@@ -91,7 +145,138 @@ def run(configs: list[str], *, grid: dict[str, list[str]] | None = None, seeds: 
             (output_dir / "results.json").write_text(json.dumps(rows, indent=1, allow_nan=True))
             gc.collect()
     (output_dir / "results.md").write_text(table(rows))
+    write_csv(rows, output_dir / "results.csv")
+    plot(rows, output_dir / "plots")
     return rows
+
+
+def write_csv(rows: list[dict], path: str | Path) -> Path:
+    """One line per run: variant, seed, trainer, overrides, wall seconds, reward evaluations, every start/end
+    evaluation metric (`start:eval/...`, `end:eval/...`) and, with a threshold, when it was first reached."""
+    import csv
+
+    metrics = []
+    for row in rows:
+        metrics.extend(k for k in {**row["eval_start"], **row["eval_end"]} if k not in metrics)
+    threshold = any("to_threshold" in r for r in rows)
+    reach = ["reached_epoch", "reached_reward_evals", "reached_wall_s"] if threshold else []
+    header = ["variant", "seed", "trainer", "overrides", "wall_s", "reward_evaluations",
+              *(f"start:{m}" for m in metrics), *(f"end:{m}" for m in metrics), *reach]  # fmt: skip
+    with Path(path).open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        for row in rows:
+            hit = row.get("to_threshold") or {}
+            writer.writerow([row["variant"], row["seed"], row["trainer"], " ".join(row["overrides"]), row["wall_s"],
+                             row["reward_evaluations"], *(row["eval_start"].get(m, "") for m in metrics),
+                             *(row["eval_end"].get(m, "") for m in metrics),
+                             *([hit.get("epoch", ""), hit.get("reward_evals", ""), hit.get("wall_s", "")] if reach
+                               else [])])  # fmt: skip
+    return Path(path)
+
+
+STEP_DIAGNOSTICS = ("ratio_mean", "ratio_std", "clipfrac", "grad_norm")
+"""The per-denoising-step rows each cell's diagnostic plot shows (`<name>/step_<t>` in `metrics.jsonl`)."""
+
+
+def plot(rows: list[dict], out_dir: str | Path, metrics: list[str] | None = None) -> list[Path]:
+    """PNG plots of a sweep, one line per grid cell with a band from the lowest to the highest seed:
+
+    - `curves_by_epoch.png`, `curves_by_reward_evals.png`: the proxy (`eval/reward`) and every gold metric
+      against epochs and against the training reward's evaluations;
+    - `steps_<variant>.png`: ratio mean and std, clip fraction and gradient norm per denoising step, averaged
+      over the run's epochs (the band: over seeds).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[list[dict]]] = {}
+    for row in rows:
+        lines = (Path(row["folder"]) / "metrics.jsonl").read_text().splitlines()
+        runs.setdefault(row["variant"], []).append([json.loads(line) for line in lines if line.strip()])
+    if metrics is None:
+        metrics = ["eval/reward"] + [m for m in rows[0]["eval_end"] if m not in ("eval/reward",) and
+                                     m.removeprefix("eval/") in _gold_names(rows)]  # fmt: skip
+    paths = []
+    for axis, label in (("epoch", "epoch"), ("reward_evals", "reward evaluations")):
+        fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.4), squeeze=False)
+        for ax, metric in zip(axes[0], metrics):
+            for variant, seeds in runs.items():
+                x, mean, low, high = _band(seeds, metric, axis)
+                if x:
+                    (line,) = ax.plot(x, mean, label=variant)
+                    ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+            ax.set_title(metric.removeprefix("eval/"), fontsize=9)
+            ax.set_xlabel(label)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"curves_by_{'epoch' if axis == 'epoch' else 'reward_evals'}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    for variant, seeds in runs.items():
+        fig, axes = plt.subplots(1, len(STEP_DIAGNOSTICS), figsize=(3.6 * len(STEP_DIAGNOSTICS), 3.2), squeeze=False)
+        drawn = False
+        for ax, name in zip(axes[0], STEP_DIAGNOSTICS):
+            per_seed = [_per_step_mean(history, name) for history in seeds]
+            steps = sorted(set().union(*per_seed))
+            if steps:
+                values = [[s[t] for s in per_seed if t in s] for t in steps]
+                ax.plot(steps, [statistics.mean(v) for v in values], marker="o")
+                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2, linewidth=0)
+                drawn = True
+            ax.set_title(name, fontsize=9)
+            ax.set_xlabel("denoising step")
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{variant}: per-step diagnostics (mean over epochs; band: seeds)", fontsize=9)
+        fig.tight_layout()
+        if drawn:
+            path = out_dir / f"steps_{variant}.png"
+            fig.savefig(path, dpi=100)
+            paths.append(path)
+        plt.close(fig)
+    return paths
+
+
+def _gold_names(rows: list[dict]) -> set[str]:
+    """Every evaluation metric of the sweep's runs that is not a training reward: their `eval.metrics`."""
+    names = set()
+    for row in rows:
+        saved = Path(row["folder"]) / "config.yaml"
+        if saved.is_file():
+            names.update(load_config(saved).eval.metrics)
+    return names
+
+
+def _band(seeds: list[list[dict]], metric: str, axis: str):
+    """`(x, mean, low, high)` of `metric` over the seeds' evaluations, at the x values every seed has."""
+    curves = []
+    for history in seeds:
+        curve = {}
+        for row in history:
+            if isinstance(row.get(metric), (int, float)) and math.isfinite(row[metric]):
+                curve[row["epoch"] if axis == "epoch" else (row.get("reward_evals", 0) if row["epoch"] else 0)] = row[
+                    metric]  # fmt: skip
+        curves.append(curve)
+    x = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    values = [[c[v] for c in curves] for v in x]
+    return x, [statistics.mean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+def _per_step_mean(history: list[dict], name: str) -> dict[int, float]:
+    """`{step: mean over the epochs}` of the `<name>/step_<t>` rows of one run."""
+    sums: dict[int, list[float]] = {}
+    prefix = f"{name}/step_"
+    for row in history:
+        for key, value in row.items():
+            if key.startswith(prefix) and isinstance(value, (int, float)) and math.isfinite(value):
+                sums.setdefault(int(key[len(prefix) :]), []).append(value)
+    return {t: statistics.mean(v) for t, v in sums.items()}
 
 
 def first_reaching(folder: str | Path, metric: str, value: float) -> dict | None:

@@ -77,6 +77,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    from flowrl.sample import sample
+
+    record = sample(args.target, args.prompts, n=args.n, seed=args.seed, sampler=args.sampler,
+                    noise_level=args.noise_level, num_steps=args.num_steps, guidance_scale=args.guidance_scale,
+                    checkpoint=args.checkpoint, ema=args.ema, out=args.out)  # fmt: skip
+    print(f"{len(record['files'])} images of {record['checkpoint']} (epoch {record['epoch']}"
+          f"{', EMA' if record['ema'] else ''}, sampler {record['sampler']}, seed {record['seed']}) in "
+          f"{record['out']}; grid: {record['out']}/grid.png")  # fmt: skip
+    if "diffusers" in record:
+        print("the same with a plain diffusers pipeline:\n    " + "\n    ".join(record["diffusers"]))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluate a run's checkpoint (latest, or --checkpoint) or a config's untrained model on the test prompts."""
     import json
@@ -104,12 +118,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_ablate(args: argparse.Namespace) -> int:
     from flowrl import ablate
 
-    grid = ablate.parse_grid(args.grid or [])
-    seeds = [int(s) for s in args.seeds.split(",")]
-    rows = ablate.run(args.configs, grid=grid, seeds=seeds, output_dir=args.output_dir, overrides=args.set or [],
-                      skip_done=args.skip_done)  # fmt: skip
+    study = {}
+    if len(args.configs) == 1 and ablate.is_study(args.configs[0]):
+        study = ablate.load_study(args.configs[0])
+    configs = study.get("configs", args.configs)
+    grid = {**study.get("grid", {}), **ablate.parse_grid(args.grid or [])}
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else study.get("seeds", [0])
+    output_dir = args.output_dir or study.get("output_dir", "runs/ablation")
+    threshold = ablate.parse_threshold(args.threshold) if args.threshold else study.get("threshold")
+    rows = ablate.run(configs, grid=grid, seeds=seeds, output_dir=output_dir,
+                      overrides=[*study.get("overrides", []), *(args.set or [])], skip_done=args.skip_done,
+                      threshold=threshold)  # fmt: skip
     print(ablate.table(rows))
-    print(f"results: {args.output_dir}/results.json, results.md")
+    print(f"results: {output_dir}/results.json, results.md, results.csv; plots: {output_dir}/plots/")
     return 0
 
 
@@ -145,6 +166,21 @@ def build_parser() -> argparse.ArgumentParser:
     p_export.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
                           help="export the EMA weights (default: when the run kept them)")  # fmt: skip
     p_export.set_defaults(func=cmd_export)
+    p_sample = sub.add_parser("sample", help="images (PNGs and a captioned grid) from a run's checkpoint")
+    p_sample.add_argument("target", help="a run folder or one of its checkpoint folders")
+    p_sample.add_argument("--prompts", required=True,
+                          help="a prompt, a .txt/.jsonl file or a shipped prompt set (digits/test)")  # fmt: skip
+    p_sample.add_argument("--n", type=int, default=4, help="images per prompt (default 4)")
+    p_sample.add_argument("--seed", type=int, default=0, help="noise seed: the same seed, the same images")
+    p_sample.add_argument("--sampler", help="ode (default; ddim for UNets), flow_sde, dance_sde, cps, ...")
+    p_sample.add_argument("--noise-level", type=float, help="the sampler's noise (default: the run's)")
+    p_sample.add_argument("--num-steps", type=int, help="denoising steps (default: the run's evaluation steps)")
+    p_sample.add_argument("--guidance-scale", type=float, help="default: the run's evaluation guidance")
+    p_sample.add_argument("--checkpoint", default="latest", help="latest (default), best, or a checkpoint folder")
+    p_sample.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
+                          help="use the EMA weights (default: when the run kept them)")  # fmt: skip
+    p_sample.add_argument("--out", help="output folder (default: RUN/samples/<checkpoint>)")
+    p_sample.set_defaults(func=cmd_sample)
     p_eval = sub.add_parser("eval", help="evaluate a run folder's checkpoint, or a config's base model")
     p_eval.add_argument("target", help="a run folder (with config.yaml and checkpoints/) or a YAML config")
     p_eval.add_argument("--checkpoint", help="a checkpoint folder (default: the run's latest)")
@@ -152,11 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--out", help="also write the result to this JSON file")
     p_eval.set_defaults(func=cmd_eval)
     p_ablate = sub.add_parser("ablate", help="train configs x a grid of overrides x seeds and tabulate the results")
-    p_ablate.add_argument("configs", nargs="+", help="YAML run configs")
+    p_ablate.add_argument("configs", nargs="+", help="YAML run configs, or one study file (an `ablate:` section)")
     p_ablate.add_argument("--grid", action="append", metavar="KEY=V1,V2", help="values to sweep (repeatable)")
-    p_ablate.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    p_ablate.add_argument("--seeds", help="comma-separated seeds (default: the study's, else 0)")
     p_ablate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every run")
-    p_ablate.add_argument("--output-dir", default="runs/ablation", help="where runs and results go")
+    p_ablate.add_argument("--output-dir", help="where runs and results go (default: the study's, runs/ablation)")
+    p_ablate.add_argument("--threshold", metavar="METRIC=VALUE",
+                          help="report reward evaluations and seconds until METRIC first reaches VALUE")  # fmt: skip
     p_ablate.add_argument("--skip-done", action="store_true",
                           help="reuse runs that already finished in --output-dir with the same config")  # fmt: skip
     p_ablate.set_defaults(func=cmd_ablate)

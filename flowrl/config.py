@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
-from flowrl.registry import unknown_name_error
+from flowrl.registry import check_kwargs, unknown_name_error
 
 
 class ConfigError(ValueError):
@@ -166,10 +166,17 @@ class EvalConfig:
     restore_best: bool = False
     """At the end of the run, restore the best checkpoint's weights (early stopping on a held-out metric): the
     final checkpoint, `eval_end` in `summary.json`, `flowrl eval` and `flowrl export` then use them."""
+    stop_on_drop: float | None = None
+    """Stop the run when `best_metric` falls this far below its best evaluation (in its own units, e.g. 0.05
+    of gold accuracy): the over-optimisation brake. The run ends there as if it had reached `run.epochs`
+    (final checkpoint, `restore_best`); None: never stop early."""
 
     def __post_init__(self):
         if self.restore_best and not self.best_metric:
             raise ValueError("eval.restore_best needs eval.best_metric (which evaluation is the best)")
+        if self.stop_on_drop is not None and (not self.best_metric or self.stop_on_drop <= 0):
+            raise ValueError("eval.stop_on_drop needs eval.best_metric (what to watch) and a positive amount, got "
+                             f"best_metric={self.best_metric!r}, stop_on_drop={self.stop_on_drop}")  # fmt: skip
 
     def best_key(self) -> tuple[str, float] | None:
         """`("eval/<metric>", sign)` of `best_metric` (sign -1: lower is better), or None."""
@@ -206,6 +213,10 @@ class OptimConfig:
     backward per step column, so only one step's activations are in memory (large models); the gradient is
     the same (exact up to float rounding), and objectives that couple the steps (GSPO) pay one extra
     no-grad pass to fix their coefficients `dL/dlogp` first."""
+    step_grad_norms: bool = False
+    """Log each denoising step's gradient norm (`grad_norm/step_t`, the mean over the epoch's minibatches of the
+    norm of that step's share of the minibatch gradient): runs the `per_step` backward (the same gradient) and
+    copies the gradient once per step. For element-wise objectives; a diagnostic for `flowrl ablate`'s plots."""
 
     def lr_at(self, epoch: int, epochs: int) -> float:
         """The learning rate of epoch `epoch` (0-based) of a run of `epochs`."""
@@ -369,7 +380,10 @@ class StepConfig:
     """`random`: steps per sample, drawn per epoch (DDPO's per-sample subset)."""
     weighting: str = "uniform"
     """Per-step loss weight: `uniform`, `inv_dt` (GRPO-Guard), `min_snr`, `min_snr_v`, `sigma`, `noise_aware`
-    (TempFlow-GRPO) (`flowrl list`)."""
+    (TempFlow-GRPO), `early`, `late` (`flowrl list`), or your own `package.module:function` (`sigmas [T + 1]
+    -> weights [T]`)."""
+    weighting_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments of the weighting (`min_snr`: `gamma`; `early`/`late`: `boundary`)."""
     normalize_weights: bool = False
     """Rescale step weights to mean 1 over the steps (comparable learning rates across weightings)."""
 
@@ -377,7 +391,10 @@ class StepConfig:
         from flowrl.core import STEP_SELECTIONS, STEP_WEIGHTINGS
 
         STEP_SELECTIONS.get(self.selection)
-        STEP_WEIGHTINGS.get(self.weighting)
+        weighting = STEP_WEIGHTINGS.resolve(self.weighting)
+        if not callable(weighting):
+            raise ValueError(f"steps.weighting {self.weighting!r} names {type(weighting).__name__}, not a function")
+        check_kwargs("step weighting", self.weighting, self.weighting_kwargs, weighting)
 
 
 RENAMED = {

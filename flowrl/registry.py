@@ -36,6 +36,22 @@ def unknown_name_error(kind: str, name: object, valid: list[str], where: str = "
     return ValueError(f"unknown {kind} {name!r}{where}.{hint} Valid choices: {choices}.")
 
 
+def import_path(path: str, kind: str) -> Any:
+    """The attribute a `package.module:attribute` path names; a one-line `ValueError` naming `kind` otherwise."""
+    import importlib
+
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"a {kind} path must look like 'package.module:attribute', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import module {module_name!r} for {kind} {path!r}: {err}") from err
+    if not hasattr(module, attribute):
+        raise ValueError(f"module {module_name!r} has no attribute {attribute!r} ({kind} {path!r})")
+    return getattr(module, attribute)
+
+
 class Registry(Generic[T]):
     """A mapping from names to objects with a one-line description each.
 
@@ -78,6 +94,12 @@ class Registry(Generic[T]):
             return self._items[name]
         except (KeyError, TypeError):
             raise unknown_name_error(self.kind, name, self.names()) from None
+
+    def resolve(self, name: str) -> T:
+        """`get(name)`, or the object a `package.module:attribute` path names (a user's own entry)."""
+        if isinstance(name, str) and ":" in name:
+            return import_path(name, self.kind)
+        return self.get(name)
 
     def names(self) -> list[str]:
         """Registered names, in registration order."""

@@ -13,13 +13,12 @@ in a background thread. See docs/rewards.md.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from flowrl.registry import Registry
+from flowrl.registry import Registry, import_path
 
 
 REWARDS: Registry = Registry("reward")
@@ -43,16 +42,7 @@ def register(name: str, factory: Callable[..., Any] | None = None, *, descriptio
 
 
 def _import(path: str):
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"a reward path must look like 'package.module:attribute', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import module {module_name!r} for reward {path!r}: {err}") from err
-    if not hasattr(module, attribute):
-        raise ValueError(f"module {module_name!r} has no attribute {attribute!r} (reward {path!r})")
-    return getattr(module, attribute)
+    return import_path(path, "reward")
 
 
 def get(name: str, **kwargs: Any) -> Callable[..., Any]:

@@ -121,3 +121,34 @@ class DigitsRealism(_DigitsReward):
             sel = targets == d
             out[sel] = self._nn_distance(features[sel], self.reference[d]) / self.baseline[d]
         return out
+
+
+@register("digits_hackable")
+class DigitsHackable(_DigitsReward):
+    """Digits world, a proxy made to be over-optimised: the reward classifier's raw logit margin plus paid ink.
+
+    `logit_weight * (z_y - logsumexp_{j != y} z_j) + ink_weight * mean(pixels)`: the margin of the prompted digit
+    `y` keeps paying after the digit is recognised (where `digits_alignment`'s probability saturates at 1), and the
+    ink term pays for thicker, brighter strokes whatever they draw. Both push samples off the real-digit
+    distribution, so the gold metrics (`digits_gold`, `digits_realism`) eventually fall while this rises: the
+    over-optimisation study's reward (docs/studies.md).
+
+    Args:
+        logit_weight (`float`, defaults to 0.1): weight of the logit margin.
+        ink_weight (`float`, defaults to 1.0): weight of the mean pixel intensity in [0, 1].
+    """
+
+    name = "digits_hackable"
+    differentiable = True
+
+    def __init__(self, classifiers=None, seed: int = 0, logit_weight: float = 0.1, ink_weight: float = 1.0, **kwargs):
+        super().__init__(classifiers, seed, **kwargs)
+        self.logit_weight, self.ink_weight = float(logit_weight), float(ink_weight)
+
+    def score(self, images, prompts, **metadata):
+        pixels = self._pixels(images)
+        logits = self.classifiers.reward.to(self.device)(pixels)  # [B, 10]
+        target = self._targets(prompts)[:, None]  # [B, 1]
+        chosen = logits.gather(1, target)[:, 0]
+        others = logits.scatter(1, target, float("-inf")).logsumexp(-1)  # the prompted class left out
+        return self.logit_weight * (chosen - others) + self.ink_weight * pixels.flatten(1).mean(-1)

@@ -1,6 +1,8 @@
 """`flowrl ablate` and `flowrl eval` end to end on a 2-step digits base model built into a temporary cache."""
 
+import csv
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -54,6 +56,15 @@ def test_ablate_runs_every_variant_and_seed_and_tabulates(tiny_yaml, tmp_path, m
     table = (out / "results.md").read_text()
     assert "| tiny__weighting=inv_dt | 2 |" in table and "±" in table
     assert (out / "tiny__weighting=uniform" / "seed_1" / "summary.json").is_file()
+    # one CSV line per run with its start and end metrics; the plots: curves by epoch and reward evaluations
+    with (out / "results.csv").open() as f:
+        lines = list(csv.DictReader(f))
+    assert [(r["variant"], r["seed"]) for r in lines] == [(r["variant"], str(r["seed"])) for r in rows]
+    assert float(lines[3]["end:eval/digits_gold"]) == pytest.approx(rows[3]["eval_end"]["eval/digits_gold"])
+    assert lines[0]["reward_evaluations"] == "8" and lines[2]["overrides"] == "steps.weighting=inv_dt"
+    plots = {p.name for p in (out / "plots").iterdir()}
+    assert {"curves_by_epoch.png", "curves_by_reward_evals.png"} <= plots
+    assert all((out / "plots" / name).stat().st_size > 1000 for name in plots)
 
     # an interrupted sweep picks up where it stopped: finished runs with the same config are read back,
     # a run whose config changed (here: one more epoch) trains again
@@ -112,3 +123,27 @@ def test_first_reaching_reads_the_eval_curve_and_its_resolution(tmp_path):
                           {"variant": "v", "seed": 1, "eval_start": {"eval/a": 0.5}, "eval_end": {"eval/a": 0.8},
                            "wall_s": 15.0, "reward_evaluations": 320, "to_threshold": None}])  # fmt: skip
     assert "| 1/2 | 256.000 | 12.500 | 128.000 |" in table
+
+
+def test_a_study_file_runs_its_grid_and_draws_per_step_diagnostics(tiny_yaml, tmp_path, capsys):
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump({"ablate": {
+        "configs": [str(tiny_yaml)], "grid": {"steps.weighting": ["early", "late"]}, "seeds": [0],
+        "set": ["optim.step_grad_norms=true", "steps.normalize_weights=true"], "output_dir": str(tmp_path / "s"),
+        "threshold": "digits_gold=0.0"}}))  # fmt: skip
+    assert main(["ablate", str(study)]) == 0
+    out = tmp_path / "s"
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["variant"] for r in rows] == ["tiny__weighting=early", "tiny__weighting=late"]
+    assert all(r["to_threshold"]["epoch"] == 0 for r in rows)  # gold >= 0 from the start
+    lines = (Path(rows[0]["folder"]) / "metrics.jsonl").read_text().splitlines()
+    history = [json.loads(line) for line in lines]
+    assert any(k.startswith("grad_norm/step_") for k in history[-1])
+    assert (out / "plots" / "steps_tiny__weighting=early.png").is_file()
+    assert "reached" in (out / "results.md").read_text()
+    study.write_text(yaml.safe_dump({"ablate": {"configs": [str(tiny_yaml)], "seed": [0]}}))
+    assert main(["ablate", str(study)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown study key 'seed'" in err and "Did you mean 'seeds'" in err
+    with pytest.raises(ValueError, match="METRIC=VALUE"):
+        ablate.parse_threshold("digits_gold")

@@ -91,7 +91,16 @@ def test_shipped_configs_load():
 
     from flowrl.trainers import TrainerConfig
 
-    for path in sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml")):
+    from flowrl import ablate
+
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted((root / "configs").rglob("*.yaml")):
+        if ablate.is_study(path):  # a study file: every cell of its grid must load
+            study = ablate.load_study(path)
+            configs = [str(root / c) for c in study["configs"]]
+            for _, config_path, extra in ablate.variants(configs, study["grid"]):
+                assert isinstance(load_config(config_path, [*study["overrides"], *extra]), TrainerConfig), path
+            continue
         config = load_config(path)
         assert isinstance(config, TrainerConfig), path
 

@@ -139,3 +139,34 @@ def test_export_refuses_what_it_cannot_write(tiny_world, tmp_path, capsys):
         write(find, tmp_path / "out")
     assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")]) == 2
     assert "is not a run folder" in capsys.readouterr().err
+
+
+def test_sample_writes_pngs_a_grid_and_the_diffusers_lines(tmp_path, monkeypatch, capsys):
+    run, _ = _train("sd3", True, tmp_path, monkeypatch)
+    out = tmp_path / "samples"
+
+    def sample(folder, *extra, target=run):
+        assert main(["sample", str(target), "--prompts", "a red cat", "--n", "2", "--num-steps", "2",
+                     "--out", str(folder), *extra]) == 0  # fmt: skip
+        return [(folder / name).read_bytes() for name in ("000_0.png", "000_1.png")]
+
+    first = sample(out, "--seed", "5")
+    printed = capsys.readouterr().out
+    assert "grid.png" in printed and "pipe.load_lora_weights(" in printed and "from_pretrained(" in printed
+    record = json.loads((out / "sample.json").read_text())
+    assert record["ema"] and record["epoch"] == 1 and record["sampler"] == "ode"
+    assert [f["file"] for f in record["files"]] == ["000_0.png", "000_1.png"] and (out / "grid.png").is_file()
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert first[0] != first[1]  # two samples of one prompt
+    # the same seed gives the same images (also from the checkpoint folder itself); another seed or the raw
+    # weights instead of the EMA give others
+    assert sample(tmp_path / "again", "--seed", "5", target=run / "checkpoints" / "epoch_1") == first
+    assert sample(tmp_path / "other", "--seed", "6") != first
+    assert sample(tmp_path / "raw", "--seed", "5", "--no-ema") != first
+    # a prompt file; a best checkpoint the run never kept
+    assert main(["sample", str(run), "--prompts", str(tmp_path / "prompts.txt"), "--n", "1", "--num-steps", "1",
+                 "--out", str(tmp_path / "file")]) == 0  # fmt: skip
+    assert len(json.loads((tmp_path / "file" / "sample.json").read_text())["files"]) == 2
+    capsys.readouterr()
+    assert main(["sample", str(run), "--prompts", "a cat", "--checkpoint", "best"]) == 2
+    assert "kept no best checkpoint" in capsys.readouterr().err

@@ -185,6 +185,18 @@ def weight_noise_aware(sigmas: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(t / denominator.clamp_min(1e-12)) * torch.sqrt((t - t_next).clamp_min(0))
 
 
+@STEP_WEIGHTINGS.register("early")
+def weight_early(sigmas: torch.Tensor, *, boundary: float = 0.5) -> torch.Tensor:
+    """1 on the steps that start at noise level s >= `boundary` (the layout-forming, high-noise steps), 0 after."""
+    return (sigmas[..., :-1] >= boundary).to(sigmas.dtype)
+
+
+@STEP_WEIGHTINGS.register("late")
+def weight_late(sigmas: torch.Tensor, *, boundary: float = 0.5) -> torch.Tensor:
+    """1 on the steps that start below noise level `boundary` (the detail-forming, low-noise steps), 0 before."""
+    return (sigmas[..., :-1] < boundary).to(sigmas.dtype)
+
+
 def step_weights(
     name: str | Callable[[torch.Tensor], torch.Tensor],
     sigmas: torch.Tensor,
@@ -196,7 +208,8 @@ def step_weights(
 
     Args:
         name (`str` or `Callable`): a registered weighting (`uniform`, `inv_dt`, `min_snr`, `min_snr_v`, `sigma`,
-            `noise_aware`) or a function `sigmas -> weights[T]`.
+            `noise_aware`, `early`, `late`), a `package.module:function` path, or a function
+            `sigmas -> weights[T]`.
         sigmas (`torch.Tensor`): the sampler's noise levels `[T + 1]`, from 1 (noise) towards 0.
         normalize (`bool`, defaults to `False`): rescale to mean 1 over the steps, so switching weightings
             does not change the effective learning rate.
@@ -204,6 +217,8 @@ def step_weights(
     sigmas = sigmas.to(torch.float64 if sigmas.dtype == torch.float64 else torch.float32)
     if sigmas.shape[-1] < 2:
         raise ValueError(f"sigmas needs T + 1 >= 2 entries, got shape {tuple(sigmas.shape)}")
+    if isinstance(name, str) and ":" in name:
+        name = STEP_WEIGHTINGS.resolve(name)
     if callable(name):
         weights = torch.as_tensor(name(sigmas, **kwargs), dtype=sigmas.dtype)
         label = getattr(name, "__name__", "user weighting")

@@ -41,7 +41,7 @@ from flowrl.tracking import MetricsLog, flat_config, plot_curves, scalar, summar
 from flowrl.trainers.advantages import AdvantageEstimator
 from flowrl.trainers.scoring import Rewards
 from flowrl.trainers.state import EMA, Processes, RunState, seeded
-from flowrl.trainers.update import EpochStats, Terms, minibatch_update, normaliser
+from flowrl.trainers.update import EpochStats, GradProbe, Terms, minibatch_update, normaliser
 
 
 class Trainer(ABC):
@@ -295,8 +295,9 @@ class Trainer(ABC):
             return minibatch_update(
                 lambda columns: self.score(batch, index[:, columns]), index, self.num_elements(batch), advantages,
                 objective=self.objective, hparams=self.objective_hparams,
-                per_step=self.config.optim.backward == "per_step", scale=scale, backward=backward,
-                valid=self.element_valid(batch, index),
+                per_step=self.config.optim.backward == "per_step" or self.config.optim.step_grad_norms,
+                scale=scale, backward=backward, valid=self.element_valid(batch, index),
+                probe=GradProbe(self.params) if self.config.optim.step_grad_norms else None,
             )  # fmt: skip
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -382,7 +383,8 @@ class Trainer(ABC):
             self._log({"epoch": 0, **evaluation})  # the curves start at their baseline
             self._keep_best(evaluation, 0.0)
 
-        bar = tqdm(range(self.epoch, cfg.run.epochs), disable=not self.is_main, desc=cfg.trainer, unit="epoch")
+        epochs = range(self.epoch, cfg.run.epochs) if self.state.stopped is None else range(0)
+        bar = tqdm(epochs, disable=not self.is_main, desc=cfg.trainer, unit="epoch")
         for epoch in bar:
             record = self.train_epoch(epoch)
             self.state.epoch = epoch + 1
@@ -392,6 +394,8 @@ class Trainer(ABC):
                 record.update(evaluation)
                 self._record_eval(self.epoch, evaluation)
                 self._keep_best(evaluation, wall_before + time.time() - start_time)
+                record.update(self._overoptimisation())
+                last = last or self._stop_on_drop()
             record["wall_s"] = wall_before + time.time() - start_time
             self._log(record)
             if cfg.run.images_every and (self.epoch % cfg.run.images_every == 0 or self.epoch == 1):
@@ -402,6 +406,8 @@ class Trainer(ABC):
                 self._restore_best()
             if last or (cfg.run.save_every and self.epoch % cfg.run.save_every == 0):
                 self.save_checkpoint(wall_before + time.time() - start_time)
+            if last:
+                break
         summary = self._summary(wall_before + time.time() - start_time)
         if self.is_main:
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True))
@@ -469,6 +475,34 @@ class Trainer(ABC):
             state, tensors = self.state_dict()
             checkpoint.save(self.output_dir / "checkpoints" / "best", self.accelerator, state, tensors)
 
+    def _overoptimisation(self) -> dict:
+        """The proxy-gold divergence since the gold metric's best evaluation: `overopt/gold_drop` (how far the gold
+        metric, `eval.best_metric` or else `eval.metrics[0]`, lies below its best so far) and `overopt/proxy_gain`
+        (how much the proxy, `eval/reward`, rose since that evaluation). Both positive: the proxy rises while the
+        gold falls."""
+        e, history = self.config.eval, self.state.eval_history
+        gold, sign = e.best_key() or (f"eval/{e.metrics[0]}" if e.metrics else "", 1.0)
+        if gold not in history[-1] or "eval/reward" not in history[-1]:
+            return {}
+        best = max(history, key=lambda e: sign * e[gold])  # the first of equal values: the earliest peak
+        return {"overopt/gold_drop": sign * (best[gold] - history[-1][gold]),
+                "overopt/proxy_gain": history[-1]["eval/reward"] - best["eval/reward"]}  # fmt: skip
+
+    def _stop_on_drop(self) -> bool:
+        """`eval.stop_on_drop`: whether the watched metric fell that far below its best (records why)."""
+        amount, key = self.config.eval.stop_on_drop, self.config.eval.best_key()
+        if amount is None or self.state.best is None:
+            return False
+        name, sign = key
+        value = self.state.eval_history[-1][name]
+        if sign * (self.state.best["value"] - value) < amount:
+            return False
+        self.state.stopped = {"epoch": self.epoch, "metric": name, "best": self.state.best["value"], "value": value}
+        if self.is_main:
+            print(f"stopping at epoch {self.epoch}: {name} fell to {value:.4f}, {amount} below its best "
+                  f"{self.state.best['value']:.4f} (epoch {self.state.best['epoch']}; eval.stop_on_drop)")  # fmt: skip
+        return True
+
     def _restore_best(self) -> None:
         """`eval.restore_best`: load the best checkpoint's weights (and optimizer and EMA) at the run's end; the
         run's counters and history stay those of its last epoch."""
@@ -519,6 +553,7 @@ class Trainer(ABC):
             "eval_history": self.state.eval_history,
             "samples_scored": self.state.samples_scored,
             "best": best,
+            "stopped": self.state.stopped,
             "train_reward_end": self.log.history[-1]["reward/mean"] if self.log and self.log.history else None,
         }
 

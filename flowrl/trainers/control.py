@@ -73,6 +73,8 @@ class ControlEvalConfig:
     """Keep `checkpoints/best` by this evaluation metric (`reward`, ...; a leading `-`: lowest); None: no best."""
     restore_best: bool = False
     """At the end of the run, restore the best checkpoint's weights."""
+    stop_on_drop: float | None = None
+    """Stop the run when `best_metric` falls this far below its best evaluation; None: never stop early."""
 
     metrics: ClassVar[tuple[str, ...]] = ()  # no gold metrics: the environment's return is the measure
     best_key = EvalConfig.best_key

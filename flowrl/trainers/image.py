@@ -174,22 +174,34 @@ class ImageTrainer(Trainer):
 
     def train_elements(self, rollout, epoch: int) -> torch.Tensor:
         """`[B, k]` trained steps: `steps.selection` among the rollout's stochastic steps."""
+        return self._select(rollout.sde_steps, len(rollout), epoch)
+
+    def _select(self, sde: torch.Tensor, rows: int, epoch: int) -> torch.Tensor:
         s = self.config.steps
-        sde = rollout.sde_steps
         kwargs = {"all": {}, "first_fraction": {"fraction": s.fraction}, "random": {"k": s.k}}.get(s.selection)
         if s.selection == "window":
             start, end = s.window or (0, len(sde))
             kwargs = {"start": start, "end": end}
         if s.selection == "random":
             kwargs["generator"] = seeded(self.config.run.seed, epoch, 4, self.processes.rank)
-        return sde[select_steps(s.selection, len(sde), len(rollout), **kwargs)]
+        return sde[select_steps(s.selection, len(sde), rows, **kwargs)]
 
-    def step_weight(self, sigmas: torch.Tensor, steps: torch.Tensor) -> torch.Tensor | None:
-        """`[n]` `steps.weighting` of the steps `steps [n]` of a schedule `sigmas [T + 1]` (None: uniform)."""
+    def trainable_steps(self, rollout) -> torch.Tensor:
+        """The steps `steps.selection` trains in rollouts like `rollout` (for `random`: every stochastic step)."""
+        sde = rollout.sde_steps
+        return sde if self.config.steps.selection == "random" else self._select(sde, 1, 0)[0]
+
+    def step_weight(self, rollout, steps: torch.Tensor) -> torch.Tensor | None:
+        """`[n]` `steps.weighting` of the steps `steps [n]` of rollouts like `rollout` (None: uniform), with
+        `normalize_weights` scaled to mean 1 over the steps the selection trains (so an untrained last step with
+        a tiny `dt` does not shrink `inv_dt`'s trained weights)."""
         s = self.config.steps
         if s.weighting == "uniform":
             return None
-        return step_weights(s.weighting, sigmas.cpu(), normalize=s.normalize_weights)[steps.cpu()]
+        weights = step_weights(s.weighting, rollout.sigmas.cpu(), **s.weighting_kwargs)
+        if s.normalize_weights:
+            weights = weights / weights[self.trainable_steps(rollout)].mean().clamp_min(1e-12)
+        return weights[steps.cpu()]
 
     def score(self, batch: DiffusionRollout, index: torch.Tensor) -> Terms:
         """The stored transitions at steps `index [b, c]` of the minibatch, column-major."""
@@ -221,7 +233,7 @@ class ImageTrainer(Trainer):
         if old_means is not None:
             diff = reduce_elements((out.mean - old_means.to(out.mean)) ** 2, settings.reduce)  # [n]
             terms.inputs = {"std": out.std, "mean_diff_sq": diff}
-        weight = self.step_weight(settings.sigmas, steps)
+        weight = self.step_weight(settings, steps)
         if weight is not None:
             terms.weight = weight.to(device)
         if kl.beta > 0:

@@ -120,6 +120,8 @@ class RunState:
     """Training seconds before the last save."""
     best: dict | None = None
     """The best evaluation so far by `eval.best_metric`: `{"epoch", "metric", "value"}` (`checkpoints/best`)."""
+    stopped: dict | None = None
+    """Why the run stopped before `run.epochs` (`eval.stop_on_drop`): `{"epoch", "metric", "best", "value"}`."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from flowrl.config import AdvantageConfig, SamplingConfig, StepConfig
-from flowrl.core import select_steps, step_weights
+from flowrl.core import select_steps
 from flowrl.policies.diffusion import DiffusionRollout
 from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowrl.trainers.registry import TRAINERS
@@ -135,12 +135,6 @@ class TempFlowGRPOTrainer(FlowGRPOTrainer):
         """`[B, 1]`: each sample trains its branching step."""
         return rollout.stochastic_step[:, None]
 
-    def step_weight(self, sigmas, steps):
-        """`steps.weighting` normalised over the branch steps (TempFlow's `c`), not over all T steps."""
-        s = self.config.steps
-        if s.weighting == "uniform":
-            return None
-        weights = step_weights(s.weighting, sigmas.cpu())
-        if s.normalize_weights:
-            weights = weights / weights[self.branch_steps].mean().clamp_min(1e-12)
-        return weights[steps.cpu()]
+    def trainable_steps(self, rollout) -> torch.Tensor:
+        """The branch steps: `normalize_weights` scales the weights to mean 1 over them (TempFlow's `c`)."""
+        return torch.as_tensor(self.branch_steps)

@@ -102,6 +102,7 @@ def minibatch_update(
     scale: float = 1.0,
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     valid: torch.Tensor | None = None,
+    probe: GradProbe | None = None,
 ) -> dict[str, torch.Tensor]:
     """Loss of one minibatch on `[b, K]`, back-propagated with `scale`; returns its (detached) metrics.
 
@@ -116,6 +117,8 @@ def minibatch_update(
         scale (`float`): the minibatch's weight in the accumulation window (multiplies every backward).
         backward (`Callable`): runs the backward pass of a scalar (the trainer's `accelerator.backward`).
         valid (`torch.Tensor`, *optional*): `[b, k]` bool, False for padding columns of a row.
+        probe (`GradProbe`, *optional*): with `per_step` and an element-wise objective, measure each column's
+            gradient norm (`grad_norm_per_step [K]`, NaN where a column mixes elements).
 
     Returns:
         `loss`, `pg_loss` (the objective's part), the core's metrics (`clipfrac`, ..., per-step rows) and the
@@ -135,13 +138,23 @@ def minibatch_update(
 
     if spec is None or spec.elementwise:
         parts = []
+        norms = torch.full((num_elements,), float("nan"))
+        if probe is not None:
+            probe.reset()
         for j in range(k):
             terms = score(columns[j : j + 1])
             part = _loss(terms, layout.column(j), advantages, objective, {**hp, "agg": "sum"}, weighted=True)[0]
             backward(part * scale)
             parts.append(_detach_terms(terms))
+            if probe is not None:
+                norm = probe.increment_norm() / scale
+                element = index[:, j][layout.valid[:, j]].unique()
+                if element.numel() == 1:  # one denoising step in this column: its norm is that step's
+                    norms[element] = norm
         with torch.no_grad():
             loss, metrics = _loss(Terms.cat(parts), layout, advantages, objective, hp)
+        if probe is not None:
+            metrics["grad_norm_per_step"] = norms
         return _detached(loss, metrics)
 
     # a coupled objective: fix dL/d(terms) from a no-grad pass over every column, then one backward per column
@@ -159,6 +172,30 @@ def minibatch_update(
         if surrogate:
             backward(torch.stack(surrogate).sum() * scale)
     return _detached(loss, metrics)
+
+
+class GradProbe:
+    """The norm of what each backward pass adds to the parameters' gradients (per-step gradient norms)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = [p for p in params if p.requires_grad]
+        self.before: list[torch.Tensor | None] = []
+
+    def reset(self) -> None:
+        """Remember the gradients as they are now."""
+        self.before = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+
+    def increment_norm(self) -> float:
+        """`||grad - grad at the last call||` (fp32), and remember the gradients as they are now."""
+        total = torch.zeros((), dtype=torch.float32)
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            grad = p.grad.detach()
+            delta = grad if self.before[i] is None else grad - self.before[i]
+            total += delta.float().square().sum().cpu()
+            self.before[i] = grad.clone()
+        return float(total.sqrt())
 
 
 def _carries_gradient(name: str) -> bool:
@@ -265,6 +302,10 @@ class EpochStats:
             if isinstance(value, torch.Tensor) and value.numel() > 1 or key.endswith("_per_step"):
                 continue
             self.add_scalar(key, value)
+        norms = metrics.get("grad_norm_per_step")
+        if norms is not None:
+            for t in torch.isfinite(norms).nonzero().flatten().tolist():
+                self.add_scalar(f"grad_norm/step_{t}", float(norms[t]))
         count = metrics.get("count_per_step")
         if count is None:
             return

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from flowrl.config import StepConfig
 from flowrl.core import STEP_SELECTIONS, STEP_WEIGHTINGS, select_steps, step_weights, steps_to_mask
 
 
@@ -89,3 +90,31 @@ def test_random_sde_window_is_uniform_in_its_span_and_seeded():
         sde_window_at("sliding", 0, 10)
     with pytest.raises(ValueError, match="span"):
         sde_window_at("progressive", 0, 10, span=(4, 12))
+
+
+def doubled_last(sigmas, *, factor=2.0):
+    """A user's weighting: 1 everywhere, `factor` on the last step."""
+    w = torch.ones_like(sigmas[..., :-1])
+    w[..., -1] = factor
+    return w
+
+
+def test_early_and_late_split_the_schedule_at_the_boundary():
+    sigmas = torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2, 0.0])
+    assert step_weights("early", sigmas).tolist() == [1, 1, 1, 0, 0]
+    assert step_weights("late", sigmas).tolist() == [0, 0, 0, 1, 1]
+    assert step_weights("early", sigmas, boundary=0.7).tolist() == [1, 1, 0, 0, 0]
+    assert (step_weights("early", sigmas) + step_weights("late", sigmas)).eq(1).all()
+
+
+def test_a_user_weighting_by_dotted_path_with_its_kwargs():
+    path = "tests.core.test_steps:doubled_last"
+    sigmas = torch.linspace(1, 0, 5)
+    assert step_weights(path, sigmas, factor=3.0).tolist() == [1, 1, 1, 3]
+    assert StepConfig(weighting=path, weighting_kwargs={"factor": 3.0}).weighting == path
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        StepConfig(weighting="tests.core.test_steps:nope")
+    with pytest.raises(ValueError, match="unknown hyper-parameter 'gama'.*Did you mean 'gamma'"):
+        StepConfig(weighting="min_snr", weighting_kwargs={"gama": 1.0})
+    with pytest.raises(ValueError, match="unknown step weighting 'erly'"):
+        StepConfig(weighting="erly")

@@ -71,6 +71,21 @@ def test_digits_rewards_on_real_digits(tiny_world):
     assert x.grad.abs().sum() > 0
 
 
+def test_the_hackable_proxy_pays_the_logit_margin_and_ink(tiny_world):
+    images, labels = real_digits()
+    rgb = decode(images[:12] * 2 - 1)
+    prompts = [f"the number {d}" for d in labels[:12].tolist()]
+    hackable = rewards.get("digits_hackable", classifiers=tiny_world.classifiers, logit_weight=0.5, ink_weight=2.0)
+    logits = tiny_world.classifiers.reward(to_pixels(rgb))
+    margins = torch.stack([logits[i, d] - torch.cat([logits[i, :d], logits[i, d + 1 :]]).logsumexp(0)
+                           for i, d in enumerate(labels[:12].tolist())])  # fmt: skip
+    ink = to_pixels(rgb).flatten(1).mean(1)
+    torch.testing.assert_close(hackable(rgb, prompts), 0.5 * margins + 2.0 * ink)
+    # it keeps paying where the alignment probability has saturated: more ink always scores more
+    ink_only = rewards.get("digits_hackable", classifiers=tiny_world.classifiers, logit_weight=0.0)
+    assert (ink_only((rgb + 0.2).clamp(0, 1), prompts) > ink_only(rgb, prompts)).all()
+
+
 def test_registered_with_descriptions():
     described = rewards.REWARDS.describe()
     for name in ("digits_alignment", "digits_accuracy", "digits_gold", "digits_realism"):

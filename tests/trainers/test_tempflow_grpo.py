@@ -1,5 +1,7 @@
 """TempFlow-GRPO's branching, per-column advantages and noise-aware weights; shared initial noise per group."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_each_branch_step_is_its_own_baseline_group(tiny_world, tmp_path):
 def test_weights_are_noise_aware_normalised_over_the_branch_steps(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, tiny_config("tempflow_grpo", tmp_path, overrides=BRANCHING))
     sigmas = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
-    w = trainer.step_weight(sigmas, torch.tensor([0, 1, 2]))
+    w = trainer.step_weight(SimpleNamespace(sigmas=sigmas), torch.tensor([0, 1, 2]))
     raw = step_weights("noise_aware", sigmas)[:3]
     assert torch.allclose(w, raw / raw.mean()) and abs(w.mean().item() - 1) < 1e-6
 

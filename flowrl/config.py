@@ -213,10 +213,11 @@ class OptimConfig:
     backward per step column, so only one step's activations are in memory (large models); the gradient is
     the same (exact up to float rounding), and objectives that couple the steps (GSPO) pay one extra
     no-grad pass to fix their coefficients `dL/dlogp` first."""
-    step_grad_norms: bool = False
-    """Log each denoising step's gradient norm (`grad_norm/step_t`, the mean over the epoch's minibatches of the
-    norm of that step's share of the minibatch gradient): runs the `per_step` backward (the same gradient) and
-    copies the gradient once per step. For element-wise objectives; a diagnostic for `flowrl ablate`'s plots."""
+    step_grad_norms_every: int = 0
+    """Every this many epochs (0: never), log each denoising step's gradient norm (`grad_norm/step_t`, the mean
+    over the epoch's minibatches of the norm of that step's share of the minibatch gradient): those epochs run
+    the `per_step` backward (the same gradient up to float rounding) and copy the gradient once per step. For
+    element-wise objectives; a diagnostic for `flowrl ablate`'s per-step plots."""
 
     def lr_at(self, epoch: int, epochs: int) -> float:
         """The learning rate of epoch `epoch` (0-based) of a run of `epochs`."""

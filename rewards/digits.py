@@ -135,13 +135,14 @@ class DigitsHackable(_DigitsReward):
 
     Args:
         logit_weight (`float`, defaults to 0.1): weight of the logit margin.
-        ink_weight (`float`, defaults to 1.0): weight of the mean pixel intensity in [0, 1].
+        ink_weight (`float`, defaults to 3.0): weight of the mean pixel intensity in [0, 1] (at 3, Flow-GRPO on the
+            digits loses realism from about epoch 12 and gold accuracy by epoch 40).
     """
 
     name = "digits_hackable"
     differentiable = True
 
-    def __init__(self, classifiers=None, seed: int = 0, logit_weight: float = 0.1, ink_weight: float = 1.0, **kwargs):
+    def __init__(self, classifiers=None, seed: int = 0, logit_weight: float = 0.1, ink_weight: float = 3.0, **kwargs):
         super().__init__(classifiers, seed, **kwargs)
         self.logit_weight, self.ink_weight = float(logit_weight), float(ink_weight)
 

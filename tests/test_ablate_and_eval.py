@@ -129,7 +129,7 @@ def test_a_study_file_runs_its_grid_and_draws_per_step_diagnostics(tiny_yaml, tm
     study = tmp_path / "study.yaml"
     study.write_text(yaml.safe_dump({"ablate": {
         "configs": [str(tiny_yaml)], "grid": {"steps.weighting": ["early", "late"]}, "seeds": [0],
-        "set": ["optim.step_grad_norms=true", "steps.normalize_weights=true"], "output_dir": str(tmp_path / "s"),
+        "set": ["optim.step_grad_norms_every=1", "steps.normalize_weights=true"], "output_dir": str(tmp_path / "s"),
         "threshold": "digits_gold=0.0"}}))  # fmt: skip
     assert main(["ablate", str(study)]) == 0
     out = tmp_path / "s"

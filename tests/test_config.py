@@ -89,9 +89,8 @@ def test_override_syntax():
 def test_shipped_configs_load():
     from pathlib import Path
 
-    from flowrl.trainers import TrainerConfig
-
     from flowrl import ablate
+    from flowrl.trainers import TrainerConfig
 
     root = Path(__file__).resolve().parents[1]
     for path in sorted((root / "configs").rglob("*.yaml")):

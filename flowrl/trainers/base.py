@@ -291,13 +291,14 @@ class Trainer(ABC):
                 self.backward(loss + pending.pop() if pending else loss)
 
         context = nullcontext() if self.plain else self.accelerator.autocast()
+        every = self.config.optim.step_grad_norms_every
+        probe = GradProbe(self.params) if every and self.state.epoch % every == 0 else None
         with self.accelerator.no_sync(self.model), context:
             return minibatch_update(
                 lambda columns: self.score(batch, index[:, columns]), index, self.num_elements(batch), advantages,
                 objective=self.objective, hparams=self.objective_hparams,
-                per_step=self.config.optim.backward == "per_step" or self.config.optim.step_grad_norms,
-                scale=scale, backward=backward, valid=self.element_valid(batch, index),
-                probe=GradProbe(self.params) if self.config.optim.step_grad_norms else None,
+                per_step=self.config.optim.backward == "per_step" or probe is not None, scale=scale,
+                backward=backward, valid=self.element_valid(batch, index), probe=probe,
             )  # fmt: skip
 
     def backward(self, loss: torch.Tensor) -> None:

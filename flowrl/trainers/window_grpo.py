@@ -30,20 +30,18 @@ from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
 from flowrl.trainers.registry import TRAINERS
 
 
+def mix_sampling(**changes) -> SamplingConfig:
+    """MixGRPO's sampling: flow-SDE (a 0.7) in a 4-step window moved by 1 step every 25 iterations, ODE outside
+    it, one initial noise per group; `changes` for its variants."""
+    settings = dict(sampler="flow_sde", noise_level=0.7, sde_window_schedule="progressive", window_size=4,
+                    window_every=25, window_stride=1, init_same_noise=True)  # fmt: skip
+    return SamplingConfig(**{**settings, **changes})
+
+
 @dataclasses.dataclass
 class MixGRPOConfig(FlowGRPOConfig):
     trainer: str = "mix_grpo"
-    sampling: SamplingConfig = dataclasses.field(
-        default_factory=lambda: SamplingConfig(
-            sampler="flow_sde",
-            noise_level=0.7,
-            sde_window_schedule="progressive",
-            window_size=4,
-            window_every=25,
-            window_stride=1,
-            init_same_noise=True,
-        )  # fmt: skip
-    )
+    sampling: SamplingConfig = dataclasses.field(default_factory=mix_sampling)
     """Flow-SDE (a 0.7) inside a 4-step window that moves by 1 step every 25 epochs; ODE outside; a group's
     samples start from one noise (`--init_same_noise`)."""
     advantage: AdvantageConfig = dataclasses.field(
@@ -58,16 +56,8 @@ class MixGRPOConfig(FlowGRPOConfig):
 class MixGRPOFlashConfig(MixGRPOConfig):
     trainer: str = "mix_grpo_flash"
     sampling: SamplingConfig = dataclasses.field(
-        default_factory=lambda: SamplingConfig(
-            sampler="flow_sde",
-            noise_level=0.7,
-            sde_window_schedule="progressive",
-            window_size=4,
-            window_every=20,
-            window_stride=1,
-            init_same_noise=True,
-            post_window_solver="dpm_solver_2m",
-            post_window_ratio=0.4,
+        default_factory=lambda: mix_sampling(
+            window_every=20, post_window_solver="dpm_solver_2m", post_window_ratio=0.4
         )  # fmt: skip
     )
     """MixGRPO's window, moved every 20 epochs; after it, 0.4 of the remaining steps with DPM-Solver++(2M)

@@ -134,6 +134,34 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_reward(args: argparse.Namespace) -> int:
+    """Serve a registered reward over HTTP until Ctrl-C (`flowrl.rewards.server.serve_reward`)."""
+    import os
+
+    from flowrl.config import apply_overrides
+    from flowrl.rewards.http import TOKEN_ENV
+    from flowrl.rewards.server import serve_reward
+
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+
+    def ready(server) -> None:
+        auth = "a token required" if token else "no token"
+        if not token and args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"flowrl serve-reward: warning: {args.host} without a token lets anyone who reaches the port use "
+                  "the reward (set --token or $FLOWRL_REWARD_TOKEN)", file=sys.stderr)  # fmt: skip
+        config = f"rewards: [{{name: http, kwargs: {{url: {server.url}}}}}]"
+        print(f"serving reward {args.name!r} at {server.url} (POST /score, GET /health; {auth}; Ctrl-C stops it)\n"
+              f"use it in a run config as: {config}", flush=True)  # fmt: skip
+
+    try:
+        serve_reward(args.name, host=args.host, port=args.port, token=token, max_batch=args.max_batch,
+                     max_body_bytes=int(args.max_body_mb * 1024 * 1024), batch_wait_s=args.batch_wait,
+                     reward_kwargs=apply_overrides({}, args.set or []), ready=ready)  # fmt: skip
+    except KeyboardInterrupt:
+        print(f"flowrl serve-reward: stopped serving {args.name!r}", file=sys.stderr)
+    return 0
+
+
 def cmd_digits(args: argparse.Namespace) -> int:
     from flowrl.digits.build import main as build_main
 
@@ -198,6 +226,20 @@ def build_parser() -> argparse.ArgumentParser:
     p_ablate.add_argument("--skip-done", action="store_true",
                           help="reuse runs that already finished in --output-dir with the same config")  # fmt: skip
     p_ablate.set_defaults(func=cmd_ablate)
+    p_serve = sub.add_parser("serve-reward", help="serve a reward over HTTP: one model copy for many runs")
+    p_serve.add_argument("name", help="a registered reward (see `flowrl list rewards`) or package.module:attribute")
+    p_serve.add_argument("--host", default="127.0.0.1",
+                         help="interface (default 127.0.0.1: this machine only; 0.0.0.0: set a token)")  # fmt: skip
+    p_serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p_serve.add_argument("--token", help="require Authorization: Bearer TOKEN (default: $FLOWRL_REWARD_TOKEN if "
+                         "set, which keeps the token out of the process list)")  # fmt: skip
+    p_serve.add_argument("--max-batch", type=int, default=64, help="merge requests up to this many images (64)")
+    p_serve.add_argument("--max-body-mb", type=float, default=256.0, help="refuse larger requests with 413 (256)")
+    p_serve.add_argument("--batch-wait", type=float, default=0.01, metavar="SECONDS",
+                         help="how long to wait for more requests to merge (0.01)")  # fmt: skip
+    p_serve.add_argument("--set", action="append", metavar="KEY=VALUE",
+                         help="a reward constructor argument, e.g. --set device=cuda (repeatable)")  # fmt: skip
+    p_serve.set_defaults(func=cmd_serve_reward)
     p_digits = sub.add_parser("digits", help="the digits world: `flowrl digits build [--force]`")
     p_digits.add_argument("action", choices=["build"])
     p_digits.add_argument("rest", nargs=argparse.REMAINDER)

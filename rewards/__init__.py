@@ -6,9 +6,10 @@ builds the reward (a registered name, or a dotted path `package.module:attribute
 factory); `rewards.list_rewards()` lists what is registered.
 
 Built-in rewards (each in its own module, heavy imports deferred to construction): `jpeg_compressibility`,
-`jpeg_incompressibility`, `aesthetic`, `clip_score`, `pickscore`, `hpsv2`, `imagereward`. `MultiReward` combines
-several, `combine_advantages` turns per-reward scores into advantages (`sum` or `gdpo`), `RewardExecutor` scores
-in a background thread. See docs/rewards.md.
+`jpeg_incompressibility`, `aesthetic`, `clip_score`, `pickscore`, `hpsv2`, `imagereward`, and `http` (a reward
+served by `flowrl serve-reward`, see `flowrl.rewards.server`). `MultiReward` combines several, `combine_advantages`
+turns per-reward scores into advantages (`sum` or `gdpo`), `RewardExecutor` scores in a background thread. See
+docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -84,6 +85,6 @@ def check_output(name: str, scores, batch_size: int) -> torch.Tensor:
 
 # Built-in rewards register themselves on import (digits: the digits world rewards and gold metrics); heavy
 # dependencies (transformers, open_clip, PIL) load only when a reward is constructed.
-from flowrl.rewards import aesthetic, clip_score, digits, hpsv2, imagereward, jpeg, pairwise, pickscore, text  # noqa: E402,F401
+from flowrl.rewards import aesthetic, clip_score, digits, hpsv2, http, imagereward, jpeg, pairwise, pickscore, text  # noqa: E402,F401
 from flowrl.rewards.executor import RewardExecutor  # noqa: E402,F401
 from flowrl.rewards.multi import MultiReward, MultiRewardOutput, combine_advantages  # noqa: E402,F401

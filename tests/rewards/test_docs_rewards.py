@@ -8,7 +8,7 @@ from flowrl import prompts, rewards
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()
 BUILT_IN = ["jpeg_compressibility", "jpeg_incompressibility", "aesthetic", "clip_score", "pickscore", "hpsv2",
-            "imagereward", "multi"]  # fmt: skip
+            "imagereward", "multi", "http"]  # fmt: skip
 
 
 def test_every_built_in_reward_is_registered_and_documented():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -26,6 +27,10 @@ _NAME = re.compile(r"^epoch_(\d+)$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, partial or corrupt; the message names the file."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A sound checkpoint that belongs to another run: another trainer, model or LoRA config."""
 
 
 def _sha256(path: Path) -> str:
@@ -116,9 +121,13 @@ def save(folder: Path, accelerator, state: dict, tensors: dict[str, torch.Tensor
                                   "checkpoint was removed, earlier checkpoints are kept") from None  # fmt: skip
         raise
     if accelerator.is_main_process:
+        # a complete checkpoint under the name at every instant but between the two renames (`best` is rewritten)
+        aside = folder.parent / f".old-{folder.name}"
         if folder.exists():
-            shutil.rmtree(folder)
+            shutil.rmtree(aside, ignore_errors=True)
+            folder.rename(aside)
         tmp.rename(folder)
+        shutil.rmtree(aside, ignore_errors=True)
         if keep:
             number = int(_NAME.match(folder.name).group(1)) if _NAME.match(folder.name) else None
             earlier = [p for p in list_checkpoints(folder.parent.parent)
@@ -143,9 +152,25 @@ def previous_verified(run_dir: str | Path, before: str | Path) -> Path | None:
     return None
 
 
-def load(folder: str | Path, accelerator) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Verify and restore a checkpoint: accelerate state in place, returns `(trainer_state, extra tensors)`."""
+def load(folder: str | Path, accelerator, trainer: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Verify and restore a checkpoint: accelerate state in place, returns `(trainer_state, extra tensors)`.
+
+    A checkpoint of another trainer (`trainer`), or one whose weights or optimizer do not fit this run's (another
+    model, LoRA rank or target set), is refused with a `CheckpointError` before anything is half-loaded where
+    possible; nothing of the checkpoint is changed.
+    """
     folder = verify(folder)
-    accelerator.load_state(str(folder / "accelerate"))
     state = json.loads((folder / "trainer_state.json").read_text())
+    if trainer is not None and state.get("trainer") != trainer:
+        raise CheckpointMismatch(f"checkpoint {folder} is from trainer {state.get('trainer')!r}, not {trainer!r}")
+    try:
+        accelerator.load_state(str(folder / "accelerate"))
+    except pickle.UnpicklingError as err:  # `torch.load(weights_only=True)` met an object that is not a tensor
+        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise CheckpointError(f"checkpoint {folder} holds pickled objects that are not plain tensors; refused "
+                              f"(flowrl never unpickles code): {first}") from None  # fmt: skip
+    except (RuntimeError, ValueError, KeyError) as err:
+        detail = " ".join(line.strip() for line in str(err).strip().splitlines()[:2])
+        raise CheckpointMismatch(f"checkpoint {folder} does not fit this run's model or optimizer (written with "
+                                 f"another model or LoRA config?): {detail[:300]}") from None  # fmt: skip
     return state, load_file(folder / "extra.safetensors")

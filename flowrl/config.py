@@ -213,6 +213,9 @@ class OptimConfig:
     backward per step column, so only one step's activations are in memory (large models); the gradient is
     the same (exact up to float rounding), and objectives that couple the steps (GSPO) pay one extra
     no-grad pass to fix their coefficients `dL/dlogp` first."""
+    max_nonfinite_steps: int = 10
+    """A step whose gradient is NaN or infinite is skipped (no update, counted in `nonfinite_steps`); the run
+    stops with an error once this many were skipped (0: at the first), keeping its last checkpoint."""
     step_grad_norms_every: int = 0
     """Every this many epochs (0: never), log each denoising step's gradient norm (`grad_norm/step_t`, the mean
     over the epoch's minibatches of the norm of that step's share of the minibatch gradient): those epochs run
@@ -233,6 +236,8 @@ class OptimConfig:
     def __post_init__(self):
         if self.lr <= 0 or not 0 <= self.final_lr_ratio <= 1:
             raise ValueError("optim.lr must be > 0 and optim.final_lr_ratio in [0, 1]")
+        if self.max_nonfinite_steps < 0:
+            raise ValueError(f"optim.max_nonfinite_steps must be >= 0, got {self.max_nonfinite_steps}")
 
 
 @dataclasses.dataclass
@@ -357,6 +362,10 @@ class KLConfig:
     `gaussian` (the exact KL of the noise policy to N(0, I)); AC-Flow: `w2` (the velocity MSE bound)."""
     warmup_epochs: int = 0
     """Epochs trained without it before it applies (DPOK's `kl_warmup`)."""
+    reference_offload: bool = False
+    """Full fine-tuning with a KL: keep the frozen reference copy in CPU memory and bring it to the device only
+    while it scores (one model copy less on the GPU, one transfer each way per reference pass). LoRA runs need
+    no copy: their reference is the network with the adapter disabled."""
 
     def __post_init__(self):
         if self.beta < 0 or self.warmup_epochs < 0:

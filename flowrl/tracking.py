@@ -9,6 +9,45 @@ from pathlib import Path
 import torch
 
 
+class PeakMemory:
+    """Memory of each phase of an epoch, as `memory/<phase>_gb` metrics: on a GPU the peak allocated since the
+    previous mark (CUDA's peak counter, reset at every mark); on CPUs the process's resident set at the mark
+    (Linux `/proc/self/statm`; NaN elsewhere), which shows what a phase left allocated.
+
+    Args:
+        device (`torch.device`): the run's device.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+
+    def start(self) -> None:
+        """Begin the first phase."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def mark(self, phase: str) -> dict[str, float]:
+        """End `phase` (and begin the next): `{"memory/<phase>_gb": GiB}`."""
+        if self.cuda:
+            used = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            used = resident_bytes()
+        return {f"memory/{phase}_gb": used / 2**30}
+
+
+def resident_bytes() -> float:
+    """This process's resident memory in bytes (NaN where `/proc` is missing)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def scalar(value):
     """A JSON-friendly number from tensors / numbers: integers stay integers (`epoch`), the rest floats."""
     if isinstance(value, torch.Tensor):

@@ -18,7 +18,7 @@ from tests.rewards.tiny_models import imagereward_official_state, save_tiny_clip
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-RECIPES = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("digits", "control", "llm"))
+RECIPES = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("digits", "control", "llm", "accelerate"))
 """The image recipes (control configs: tests/control/test_control.py; text configs: tests/llm/test_text.py)."""
 TINY = {"sd3": tiny_sd3, "flux": tiny_flux, "unet": tiny_unet}
 SHRINK = {

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -78,6 +79,24 @@ def classifier_dir(config: BuildConfig) -> Path:
     return cache_root() / "digits" / f"classifiers-{config.classifier_key()}"
 
 
+@contextmanager
+def cache_lock(target: Path):
+    """Hold an exclusive lock on `target` while building it: a second process (a rank of the same run, or another
+    run) building the same folder waits, then finds it built. POSIX `flock`; elsewhere only the atomic rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; `_write_atomic` still never exposes a half-written folder
+        yield
+        return
+    with open(target.parent / f".{target.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _write_atomic(target: Path, write) -> Path:
     """Run `write(tmp_folder)`, then rename the folder to `target` (never a half-written `target`)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -132,34 +151,37 @@ def build_classifiers(config: BuildConfig, *, force: bool = False, log=print) ->
     target = classifier_dir(config)
     if (target / "meta.json").is_file() and not force:
         return target
-    start = time.time()
-    images, labels = real_digits()
-    part_a, part_b = split(config.seed)
-    torch.manual_seed(config.seed + 1)
-    reward_clf = train_classifier(DigitCNN(), images[part_a], labels[part_a], epochs=config.classifier_epochs,
-                                  seed=config.seed + 1)  # fmt: skip
-    torch.manual_seed(config.seed + 2)
-    gold_clf = train_classifier(DigitMLP(), images[part_b], labels[part_b], epochs=config.classifier_epochs,
-                                seed=config.seed + 2)  # fmt: skip
+    with cache_lock(target):
+        if (target / "meta.json").is_file() and not force:
+            return target  # another process built it while this one waited for the lock
+        start = time.time()
+        images, labels = real_digits()
+        part_a, part_b = split(config.seed)
+        torch.manual_seed(config.seed + 1)
+        reward_clf = train_classifier(DigitCNN(), images[part_a], labels[part_a], epochs=config.classifier_epochs,
+                                      seed=config.seed + 1)  # fmt: skip
+        torch.manual_seed(config.seed + 2)
+        gold_clf = train_classifier(DigitMLP(), images[part_b], labels[part_b], epochs=config.classifier_epochs,
+                                    seed=config.seed + 2)  # fmt: skip
 
-    def write(tmp: Path):
-        save_file(reward_clf.state_dict(), tmp / "reward_classifier.safetensors")
-        save_file(gold_clf.state_dict(), tmp / "gold_classifier.safetensors")
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "seed": config.seed,
-            "classifier_epochs": config.classifier_epochs,
-            # each classifier is validated on the half of the data the other one trained on
-            "reward_classifier_accuracy": accuracy(reward_clf, images[part_b], labels[part_b]),
-            "gold_classifier_accuracy": accuracy(gold_clf, images[part_a], labels[part_a]),
-            "build_seconds": round(time.time() - start, 1),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        def write(tmp: Path):
+            save_file(reward_clf.state_dict(), tmp / "reward_classifier.safetensors")
+            save_file(gold_clf.state_dict(), tmp / "gold_classifier.safetensors")
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "seed": config.seed,
+                "classifier_epochs": config.classifier_epochs,
+                # each classifier is validated on the half of the data the other one trained on
+                "reward_classifier_accuracy": accuracy(reward_clf, images[part_b], labels[part_b]),
+                "gold_classifier_accuracy": accuracy(gold_clf, images[part_a], labels[part_a]),
+                "build_seconds": round(time.time() - start, 1),
+            }
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
 
-    _write_atomic(target, write)
-    if log:
-        log(f"digits classifiers trained in {time.time() - start:.0f} s: {target}")
-    return target
+        _write_atomic(target, write)
+        if log:
+            log(f"digits classifiers trained in {time.time() - start:.0f} s: {target}")
+        return target
 
 
 def build_model(config: BuildConfig, *, force: bool = False, log=print) -> Path:
@@ -167,28 +189,31 @@ def build_model(config: BuildConfig, *, force: bool = False, log=print) -> Path:
     target = model_dir(config)
     if (target / "meta.json").is_file() and not force:
         return target
-    start = time.time()
-    if log:
-        log(f"building the digits base model into {target} (once; about 40 s on 2 CPU cores)")
-    torch.manual_seed(config.seed)
-    transformer = config.transformer.build()
-    losses = pretrain(transformer, MiniLMEncoder(), config, log=log)
+    with cache_lock(target):
+        if (target / "meta.json").is_file() and not force:
+            return target  # another process built it while this one waited for the lock
+        start = time.time()
+        if log:
+            log(f"building the digits base model into {target} (once; about 40 s on 2 CPU cores)")
+        torch.manual_seed(config.seed)
+        transformer = config.transformer.build()
+        losses = pretrain(transformer, MiniLMEncoder(), config, log=log)
 
-    def write(tmp: Path):
-        transformer.eval().save_pretrained(tmp / "transformer")
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "config": asdict(config),
-            "final_pretrain_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
-            "build_seconds": round(time.time() - start, 1),
-            "torch": torch.__version__,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        def write(tmp: Path):
+            transformer.eval().save_pretrained(tmp / "transformer")
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "config": asdict(config),
+                "final_pretrain_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+                "build_seconds": round(time.time() - start, 1),
+                "torch": torch.__version__,
+            }
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
 
-    _write_atomic(target, write)
-    if log:
-        log(f"digits base model built in {time.time() - start:.0f} s")
-    return target
+        _write_atomic(target, write)
+        if log:
+            log(f"digits base model built in {time.time() - start:.0f} s")
+        return target
 
 
 def build(config: BuildConfig | None = None, *, force: bool = False, log=print) -> tuple[Path, Path]:

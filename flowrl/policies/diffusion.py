@@ -204,6 +204,7 @@ class DiffusionPolicy:
         self.negative_prompt = negative_prompt
         self.text_batch_size = text_batch_size
         self.reference_model: torch.nn.Module | None = None
+        self.reference_offload = False  # the reference copy lives in CPU memory between its passes
         self.forward_module: torch.nn.Module | None = None
         """What training forwards call (a trainer sets the accelerate/DDP-prepared module); default `model`."""
         self._text_cache: dict[str, dict[str, torch.Tensor]] = {}
@@ -263,6 +264,12 @@ class DiffusionPolicy:
         from peft import LoraConfig
 
         targets = list(target_modules or self.adapter.lora_targets)
+        modules = dict(self.model.named_modules())
+        missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in modules)]
+        if missing:  # peft would fail deep inside, or (for some targets) silently adapt nothing
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)})
+            raise ValueError(f"model.lora_targets {missing} match no module of the {type(self.model).__name__}; "
+                             f"its linear layers are named {', '.join(leaves[:20])}")  # fmt: skip
         config = LoraConfig(r=rank, lora_alpha=alpha or rank, lora_dropout=dropout, init_lora_weights=init,
                             target_modules=targets)  # fmt: skip
         self.model.requires_grad_(False)
@@ -304,15 +311,26 @@ class DiffusionPolicy:
             if "lora_" in name:
                 param.requires_grad_(True)
 
-    def freeze_reference(self) -> None:
-        """Keep a frozen copy of the current network as the KL reference (for full fine-tuning)."""
+    def freeze_reference(self, offload: bool = False) -> None:
+        """Keep a frozen copy of the current network as the KL reference (for full fine-tuning); `offload` keeps it
+        in CPU memory between its passes (`reference` brings it to the device for each)."""
         self.reference_model = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.reference_offload = offload
+        if offload:
+            self.reference_model.to("cpu")
 
     @contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:
         """Run the reference policy inside the block: the frozen copy, or the network with LoRA disabled."""
         if self.reference_model is not None:
-            yield self.reference_model
+            offload = self.reference_offload
+            if offload:
+                self.reference_model.to(self.device)
+            try:
+                yield self.reference_model
+            finally:
+                if offload:
+                    self.reference_model.to("cpu")
         elif self.has_lora:
             self.model.disable_adapters()
             try:
@@ -421,7 +439,7 @@ class DiffusionPolicy:
         noise_level: float = 0.7,
         sampler: str | None = None,
         sde_window: tuple[int, int] | None = None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
         height: int | None = None,
         width: int | None = None,
         latents: torch.Tensor | None = None,
@@ -444,7 +462,9 @@ class DiffusionPolicy:
                 `cps_gaussian`, `ode`; `ddim` (default, eta = `noise_level`) or `ode` (eta 0) for UNets.
             sde_window (`tuple[int, int]`, *optional*): stochastic steps `start <= t < end`; the others are
                 deterministic ODE / eta-0 DDIM steps (MixGRPO, Flow-GRPO-Fast). Default: every step.
-            generator (`torch.Generator`, *optional*): seeds the initial noise and every step's noise.
+            generator (`torch.Generator` or a list of one per prompt, *optional*): seeds the initial noise and every
+                step's noise (with a list, row `i` draws from generator `i`, so a sample does not depend on the
+                batch it is drawn in).
             height, width (`int`, *optional*): image size (default: the model's).
             latents (`torch.Tensor`, *optional*): initial noise `[B, C, h, w]` (e.g. from FIND's noise policy).
             decode (`bool`, defaults to `True`): decode the final latents to images.

@@ -37,7 +37,7 @@ from flowrl import rewards as reward_registry
 from flowrl.config import RewardConfig, TrainerConfig, save_config, to_dict
 from flowrl.core import get_objective
 from flowrl.threads import ThreadGovernor
-from flowrl.tracking import MetricsLog, flat_config, plot_curves, scalar, summary_screen
+from flowrl.tracking import MetricsLog, PeakMemory, flat_config, plot_curves, scalar, summary_screen
 from flowrl.trainers.advantages import AdvantageEstimator
 from flowrl.trainers.scoring import Rewards
 from flowrl.trainers.state import EMA, Processes, RunState, seeded
@@ -62,15 +62,20 @@ class Trainer(ABC):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}")
         from accelerate import Accelerator
 
+        _check_launch()
         self.config = config
         run = config.run
         _check_trackers(run.log_with)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.output_dir = Path(output_dir or run.output_dir.format(trainer=config.trainer, time=stamp))
-        self.accelerator = Accelerator(cpu=run.cpu, mixed_precision=run.mixed_precision,
+        # without a GPU, the CPU explicitly: accelerate then forms a gloo group of the processes `torchrun`
+        # starts (asked for the default device, it would leave each one a separate single-process run)
+        cpu = run.cpu or not torch.cuda.is_available()
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=run.mixed_precision,
                                        log_with=run.log_with or None, project_dir=str(self.output_dir))  # fmt: skip
         self.processes = Processes(self.accelerator)
         self.threads = ThreadGovernor(run.threads)  # measures from here: model loading is the first interval
+        self.memory = PeakMemory(self.accelerator.device)
         self.state = RunState(trainer=config.trainer)
         # rewards and data first: a bad reward name or prompt fails before any model is loaded
         if reward_fns is None:
@@ -199,6 +204,7 @@ class Trainer(ABC):
         start = time.time()
         threads, lr = self.begin_epoch(epoch)
         self.model.eval()
+        self.memory.start()
         batch = self.collector.collect(epoch)
         rollout, prompts, local, rewards = batch.rollout, batch.prompts, batch.local, batch.rewards
         self.state.samples_scored += len(prompts)
@@ -217,7 +223,8 @@ class Trainer(ABC):
             trainable &= informative_groups(group_ids, advantages, valid)
         local_trainable = trainable[local]
         t0 = time.time()
-        train = self.update(rollout, advantages[local], local_trainable, epoch) if local_trainable.any() else {}
+        # every process updates when any sample trains: the gradient reductions need all of them
+        train = self.update(rollout, advantages[local], local_trainable, epoch) if trainable.any() else {}
         total = self.rewards.combined(valid_rewards)
         record = {
             "epoch": epoch + 1,
@@ -228,10 +235,12 @@ class Trainer(ABC):
             **bad,
             "trained_samples": int(self.processes.gather(local_trainable.float()).sum()),
             "reward_evals": self.state.samples_scored,
+            "nonfinite_steps": self.state.nonfinite_steps,
             "lr": lr,
             "threads": threads,
             **train,
             **batch.times,
+            **self.memory.mark("update"),
             "time/train_s": time.time() - t0,
             "time_s": time.time() - start,
         }
@@ -239,23 +248,33 @@ class Trainer(ABC):
         return record
 
     def update(self, rollout, advantages: torch.Tensor, trainable: torch.Tensor, epoch: int) -> dict:
-        """Inner epochs x minibatches of this process's `trainable` samples, gradients accumulated over
-        `optim.gradient_accumulation` minibatches (each weighted by its share of the window's normaliser)."""
+        """Inner epochs x optimizer steps over the trainable samples of every process.
+
+        Each inner epoch shuffles the global batch's trainable rows the same way on every process and cuts it
+        into windows of `minibatch_size x optim.gradient_accumulation x processes` rows, one optimizer step
+        each. A process trains the rows of the window it sampled, in minibatches of at most `minibatch_size`,
+        each weighted by its share of the whole window's normaliser, and `optimizer_step` sums the gradients
+        over the processes: a step's gradient is that of its window, on one process or many.
+        """
         cfg = self.config
         index = self.train_elements(rollout, epoch)  # [B, k]
-        rows = trainable.nonzero().flatten()
-        size, accumulate = self.minibatch_size, cfg.optim.gradient_accumulation
+        everyone = self.processes.gather(trainable.long()).bool()  # [N]: which rows of the global batch train
+        offset = self.processes.rank * len(trainable)  # this process's rows are [offset, offset + B)
+        rows = everyone.nonzero().flatten()
+        size = self.minibatch_size
+        window_rows = size * cfg.optim.gradient_accumulation * self.processes.world
         stats = EpochStats()
         self.model.train()
         for inner in range(cfg.inner_epochs):
-            generator = seeded(cfg.run.seed, epoch, 3, inner, self.processes.rank)
-            order = rows[torch.randperm(len(rows), generator=generator)]
-            minibatches = [order[i : i + size] for i in range(0, len(order), size)]
-            for start in range(0, len(minibatches), accumulate):
-                window = minibatches[start : start + accumulate]
-                for mb, scale in zip(window, self.window_scales([index[mb] for mb in window])):
+            # the same order on every process (the trailing 0 keeps the stream one process always drew)
+            order = rows[torch.randperm(len(rows), generator=seeded(cfg.run.seed, epoch, 3, inner, 0))]
+            for start in range(0, len(order), window_rows):
+                window = order[start : start + window_rows]
+                mine = window[(window >= offset) & (window < offset + len(trainable))] - offset
+                minibatches = [mine[i : i + size] for i in range(0, len(mine), size)]
+                for mb, scale in zip(minibatches, self.window_scales([index[mb] for mb in minibatches])):
                     stats.add(self.train_minibatch(rollout.select(mb), index[mb], advantages[mb], scale=scale))
-                stats.add_scalar("grad_norm", self.optimizer_step())
+                stats.add_scalar("grad_norm", self.optimizer_step(reduction="sum"))
         return stats.summary()
 
     @property
@@ -269,11 +288,14 @@ class Trainer(ABC):
         return None
 
     def window_scales(self, indices: list[torch.Tensor]) -> list[float]:
-        """Each minibatch's weight in its accumulation window: its share of the aggregation's normaliser
-        (elements for `token_mean`, rows for `seq_mean_*`; 1 for `sum`), so the window's gradient is that of
-        one big minibatch."""
+        """Each of this process's minibatches' weight in its accumulation window: its share of the aggregation's
+        normaliser over the window of every process (elements for `token_mean`, rows for `seq_mean_*`; 1 for
+        `sum`), so the window's gradient summed over the processes is that of one big minibatch."""
         counts = [normaliser(self.agg, len(ix), ix.numel()) for ix in indices]
-        return [1.0] * len(counts) if self.agg == "sum" else [c / sum(counts) for c in counts]
+        if self.agg == "sum":
+            return [1.0] * len(counts)
+        total = self.processes.sum(sum(counts)) if self.processes.world > 1 else sum(counts)
+        return [c / total for c in counts]
 
     def train_minibatch(self, batch, index: torch.Tensor, advantages: torch.Tensor | None, *, scale: float,
                         extra_loss: torch.Tensor | None = None) -> dict:  # fmt: skip
@@ -314,12 +336,14 @@ class Trainer(ABC):
                                    valid=self.element_valid(batch, index))  # fmt: skip
         return losses[0], metrics
 
-    def optimizer_step(self) -> float:
-        """Average the gradients over the processes, clip them, step AdamW (and the EMA); the gradient norm."""
+    def optimizer_step(self, reduction: str = "mean") -> float:
+        """Reduce the gradients over the processes (`mean`, or `sum` when each process's loss is already its
+        share of the global one), clip them, step AdamW (and the EMA); the gradient norm."""
         if self.processes.world > 1:
             for p in self.params:
-                if p.grad is not None:
-                    p.grad = self.accelerator.reduce(p.grad, reduction="mean")
+                # a process whose share of the window was empty has no gradient: it adds zeros
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                p.grad = self.accelerator.reduce(grad, reduction=reduction)
         max_norm = self.config.optim.max_grad_norm
         if max_norm is not None and self.plain:
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
@@ -328,12 +352,28 @@ class Trainer(ABC):
         else:
             norm = torch.norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
         optimizer = self.optimizer.optimizer if self.plain else self.optimizer  # accelerate's wrapper: same step
+        # the same on every process (the gradients were reduced first); fp16's loss scaler skips its own overflows
+        if not math.isfinite(float(norm)) and self.config.run.mixed_precision != "fp16":
+            optimizer.zero_grad(set_to_none=True)
+            self._skip_nonfinite(float(norm))
+            return float(norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.state.optimizer_steps += 1
         if self.ema is not None and self.state.optimizer_steps % self.config.ema_every == 0:
             self.ema.update()
         return float(norm)
+
+    def _skip_nonfinite(self, norm: float) -> None:
+        """Count a skipped step; past `optim.max_nonfinite_steps` stop the run (its last checkpoint stays)."""
+        self.state.nonfinite_steps += 1
+        limit = self.config.optim.max_nonfinite_steps
+        if self.state.nonfinite_steps > limit:
+            raise NonFiniteError(
+                f"{self.state.nonfinite_steps} optimizer steps had a non-finite gradient (norm "
+                f"{norm}) by epoch {self.state.epoch + 1}, more than optim.max_nonfinite_steps="
+                f"{limit}: lower optim.lr or check the rewards; the last checkpoint is kept"
+            )
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -543,6 +583,7 @@ class Trainer(ABC):
         return {
             "trainer": self.config.trainer,
             "epochs": self.epoch,
+            "processes": self.processes.world,
             "wall_s": round(wall_s, 1),
             "reward_start": first.get("eval/reward"),
             "reward_end": last.get("eval/reward"),
@@ -597,7 +638,9 @@ class Trainer(ABC):
 
     def load_checkpoint(self, path: str | Path) -> float:
         try:
-            state, tensors = checkpoint.load(path, self.accelerator)
+            state, tensors = checkpoint.load(path, self.accelerator, trainer=self.config.trainer)
+        except checkpoint.CheckpointMismatch:
+            raise  # an older checkpoint of the same run would not fit either
         except checkpoint.CheckpointError as err:
             raise self._with_earlier(err, path) from None
         self.load_state_dict(state, tensors)
@@ -610,6 +653,28 @@ def informative_groups(group_ids: torch.Tensor, advantages: torch.Tensor, valid:
     """Samples whose group has any non-zero advantage."""
     nonzero = torch.zeros(int(group_ids.max()) + 1).index_add_(0, group_ids[valid], (advantages[valid] != 0).float())
     return nonzero[group_ids] > 0
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps had a NaN or infinite gradient."""
+
+
+class LaunchError(RuntimeError):
+    """The processes were launched in a way that cannot form one training group."""
+
+
+def _check_launch(environ=None) -> None:
+    """Refuse `accelerate launch --cpu --num_processes N`: accelerate's simple launcher starts one process (it
+    sets a rendezvous address but no world size), which would train alone while the user counts on N."""
+    import os
+
+    env = os.environ if environ is None else environ
+    use_cpu = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if use_cpu and "MASTER_PORT" in env and "WORLD_SIZE" not in env:
+        raise LaunchError(
+            "`accelerate launch --cpu --num_processes N` starts a single process; on CPUs launch N "
+            "processes with `torchrun --nproc_per_node N -m flowrl train CONFIG` (docs/distributed.md)"
+        )
 
 
 def _check_trackers(log_with: list[str]) -> None:

@@ -16,9 +16,9 @@ from collections.abc import Callable
 import torch
 
 from flowrl.policies.diffusion import DiffusionRollout
-from flowrl.rewards import RewardExecutor, check_output
-from flowrl.trainers.scoring import Rewards, texts_and_metadata
-from flowrl.trainers.state import Processes, seeded
+from flowrl.rewards import RewardExecutor
+from flowrl.trainers.scoring import Rewards, call_reward, texts_and_metadata
+from flowrl.trainers.state import Processes, row_generators, seeded
 
 
 @dataclasses.dataclass
@@ -34,7 +34,8 @@ class Collected:
     rewards: dict[str, torch.Tensor]
     """Reward name -> `[N]` scores of every process's samples."""
     times: dict[str, float]
-    """Seconds spent sampling and then waiting for the rewards."""
+    """Seconds spent sampling and then waiting for the rewards (`time/*`), and each phase's memory
+    (`memory/rollout_gb`, `memory/scoring_gb`; `flowrl.tracking.PeakMemory`)."""
 
 
 def epoch_prompts(train_prompts: list, m: int, k: int, seed: int, epoch: int) -> list:
@@ -50,25 +51,26 @@ class ImageCollector:
     """An epoch of images and their rewards.
 
     Args:
-        sample_part (`Callable`): `sample_part(texts, generator, rows) -> DiffusionRollout`: one sampling call;
-            `rows` are the samples' positions in the epoch's prompt list (sample `i` of a group of `k` is
-            `rows % k`), the same on every process.
+        sample_part (`Callable`): `sample_part(texts, generators, rows) -> DiffusionRollout`: one sampling
+            call; `generators` has one generator per text, `rows` are the samples' positions in the epoch's
+            prompt list (sample `i` of a group of `k` is `rows % k`), the same on every process.
         rewards (`Rewards`): the training rewards.
         processes (`Processes`): this process's share.
         train_prompts (`list`): the training prompt set (`flowrl.prompts.Prompt`s).
         prompts_per_epoch, group_size (`int`): m distinct prompts per epoch, k samples each.
         seed (`int`): `run.seed`.
         reward_overlap (`int`): sample in this many parts, scoring each finished part while the next samples.
+        memory (`PeakMemory`, *optional*): measures the rollout and scoring phases.
     """
 
-    def __init__(self, *, sample_part: Callable[[list[str], torch.Generator, range], DiffusionRollout],
+    def __init__(self, *, sample_part: Callable[[list[str], list[torch.Generator], range], DiffusionRollout],
                  rewards: Rewards, processes: Processes, train_prompts: list, prompts_per_epoch: int,
-                 group_size: int, seed: int, reward_overlap: int = 1):  # fmt: skip
+                 group_size: int, seed: int, reward_overlap: int = 1, memory=None):  # fmt: skip
         if not train_prompts:
             raise ValueError("the training prompt set is empty")
         self.sample_part, self.rewards, self.processes = sample_part, rewards, processes
         self.train_prompts, self.m, self.k = train_prompts, prompts_per_epoch, group_size
-        self.seed, self.reward_overlap = seed, reward_overlap
+        self.seed, self.reward_overlap, self.memory = seed, reward_overlap, memory
 
     def epoch_prompts(self, epoch: int) -> list:
         """This epoch's m prompts, each repeated k times (the same list on every process)."""
@@ -77,8 +79,9 @@ class ImageCollector:
     def sample(self, epoch: int, on_part=None) -> tuple[DiffusionRollout, list, slice]:
         """Rollout of this process's share of the epoch's prompts; returns `(rollout, prompts, local)`.
 
-        The share is sampled in `reward_overlap` parts (each from its own seeded noise stream), and
-        `on_part(part, part_prompts)` runs after each.
+        The share is sampled in `reward_overlap` parts and `on_part(part, part_prompts)` runs after each. Each
+        sample's noise comes from its own generator, seeded by its position in the epoch's prompt list, so a
+        sample is the same on one process or many and with any `reward_overlap`.
         """
         prompts = self.epoch_prompts(epoch)
         local = self.processes.local_slice(len(prompts))
@@ -88,9 +91,8 @@ class ImageCollector:
         parts = []
         for i in range(n):
             rows = slice(bounds[i], bounds[i + 1])
-            stream = (i,) if n > 1 else ()  # n = 1 keeps the single-call stream
-            generator = seeded(self.seed, epoch, 2, self.processes.rank, *stream)
             positions = range(local.start + rows.start, local.start + rows.stop)
+            generator = row_generators((self.seed, epoch, 2), positions)
             part = self.sample_part([str(p) for p in mine[rows]], generator, positions)
             if on_part is not None:
                 on_part(part, mine[rows])
@@ -101,13 +103,16 @@ class ImageCollector:
     def collect(self, epoch: int) -> Collected:
         """`sample` and the gathered rewards of its images, scored while sampling when `reward_overlap` > 1."""
         start = time.time()
+        memory = {}
         if self.reward_overlap == 1:
             rollout, prompts, local = self.sample(epoch)
             sampled = time.time()
+            memory = self.memory.mark("rollout") if self.memory else {}
             rewards = self.rewards.score(rollout.images, prompts[local])
-        else:
+        else:  # sampling and scoring overlap: one measurement for both
             rollout, prompts, local, rewards, sampled = self._collect_overlapped(epoch)
-        times = {"time/sample_s": sampled - start, "time/reward_s": time.time() - sampled}
+        memory.update(self.memory.mark("scoring" if memory else "rollout_and_scoring") if self.memory else {})
+        times = {"time/sample_s": sampled - start, "time/reward_s": time.time() - sampled, **memory}
         return Collected(rollout, prompts, local, rewards, times)
 
     def _collect_overlapped(self, epoch: int):
@@ -123,7 +128,7 @@ class ImageCollector:
         try:
             rollout, prompts, local = self.sample(epoch, on_part=submit)
             sampled = time.time()
-            local_scores = {name: torch.cat([check_output(name, futures[name].result(), rows)
+            local_scores = {name: torch.cat([call_reward(name, futures[name].result, rows)
                                              for rows, futures in pending]) for name in executors}  # fmt: skip
         finally:
             for ex in executors.values():

@@ -69,8 +69,9 @@ class DPOKConfig(TrainerConfig):
     policy_steps: int = 5
     """Policy optimizer steps per epoch (DPOK's `p_step`: 5)."""
     policy_batch_size: int = 2
-    """Buffer transitions per policy minibatch; each optimizer step accumulates `optim.gradient_accumulation`
-    minibatches (DPOK multi-prompt: 2 x 12; single prompt: 4 x 12)."""
+    """Buffer transitions per policy minibatch (per process: N processes draw one minibatch of N x this many);
+    each optimizer step accumulates `optim.gradient_accumulation` minibatches (DPOK multi-prompt: 2 x 12; single
+    prompt: 4 x 12)."""
     use_value: bool = True
     """Subtract the learned baseline `V(x_t, sigma_t, c)` from the reward (False: A = r, DPOK's `v_flag 0`)."""
     value_lr: float = 1e-4
@@ -80,7 +81,7 @@ class DPOKConfig(TrainerConfig):
     value_updates: int = 1
     """Value optimizer steps per epoch, each over `value_steps` fresh minibatches (DPOK: 1)."""
     value_batch_size: int = 256
-    """Buffer transitions per value minibatch (DPOK: 256)."""
+    """Buffer transitions per value minibatch (per process, as `policy_batch_size`; DPOK: 256)."""
     value_hidden: int = 128
     """Width of the value network (`flowrl.policies.value.StateValueNet`)."""
     optim: OptimConfig = dataclasses.field(
@@ -211,11 +212,20 @@ class DPOKTrainer(ImageTrainer):
         self.buffer.push(self.transitions(rollout, advantages, trainable, epoch))
         stats = EpochStats()
         stats.add_scalar("buffer_size", len(self.buffer))
-        rank = self.processes.rank
+        # the same draws on every process (the trailing 0 keeps the stream one process always drew)
         if self.value_net is not None:
-            self.update_value(seeded(self.config.run.seed, epoch, 20, rank), stats)
-        self.update_policy(seeded(self.config.run.seed, epoch, 21, rank), stats)
+            self.update_value(seeded(self.config.run.seed, epoch, 20, 0), stats)
+        self.update_policy(seeded(self.config.run.seed, epoch, 21, 0), stats)
         return stats.summary()
+
+    def sample_share(self, per_process: int, generator: torch.Generator) -> Transitions:
+        """This process's share of one buffer minibatch drawn for all processes (`per_process` rows each): every
+        process holds the whole buffer and draws the same rows, so N processes train on what one process with
+        N x `per_process` rows would."""
+        world, rank = self.processes.world, self.processes.rank
+        batch = self.buffer.sample(per_process * world, generator)
+        share = len(batch) // world
+        return batch if world == 1 else batch.select(torch.arange(rank * share, (rank + 1) * share))
 
     def update_value(self, generator: torch.Generator, stats: EpochStats) -> None:
         """`value_updates` optimizer steps, each on `value_steps` minibatches of MSE to the stored returns."""
@@ -224,7 +234,7 @@ class DPOKTrainer(ImageTrainer):
         module.train()
         for _ in range(c.value_updates):
             for i in range(c.value_steps):
-                batch = self.buffer.sample(c.value_batch_size, generator)
+                batch = self.sample_share(c.value_batch_size, generator)
                 sync = i == c.value_steps - 1
                 with nullcontext() if sync else self.accelerator.no_sync(module):
                     prediction = self.value(batch)
@@ -250,7 +260,7 @@ class DPOKTrainer(ImageTrainer):
         self.model.train()
         for _ in range(c.policy_steps):
             for _ in range(n):
-                batch = self.buffer.sample(c.policy_batch_size, generator)
+                batch = self.sample_share(c.policy_batch_size, generator)
                 advantages = self.advantage(batch)
                 stats.add_scalar("advantage_mean", advantages.mean())
                 stats.add_scalar("advantage_abs", advantages.abs().mean())

@@ -18,7 +18,7 @@ import torch
 from flowrl.config import EvalConfig, SamplingConfig
 from flowrl.tracking import image_grid
 from flowrl.trainers.scoring import Rewards
-from flowrl.trainers.state import Processes, seeded
+from flowrl.trainers.state import Processes, row_generators
 
 
 class ImageEvaluator:
@@ -53,7 +53,7 @@ class ImageEvaluator:
         full_padded = full + full[: (-len(full)) % self.processes.world]
         local = self.processes.local_slice(len(full_padded))
         sampler = "ode" if self.policy.adapter.time_kind == "flow" else "ddim"
-        generator = seeded(e.seed, self.processes.rank)
+        generator = row_generators((e.seed,), range(local.start, local.stop))  # a sample's noise: its position
         guidance = s.guidance_scale if e.guidance_scale is None else e.guidance_scale
         texts = [str(p) for p in full_padded[local]]
         with self.autocast() if self.autocast else nullcontext():

@@ -216,11 +216,13 @@ class FINDTrainer(ImageTrainer):
         with torch.no_grad():
             mean, std = self.noise_policy.params(draws.condition)
         target = rewards[rows].to(mean.device)
+        # the calibration regresses on every process's samples (the same loss on each), as one process would
+        fit = self.global_rows(trainable, rollout.noise.condition, rollout.noise.text, rewards)
         net, optimizer = self.aux["calibration"]
         net.train()
         losses = []
         for _ in range(c.calibration_steps):
-            loss = (net(mean, std, draws.text) - target).pow(2).mean()
+            loss = (net(*fit[:-1]) - fit[-1]).pow(2).mean()
             self.accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -234,7 +236,12 @@ class FINDTrainer(ImageTrainer):
         with torch.no_grad():
             kl = self.noise_policy.kl_to_prior(draws.condition)
             mean, std = self.noise_policy.params(draws.condition)
-        adv = calibrated[rows]
+        adv = (
+            calibrated[rows]
+            if self.processes.world == 1
+            # every process's, like the other trainers'
+            else (self.processes.gather(calibrated)[self.processes.gather(trainable.long()).bool()])
+        )
         return {
             **stats,
             "calibration/loss": losses[-1] if losses else float("nan"),
@@ -245,6 +252,16 @@ class FINDTrainer(ImageTrainer):
             "noise/mean_rms": mean.pow(2).mean().sqrt(),
             "noise/std_mean": std.mean(),
         }
+
+    @torch.no_grad()
+    def global_rows(self, trainable, condition, text, rewards) -> tuple[torch.Tensor, ...]:
+        """`(mean, std, text, reward)` of the trainable samples of every process, in rank order."""
+        mean, std = self.noise_policy.params(condition)
+        parts = (mean, std, text, rewards.to(mean.device))
+        if self.processes.world == 1:
+            return tuple(x[trainable.to(x.device)] for x in parts)
+        keep = self.processes.gather(trainable.long()).bool()
+        return tuple(self.processes.gather(x)[keep].to(mean.device) for x in parts)
 
     def num_elements(self, rollout) -> int:
         return 1
@@ -263,8 +280,8 @@ class FINDTrainer(ImageTrainer):
             terms.penalty = coef * regulariser[:, None]
         return terms
 
-    def optimizer_step(self):
-        norm = super().optimizer_step()
+    def optimizer_step(self, reduction: str = "mean"):
+        norm = super().optimizer_step(reduction)
         self.noise_policy.clamp_std_()  # FIND: sigma >= min_std after every optimizer step
         return norm
 

@@ -65,7 +65,8 @@ class ImageTrainer(Trainer):
             raise ValueError("grpo_guard's RatioNorm is defined on Gaussian step log-probs; with CPS use sampler "
                              "cps_gaussian (cps keeps Flow-GRPO's -mean (x' - mu)^2 log-prob)")  # fmt: skip
         if self.kl_to_reference and self.config.kl.beta and not self.has_reference():
-            self.policy.freeze_reference()  # full fine-tuning: the reference is a frozen copy of the base
+            # full fine-tuning: the reference is a frozen copy of the base
+            self.policy.freeze_reference(offload=self.config.kl.reference_offload)
 
     def check_inputs(self) -> None:
         """Every reward (and gold metric) that can judge prompts up front checks the train and test sets."""
@@ -97,7 +98,7 @@ class ImageTrainer(Trainer):
         return ImageCollector(sample_part=self.sample_part, rewards=self.rewards, processes=self.processes,
                               train_prompts=self.train_prompts, prompts_per_epoch=c.prompts.prompts_per_epoch,
                               group_size=c.prompts.group_size, seed=c.run.seed,
-                              reward_overlap=c.sampling.reward_overlap)  # fmt: skip
+                              reward_overlap=c.sampling.reward_overlap, memory=self.memory)  # fmt: skip
 
     def build_evaluator(self) -> ImageEvaluator:
         return ImageEvaluator(policy=self.policy, rewards=self.rewards, metrics=self.eval_fns,
@@ -110,9 +111,10 @@ class ImageTrainer(Trainer):
         """Rollouts keep each step's behaviour mean when the objective needs it (GRPO-Guard's RatioNorm)."""
         return self.objective is not None and "mean_diff_sq" in get_objective(self.objective).required
 
-    def sample_part(self, texts: list[str], generator: torch.Generator, rows: range | None = None) -> DiffusionRollout:
+    def sample_part(self, texts: list[str], generator, rows: range | None = None) -> DiffusionRollout:
         """One sampling call: the policy's samples of `texts` (at positions `rows` of the epoch's prompt list)
-        with the configured sampler; with `sampling.init_same_noise` a group's samples start from one noise."""
+        with the configured sampler, noise from `generator` (one per text, or one for all); with
+        `sampling.init_same_noise` a group's samples start from one noise."""
         s = self.config.sampling
         latents = self.group_noise(rows, s.height, s.width) if s.init_same_noise and rows is not None else None
         with self.accelerator.autocast():

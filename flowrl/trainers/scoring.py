@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from flowrl.rewards import check_output
+from flowrl.rewards import RewardError, check_output
 from flowrl.rewards.multi import weighted_sum
 from flowrl.trainers.state import Processes
 
@@ -14,6 +16,18 @@ def texts_and_metadata(prompts: list) -> tuple[list[str], dict[str, list]]:
     texts = [str(p) for p in prompts]
     keys = dict.fromkeys(k for p in prompts for k in getattr(p, "metadata", {}))
     return texts, {k: [getattr(p, "metadata", {}).get(k) for p in prompts] for k in keys}
+
+
+def call_reward(name: str, run, n: int) -> torch.Tensor:
+    """The checked `[n]` scores that `run()` returns (a reward call, or a future's `result`); a failure of the
+    reward is a `RewardError` that names it."""
+    try:
+        scores = run()
+    except RewardError:
+        raise
+    except Exception as err:  # noqa: BLE001  (a reward's own failure, whatever its kind, is named and kept)
+        raise RewardError(f"reward {name!r} failed: {type(err).__name__}: {err}") from err
+    return check_output(name, scores, n)
 
 
 class Rewards:
@@ -35,7 +49,7 @@ class Rewards:
     def score(self, outputs, prompts: list, fns: dict | None = None) -> dict[str, torch.Tensor]:
         """Each reward on this process's outputs (prompt metadata as keyword arguments), gathered: `{name: [N]}`."""
         texts, metadata = texts_and_metadata(prompts)
-        return {name: self.processes.gather(check_output(name, fn(outputs, texts, **metadata), len(texts)))
+        return {name: self.processes.gather(call_reward(name, partial(fn, outputs, texts, **metadata), len(texts)))
                 for name, fn in (fns or self.fns).items()}  # fmt: skip
 
     def combined(self, rewards: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -21,6 +21,13 @@ def seeded(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(value)
 
 
+def row_generators(prefix: tuple[int, ...], rows) -> list[torch.Generator]:
+    """One generator per sample, seeded by `(*prefix, row)` with `row` the sample's position in the whole
+    batch of every process: a sample's noise is the same whichever process draws it and however the batch is
+    split into calls (diffusers' `randn_tensor` draws row `i` from generator `i`)."""
+    return [seeded(*prefix, int(row)) for row in rows]
+
+
 class Processes:
     """This process's place among the run's processes (accelerate): its share of a batch and gathers.
 
@@ -112,6 +119,8 @@ class RunState:
     """Optimizer steps taken (EMA updates count them)."""
     samples_scored: int = 0
     """Samples the training rewards scored: the run's reward budget."""
+    nonfinite_steps: int = 0
+    """Optimizer steps skipped because the gradient was NaN or infinite (`optim.max_nonfinite_steps`)."""
     eval_history: list[dict] = dataclasses.field(default_factory=list)
     """Every evaluation: `{"epoch": e, "eval/...": value}`."""
     metrics: list[dict] = dataclasses.field(default_factory=list)

@@ -116,11 +116,12 @@ class TempFlowGRPOTrainer(FlowGRPOTrainer):
         parts, order = [], []
         for j in steps.unique().tolist():
             mine = (steps == j).nonzero().flatten()
+            noise = [generator[i] for i in mine] if isinstance(generator, list) else generator  # its samples' own
             with self.accelerator.autocast():
                 part = self.policy.rollout([texts[i] for i in mine], num_steps=s.num_steps,
                                            guidance_scale=s.guidance_scale, noise_level=s.noise_level,
                                            sampler=s.sampler, sde_window=(j, j + 1), latents=latents[mine],
-                                           generator=generator, height=s.height, width=s.width,
+                                           generator=noise, height=s.height, width=s.width,
                                            store_means=self.store_means)  # fmt: skip
             if not part.sde_mask[j]:
                 raise ValueError(f"sampler {s.sampler!r} (noise_level {s.noise_level}) is deterministic at step {j}")

@@ -159,7 +159,8 @@ def test_awm_ratio_is_one_with_the_stored_draws_and_its_gradient_is_advantage_we
     adv = torch.linspace(-1, 1, b)
     params = [p for p in trainer.policy.model.parameters() if p.requires_grad]
     loss, metrics = trainer.minibatch_loss(batch, index, adv)
-    assert metrics["ratio_mean"].item() == 1.0 and metrics["ratio_std"].item() == 0.0
+    # 1 up to float rounding: the stored losses come from a no-grad pass, these from a pass with autograd
+    assert abs(metrics["ratio_mean"].item() - 1.0) < 1e-6 and metrics["ratio_std"].item() < 1e-6
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     # at rho = 1 PPO-clip's gradient is that of mean(A^ W(l_theta, t)) over the [b, K] draws
     terms = trainer.score(batch, index)

@@ -1,0 +1,23 @@
+"""Benchmark scripts that only run in full on a GPU still run end to end on the tiny models (their `--tiny` mode)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_bench_tiny_mode_writes_its_json(tmp_path):
+    out = tmp_path / "gpu_bench.json"
+    args = ["--tiny", "--group", "2", "--steps", "2", "--repeats", "1", "--minibatch", "1", "--forward-batch", "2",
+            "--lora-rank", "4", "--out", str(out)]  # fmt: skip
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), *args], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["model"] for r in report["results"]] == ["sd35m", "flux"]
+    for row in report["results"]:
+        assert row["rollout_images_per_s"] > 0 and row["train_images_per_s"] > 0
+        assert row["flops_per_sample_train"] > row["flops_per_sample_rollout"] > 0  # the backward costs FLOPs too

@@ -1,0 +1,123 @@
+"""Crashes lose nothing: a run killed with SIGKILL while writing a checkpoint, or in the middle of an epoch,
+resumes from its latest complete checkpoint and ends exactly where an uninterrupted run ends; two processes
+building the digits base model into one cache at once both get an intact model (docs/reliability.md)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from .conftest import TINY_DIGITS_RUN
+
+
+DYING = """
+import os, signal, sys
+from flowrl import checkpoint
+from flowrl.cli import main
+from flowrl.trainers.base import Trainer
+
+mode, at = sys.argv[1], int(sys.argv[2])
+if mode == "checkpoint":  # SIGKILL while checkpoint `at` is written: weights on disk, no manifest yet
+    write_manifest, count = checkpoint.write_manifest, [0]
+
+    def dying(folder):
+        count[0] += 1
+        if count[0] == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_manifest(folder)
+
+    checkpoint.write_manifest = dying
+else:  # SIGKILL in the middle of epoch `at` (0-based): sampled and scored, not yet trained
+    update = Trainer.update
+
+    def dying(self, rollout, advantages, trainable, epoch):
+        if epoch == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return update(self, rollout, advantages, trainable, epoch)
+
+    Trainer.update = dying
+sys.exit(main(sys.argv[3:]))
+"""
+
+VOLATILE = ("time", "wall_s", "threads", "memory/")
+"""Metrics that measure the machine, not the training."""
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("crash-cache")
+    return {**os.environ, "FLOWRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+
+
+def _config(tmp_path):
+    data = json.loads(json.dumps(TINY_DIGITS_RUN))
+    data["run"] = {"epochs": 3, "save_every": 1, "images_every": 0, "log_with": [], "threads": 1}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _run(env, *args, script=None):
+    cmd = [sys.executable, "-c", script, *args] if script else [sys.executable, "-m", "flowrl", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _end(run):
+    weights = load_file(run / "checkpoints" / "epoch_3" / "accelerate" / "model.safetensors")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+    return weights, rows
+
+
+@pytest.mark.parametrize("mode, at", [("checkpoint", 3), ("epoch", 2)])
+def test_a_killed_run_resumes_exactly_from_its_last_complete_checkpoint(env, tmp_path, mode, at):
+    config = _config(tmp_path)
+    straight = tmp_path / "straight"
+    done = _run(env, "train", str(config), "--output-dir", str(straight))
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    killed = tmp_path / "killed"
+    crash = _run(env, mode, str(at), "train", str(config), "--output-dir", str(killed), script=DYING)
+    assert crash.returncode == -signal.SIGKILL, crash.stderr[-2000:]
+    names = sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert names == ["epoch_1", "epoch_2"]  # a partial checkpoint never gets its name (it stays `.tmp-epoch_3`)
+    again = _run(env, "train", str(config), "--output-dir", str(killed), "--resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+
+    (w_straight, rows_straight), (w_killed, rows_killed) = _end(straight), _end(killed)
+    assert rows_killed == rows_straight  # one row per epoch, the same numbers
+    for name, value in w_straight.items():
+        assert torch.equal(w_killed[name], value), name
+
+
+def test_two_processes_building_the_digits_model_at_once_share_one_intact_build(env, tmp_path):
+    build = (
+        "from flowrl.digits.build import BuildConfig, build_model\n"
+        "from flowrl.digits.nets import TransformerConfig\n"
+        "tiny = TransformerConfig(num_layers=1, attention_head_dim=8, num_attention_heads=2,\n"
+        "                         caption_projection_dim=16)\n"
+        "print(build_model(BuildConfig(pretrain_steps=40, transformer=tiny)))\n"
+    )
+    cache = {**env, "FLOWRL_CACHE": str(tmp_path / "cache")}
+    both = [subprocess.Popen([sys.executable, "-c", build], env=cache, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]  # fmt: skip
+    outputs = [p.communicate(timeout=600) for p in both]
+    assert all(p.returncode == 0 for p in both), [err[-2000:] for _, err in outputs]
+    folders = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert len(folders) == 1
+    built = sum("building the digits base model" in out for out, _ in outputs)
+    assert built == 1, "the second process should wait for the first and reuse its build"
+    folder = next(iter(folders))
+    meta = json.loads(open(os.path.join(folder, "meta.json")).read())
+    assert meta["config"]["pretrain_steps"] == 40
+    from diffusers import SD3Transformer2DModel
+
+    SD3Transformer2DModel.from_pretrained(os.path.join(folder, "transformer"))  # the build loads back
+    leftovers = [p for p in os.listdir(os.path.dirname(folder)) if p.startswith(".model-") and not p.endswith(".lock")]
+    assert not leftovers, leftovers

@@ -1,0 +1,139 @@
+"""Many processes equal one: `torchrun --nproc_per_node 2` on CPUs forms one gloo group of two, and a 2-process
+digits run trains like one process with the same global batch (docs/distributed.md)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from .conftest import TINY_DIGITS_RUN
+
+
+RUN = {"epochs": 2, "save_every": 1, "images_every": 0, "log_with": [], "threads": 1}
+"""Two epochs, a checkpoint after each, one thread per process (two processes on two cores)."""
+
+TRAINERS = {
+    "flow_grpo": {"trainer": "flow_grpo"},
+    "grpo_guard": {"trainer": "grpo_guard"},
+    "find": {"trainer": "find", "sampling": {"sampler": "ode"}},
+    "dpok": {"trainer": "dpok", "buffer_size": 48, "policy_steps": 2, "value_steps": 2, "prompts": {"group_size": 1},
+             "per_process": {"policy_batch_size": 8, "value_batch_size": 16}},
+}  # fmt: skip
+"""Each trainer's changes to the tiny digits run; `per_process` sizes are divided by the process count."""
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A digits cache for this module's runs; the first (single-process) run of each test builds the model."""
+    return tmp_path_factory.mktemp("dist-cache")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(tmp_path, trainer: str, processes: int):
+    data = json.loads(json.dumps(TINY_DIGITS_RUN))
+    data["prompts"] = {"prompts_per_epoch": 4, "group_size": 4}  # 16 samples per epoch
+    changes = dict(TRAINERS[trainer])
+    for key, value in changes.pop("per_process", {}).items():
+        data[key] = value // processes
+    for key, value in changes.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    data["run"] = dict(RUN)
+    # rows per process per minibatch: an optimizer step's window is forward_batch_size x accumulation x processes
+    data["sampling"]["forward_batch_size"] = 8 // processes
+    data["eval"] = {**data["eval"], "max_prompts": 4, "samples_per_prompt": 2}
+    path = tmp_path / f"{trainer}-{processes}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _train(config, out, cache, processes: int) -> dict:
+    env = {**os.environ, "FLOWRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    base = ["-m", "flowrl", "train", str(config), "--output-dir", str(out)]
+    if processes == 1:
+        cmd = [sys.executable, *base]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *base]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def _weights(run, epoch: int) -> dict[str, torch.Tensor]:
+    folder = run / "checkpoints" / f"epoch_{epoch}" / "accelerate"
+    tensors = {}
+    for file in sorted(folder.glob("model*.safetensors")):
+        tensors.update({f"{file.name}:{k}": v for k, v in load_file(file).items()})
+    assert tensors, f"no model weights in {folder}"
+    return tensors
+
+
+def _rows(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _two_equals_one(tmp_path, cache, trainer: str) -> None:
+    one = _train(_config(tmp_path, trainer, 1), tmp_path / "one", cache, processes=1)
+    two = _train(_config(tmp_path, trainer, 2), tmp_path / "two", cache, processes=2)
+    assert (one["processes"], two["processes"]) == (1, 2)  # a real group of two, not two lone runs
+
+    rows_one, rows_two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    # one writer: one row for the baseline evaluation and one per epoch, each epoch once
+    assert [r["epoch"] for r in rows_two] == [r["epoch"] for r in rows_one] == [0, 1, 2]
+    for a, b in zip(rows_one[1:], rows_two[1:]):
+        # the same samples, rewards and advantages: noise is seeded per sample, rewards are gathered
+        advantages = [k for k in a if k.startswith("adv/")]
+        for key in ["reward/mean", "reward/std", "trained_samples", "reward_evals", *advantages]:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (key, a[key], b[key])
+    for key in ("eval/digits_gold", "eval/reward"):
+        assert rows_one[-1][key] == pytest.approx(rows_two[-1][key], rel=1e-3, abs=1e-4), key
+
+    for epoch in (1, 2):
+        w1, w2 = _weights(tmp_path / "one", epoch), _weights(tmp_path / "two", epoch)
+        assert w1.keys() == w2.keys()
+        for name in w1:
+            torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}: {name}")
+    before = _weights(tmp_path / "one", 1)
+    assert any(not torch.equal(before[k], w1[k]) for k in w1), "epoch 2 changed no weight: the test is vacuous"
+
+
+def test_two_processes_equal_one_flow_grpo(tmp_path, cache):
+    _two_equals_one(tmp_path, cache, "flow_grpo")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["grpo_guard", "find", "dpok"])
+def test_two_processes_equal_one(tmp_path, cache, trainer):
+    _two_equals_one(tmp_path, cache, trainer)
+
+
+def test_accelerate_cpu_launch_of_many_processes_is_refused():
+    from flowrl.trainers.base import LaunchError, _check_launch
+
+    with pytest.raises(LaunchError, match="torchrun --nproc_per_node N"):
+        _check_launch({"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    _check_launch({"ACCELERATE_USE_CPU": "True"})  # one process: fine
+    _check_launch({"ACCELERATE_USE_CPU": "True", "MASTER_PORT": "1", "WORLD_SIZE": "2"})  # torchrun: fine
+
+
+@pytest.mark.parametrize("name", ["ddp.yaml", "ddp_multinode.yaml"])
+def test_shipped_accelerate_configs_load(name):
+    from pathlib import Path
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / name
+    config = load_config_from_file(str(path))
+    assert str(config.distributed_type).endswith("MULTI_GPU") and config.num_processes >= 2
+    assert config.num_processes % config.num_machines == 0

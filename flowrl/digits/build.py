@@ -97,6 +97,17 @@ def cache_lock(target: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _build_once(target: Path, force: bool, build) -> Path:
+    """`build(target)` unless `target` is built (`meta.json`, written last), under `cache_lock`: a process that
+    waited for the lock finds the other's build and returns it."""
+    if (target / "meta.json").is_file() and not force:
+        return target
+    with cache_lock(target):
+        if force or not (target / "meta.json").is_file():
+            build(target)
+    return target
+
+
 def _write_atomic(target: Path, write) -> Path:
     """Run `write(tmp_folder)`, then rename the folder to `target` (never a half-written `target`)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -148,72 +159,66 @@ def pretrain(transformer, encoder: MiniLMEncoder, config: BuildConfig, log=print
 
 def build_classifiers(config: BuildConfig, *, force: bool = False, log=print) -> Path:
     """Train the reward CNN (on half A of the real digits) and the gold MLP (on half B) into the cache."""
-    target = classifier_dir(config)
-    if (target / "meta.json").is_file() and not force:
-        return target
-    with cache_lock(target):
-        if (target / "meta.json").is_file() and not force:
-            return target  # another process built it while this one waited for the lock
-        start = time.time()
-        images, labels = real_digits()
-        part_a, part_b = split(config.seed)
-        torch.manual_seed(config.seed + 1)
-        reward_clf = train_classifier(DigitCNN(), images[part_a], labels[part_a], epochs=config.classifier_epochs,
-                                      seed=config.seed + 1)  # fmt: skip
-        torch.manual_seed(config.seed + 2)
-        gold_clf = train_classifier(DigitMLP(), images[part_b], labels[part_b], epochs=config.classifier_epochs,
-                                    seed=config.seed + 2)  # fmt: skip
+    return _build_once(classifier_dir(config), force, lambda target: _train_classifiers(config, target, log))
 
-        def write(tmp: Path):
-            save_file(reward_clf.state_dict(), tmp / "reward_classifier.safetensors")
-            save_file(gold_clf.state_dict(), tmp / "gold_classifier.safetensors")
-            meta = {
-                "format_version": FORMAT_VERSION,
-                "seed": config.seed,
-                "classifier_epochs": config.classifier_epochs,
-                # each classifier is validated on the half of the data the other one trained on
-                "reward_classifier_accuracy": accuracy(reward_clf, images[part_b], labels[part_b]),
-                "gold_classifier_accuracy": accuracy(gold_clf, images[part_a], labels[part_a]),
-                "build_seconds": round(time.time() - start, 1),
-            }
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
 
-        _write_atomic(target, write)
-        if log:
-            log(f"digits classifiers trained in {time.time() - start:.0f} s: {target}")
-        return target
+def _train_classifiers(config: BuildConfig, target: Path, log) -> None:
+    start = time.time()
+    images, labels = real_digits()
+    part_a, part_b = split(config.seed)
+    torch.manual_seed(config.seed + 1)
+    reward_clf = train_classifier(DigitCNN(), images[part_a], labels[part_a], epochs=config.classifier_epochs,
+                                  seed=config.seed + 1)  # fmt: skip
+    torch.manual_seed(config.seed + 2)
+    gold_clf = train_classifier(DigitMLP(), images[part_b], labels[part_b], epochs=config.classifier_epochs,
+                                seed=config.seed + 2)  # fmt: skip
+
+    def write(tmp: Path):
+        save_file(reward_clf.state_dict(), tmp / "reward_classifier.safetensors")
+        save_file(gold_clf.state_dict(), tmp / "gold_classifier.safetensors")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "seed": config.seed,
+            "classifier_epochs": config.classifier_epochs,
+            # each classifier is validated on the half of the data the other one trained on
+            "reward_classifier_accuracy": accuracy(reward_clf, images[part_b], labels[part_b]),
+            "gold_classifier_accuracy": accuracy(gold_clf, images[part_a], labels[part_a]),
+            "build_seconds": round(time.time() - start, 1),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    _write_atomic(target, write)
+    if log:
+        log(f"digits classifiers trained in {time.time() - start:.0f} s: {target}")
 
 
 def build_model(config: BuildConfig, *, force: bool = False, log=print) -> Path:
     """Pretrain the base flow model into the cache."""
-    target = model_dir(config)
-    if (target / "meta.json").is_file() and not force:
-        return target
-    with cache_lock(target):
-        if (target / "meta.json").is_file() and not force:
-            return target  # another process built it while this one waited for the lock
-        start = time.time()
-        if log:
-            log(f"building the digits base model into {target} (once; about 40 s on 2 CPU cores)")
-        torch.manual_seed(config.seed)
-        transformer = config.transformer.build()
-        losses = pretrain(transformer, MiniLMEncoder(), config, log=log)
+    return _build_once(model_dir(config), force, lambda target: _pretrain_model(config, target, log))
 
-        def write(tmp: Path):
-            transformer.eval().save_pretrained(tmp / "transformer")
-            meta = {
-                "format_version": FORMAT_VERSION,
-                "config": asdict(config),
-                "final_pretrain_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
-                "build_seconds": round(time.time() - start, 1),
-                "torch": torch.__version__,
-            }
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
 
-        _write_atomic(target, write)
-        if log:
-            log(f"digits base model built in {time.time() - start:.0f} s")
-        return target
+def _pretrain_model(config: BuildConfig, target: Path, log) -> None:
+    start = time.time()
+    if log:
+        log(f"building the digits base model into {target} (once; about 40 s on 2 CPU cores)")
+    torch.manual_seed(config.seed)
+    transformer = config.transformer.build()
+    losses = pretrain(transformer, MiniLMEncoder(), config, log=log)
+
+    def write(tmp: Path):
+        transformer.eval().save_pretrained(tmp / "transformer")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "config": asdict(config),
+            "final_pretrain_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+            "build_seconds": round(time.time() - start, 1),
+            "torch": torch.__version__,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    _write_atomic(target, write)
+    if log:
+        log(f"digits base model built in {time.time() - start:.0f} s")
 
 
 def build(config: BuildConfig | None = None, *, force: bool = False, log=print) -> tuple[Path, Path]:

@@ -103,15 +103,16 @@ class ImageCollector:
     def collect(self, epoch: int) -> Collected:
         """`sample` and the gathered rewards of its images, scored while sampling when `reward_overlap` > 1."""
         start = time.time()
-        memory = {}
+        mark = self.memory.mark if self.memory else lambda phase: {}
         if self.reward_overlap == 1:
             rollout, prompts, local = self.sample(epoch)
             sampled = time.time()
-            memory = self.memory.mark("rollout") if self.memory else {}
+            memory = mark("rollout")
             rewards = self.rewards.score(rollout.images, prompts[local])
+            memory.update(mark("scoring"))
         else:  # sampling and scoring overlap: one measurement for both
             rollout, prompts, local, rewards, sampled = self._collect_overlapped(epoch)
-        memory.update(self.memory.mark("scoring" if memory else "rollout_and_scoring") if self.memory else {})
+            memory = mark("rollout_and_scoring")
         times = {"time/sample_s": sampled - start, "time/reward_s": time.time() - sampled, **memory}
         return Collected(rollout, prompts, local, rewards, times)
 

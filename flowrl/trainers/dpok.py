@@ -189,10 +189,9 @@ class DPOKTrainer(ImageTrainer):
         local = rollout.to_transitions(rows, index.reshape(-1))
         table = torch.tensor([self.prompt_index[p] for p in rollout.unique_prompts])
         local = dataclasses.replace(local, prompts=table[local.prompts], rewards=returns[rows].float())
-        gathered = Transitions(
-            **{f: self.processes.gather(getattr(local, f)) for f in Transitions.per_sample_fields()}
-        )
-        return gathered.select(self.processes.gather(keep[rows].long()).bool())
+        kept = keep[rows]
+        return Transitions(**{f: self.processes.gather_rows(getattr(local, f), kept)
+                              for f in Transitions.per_sample_fields()})  # fmt: skip
 
     def conditioning(self, prompts: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-row conditioning `[n, ...]` of prompt indices (cached text embeddings)."""

@@ -214,15 +214,18 @@ class FINDTrainer(ImageTrainer):
         rewards, rows = advantages, trainable.nonzero().flatten()
         draws = rollout.noise.select(rows)
         with torch.no_grad():
-            mean, std = self.noise_policy.params(draws.condition)
+            sample_mean, sample_std = self.noise_policy.params(rollout.noise.condition)  # [B, ...] every sample's
+        mean, std = sample_mean[rows], sample_std[rows]
         target = rewards[rows].to(mean.device)
         # the calibration regresses on every process's samples (the same loss on each), as one process would
-        fit = self.global_rows(trainable, rollout.noise.condition, rollout.noise.text, rewards)
+        per_sample = (sample_mean, sample_std, rollout.noise.text, rewards)
+        all_mean, all_std, all_text, all_target = (self.processes.gather_rows(x, trainable).to(mean.device)
+                                                   for x in per_sample)  # fmt: skip
         net, optimizer = self.aux["calibration"]
         net.train()
         losses = []
         for _ in range(c.calibration_steps):
-            loss = (net(*fit[:-1]) - fit[-1]).pow(2).mean()
+            loss = (net(all_mean, all_std, all_text) - all_target).pow(2).mean()
             self.accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -236,12 +239,7 @@ class FINDTrainer(ImageTrainer):
         with torch.no_grad():
             kl = self.noise_policy.kl_to_prior(draws.condition)
             mean, std = self.noise_policy.params(draws.condition)
-        adv = (
-            calibrated[rows]
-            if self.processes.world == 1
-            # every process's, like the other trainers'
-            else (self.processes.gather(calibrated)[self.processes.gather(trainable.long()).bool()])
-        )
+        adv = self.processes.gather_rows(calibrated, trainable)  # every process's, like the other trainers'
         return {
             **stats,
             "calibration/loss": losses[-1] if losses else float("nan"),
@@ -252,16 +250,6 @@ class FINDTrainer(ImageTrainer):
             "noise/mean_rms": mean.pow(2).mean().sqrt(),
             "noise/std_mean": std.mean(),
         }
-
-    @torch.no_grad()
-    def global_rows(self, trainable, condition, text, rewards) -> tuple[torch.Tensor, ...]:
-        """`(mean, std, text, reward)` of the trainable samples of every process, in rank order."""
-        mean, std = self.noise_policy.params(condition)
-        parts = (mean, std, text, rewards.to(mean.device))
-        if self.processes.world == 1:
-            return tuple(x[trainable.to(x.device)] for x in parts)
-        keep = self.processes.gather(trainable.long()).bool()
-        return tuple(self.processes.gather(x)[keep].to(mean.device) for x in parts)
 
     def num_elements(self, rollout) -> int:
         return 1

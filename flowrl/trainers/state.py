@@ -65,6 +65,13 @@ class Processes:
         """`t` from every process, concatenated in rank order, on the CPU."""
         return self.accelerator.gather(t.to(self.device)).cpu()
 
+    def gather_rows(self, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The rows of `t` where `mask` ([B] bool) holds, of every process, in rank order, on the CPU (as
+        `gather`)."""
+        if self.world == 1:
+            return t[mask.to(t.device)].cpu()
+        return self.gather(t)[self.gather(mask.long()).bool()]
+
     def sum(self, value: float) -> float:
         """`value` summed over the processes."""
         return float(self.gather(torch.tensor([float(value)])).sum())

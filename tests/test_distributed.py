@@ -96,6 +96,8 @@ def _two_equals_one(tmp_path, cache, trainer: str) -> None:
         advantages = [k for k in a if k.startswith("adv/")]
         for key in ["reward/mean", "reward/std", "trained_samples", "reward_evals", *advantages]:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (key, a[key], b[key])
+        # the training diagnostics are the whole epoch's, pooled over the processes (not rank 0's share)
+        _same_diagnostics(a, b)
     for key in ("eval/digits_gold", "eval/reward"):
         assert rows_one[-1][key] == pytest.approx(rows_two[-1][key], rel=1e-3, abs=1e-4), key
 
@@ -106,6 +108,16 @@ def _two_equals_one(tmp_path, cache, trainer: str) -> None:
             torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}: {name}")
     before = _weights(tmp_path / "one", 1)
     assert any(not torch.equal(before[k], w1[k]) for k in w1), "epoch 2 changed no weight: the test is vacuous"
+
+
+DIAGNOSTICS = ("loss", "pg_loss", "clipfrac", "approx_kl", "ratio_mean", "grad_norm", "value_loss")
+
+
+def _same_diagnostics(a: dict, b: dict) -> None:
+    keys = [k for k in a if k in DIAGNOSTICS or k.startswith(("ratio_mean/step_", "clipfrac/step_"))]
+    assert "loss" in keys and "clipfrac" in keys, sorted(a)
+    for key in keys:
+        assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (key, a[key], b[key])
 
 
 def test_two_processes_equal_one_flow_grpo(tmp_path, cache):
@@ -137,3 +149,56 @@ def test_shipped_accelerate_configs_load(name):
     config = load_config_from_file(str(path))
     assert str(config.distributed_type).endswith("MULTI_GPU") and config.num_processes >= 2
     assert config.num_processes % config.num_machines == 0
+
+
+CONTROL = {
+    "env": {"id": "flowrl/BimodalPointMass-v0", "num_envs": 4, "steps_per_env": 60, "normalize_obs": True,
+            "normalize_reward": True},
+    "minibatch_size": 48, "inner_epochs": 2, "target_kl": 0.05,
+    "run": {**RUN, "epochs": 3, "save_every": 1},
+    "eval": {"episodes": 4, "every": 0},
+}  # fmt: skip
+"""Four environments (two per process) whose 50-step episodes end inside an epoch, both normalisers on, and
+target_kl (a global decision): every piece of the control update that could differ by process count."""
+
+
+def _control_two_equals_one(tmp_path, trainer: str) -> None:
+    config = tmp_path / f"{trainer}.yaml"
+    config.write_text(yaml.safe_dump({"trainer": trainer, **CONTROL}))
+    one = _train(config, tmp_path / "one", tmp_path, processes=1)
+    two = _train(config, tmp_path / "two", tmp_path, processes=2)
+    assert (one["processes"], two["processes"]) == (1, 2)
+    rows_one, rows_two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert [r["epoch"] for r in rows_two] == [r["epoch"] for r in rows_one] == [0, 1, 2, 3]
+    for a, b in zip(rows_one[1:], rows_two[1:]):
+        # every environment's episodes (two of them stepped by each process) and the whole rollout's values
+        assert a["episodes"] == b["episodes"] > 0 and a["env_steps"] == b["env_steps"] == 240 * a["epoch"]
+        for key in ("reward/mean", "reward/std", "episode_length", "explained_variance", "value_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (key, a[key], b[key])
+        assert a.get("early_stop_epoch") == b.get("early_stop_epoch")
+        _same_diagnostics(a, b)
+    assert rows_one[-1]["eval/reward"] == pytest.approx(rows_two[-1]["eval/reward"], rel=1e-3, abs=1e-4)
+    for epoch in (2, 3):  # the two checkpoints kept
+        w1, w2 = _weights(tmp_path / "one", epoch), _weights(tmp_path / "two", epoch)
+        assert w1.keys() == w2.keys()
+        for name in w1:
+            torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}: {name}")
+    before = _weights(tmp_path / "one", 2)
+    assert any(not torch.equal(before[k], w1[k]) for k in w1), "epoch 3 changed no weight: the test is vacuous"
+    # the normalisers' statistics (every environment's observations and returns) travel in the checkpoints
+    s1 = load_file(tmp_path / "one" / "checkpoints" / "epoch_3" / "extra.safetensors")
+    s2 = load_file(tmp_path / "two" / "checkpoints" / "epoch_3" / "extra.safetensors")
+    for name in [k for k in s1 if k.startswith("normalizer.")]:
+        torch.testing.assert_close(s2[name], s1[name], rtol=1e-6, atol=1e-8, msg=name)
+
+
+def test_two_processes_equal_one_control_fpo(tmp_path):
+    pytest.importorskip("gymnasium")
+    _control_two_equals_one(tmp_path, "fpo")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["ppo", "dppo"])
+def test_two_processes_equal_one_control(tmp_path, trainer):
+    pytest.importorskip("gymnasium")
+    _control_two_equals_one(tmp_path, trainer)

@@ -1,10 +1,18 @@
 """Collecting transitions from vectorised Gymnasium environments, and evaluating a policy on them.
 
-Every epoch starts fresh episodes from seeds `(run.seed, epoch, process)`, so an epoch's rollout depends only on
-the weights and normalisation statistics at its start: a resumed run collects exactly what the uninterrupted
-one did (no environment state needs saving). The episode still running at the epoch's end is bootstrapped
-with `V(s_T)`, as is a time-limit truncation (`r_t + gamma V(final_obs)`, SB3's convention); a termination is
-not. Advantages are GAE over the environment steps (`flowrl.core.gae`).
+Every epoch starts fresh episodes from seeds `(run.seed, epoch)` (environment `e` from that seed plus `e`), so
+an epoch's rollout depends only on the weights and normalisation statistics at its start: a resumed run
+collects exactly what the uninterrupted one did (no environment state needs saving).
+
+With several processes each steps its contiguous share of the `num_envs` environments. After every step the
+processes exchange their environments' observations, rewards and ends (one all-gather), so every process
+updates the normalisation statistics with every environment's data and runs the (small) policy on every
+environment's observation with one shared noise stream, keeping the rows of its own environments: an epoch's
+transitions are those of one process stepping all `num_envs` environments.
+
+The episode still running at the epoch's end is bootstrapped with `V(s_T)`, as is a time-limit truncation
+(`r_t + gamma V(final_obs)`, SB3's convention); a termination is not. Advantages are GAE over the environment
+steps (`flowrl.core.gae`).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ class ControlBatch:
     """Undiscounted returns of the episodes that ended in this epoch (raw rewards)."""
     episode_lengths: list[int]
     env_steps: int
+    """Environment steps of every process."""
     times: dict[str, float]
 
 
@@ -50,41 +59,76 @@ class ControlCollector:
     log-probabilities (one pass over the rollout, in training-sized chunks) and GAE.
 
     Args:
-        env_id (`str`), num_envs (`int`), steps_per_env (`int`), env_kwargs (`dict`): the environments.
+        env_id (`str`), num_envs (`int`), steps_per_env (`int`), env_kwargs (`dict`): the environments
+            (`num_envs` of every process together).
         normalizer (`Normalizer`): observation / reward normalisation (updated while collecting).
         act (`Callable`): `act(obs [E, O], generator) -> (actions [E, A], chain [E, K + 1, A] or None)`.
         value (`Callable`): `value(obs [N, O]) -> [N]`.
         behaviour (`Callable`): `behaviour(rollout) -> (log_probs [B, K], draws or None)` at the current weights.
         gamma (`float`), lam (`float`): discount and GAE lambda.
-        seed (`int`), rank (`int`): seeds of the episodes and the action noise.
+        seed (`int`): seeds of the episodes and the action noise.
+        processes (`Processes`, *optional*): this process's share of the environments (None: all of them).
     """
 
     def __init__(self, env_id: str, num_envs: int, steps_per_env: int, env_kwargs: dict, normalizer: Normalizer,
                  act: Callable, value: Callable, behaviour: Callable, *, gamma: float, lam: float, seed: int,
-                 rank: int = 0):  # fmt: skip
-        self.envs = make_vec_env(env_id, num_envs, env_kwargs)
+                 processes=None):  # fmt: skip
+        self.processes = processes
+        world, rank = (processes.world, processes.rank) if processes is not None else (1, 0)
+        if num_envs % world:
+            raise ValueError(f"env.num_envs={num_envs} environments do not split over {world} processes")
+        share = num_envs // world
+        self.mine = slice(rank * share, (rank + 1) * share)  # this process's environments
+        self.envs = make_vec_env(env_id, share, env_kwargs)
         space = self.envs.single_action_space
         self.low, self.high = space.low.astype(np.float64), space.high.astype(np.float64)
         self.num_envs, self.steps = num_envs, steps_per_env
         self.normalizer, self.act, self.value, self.behaviour = normalizer, act, value, behaviour
-        self.gamma, self.lam, self.seed, self.rank = gamma, lam, seed, rank
+        self.gamma, self.lam, self.seed = gamma, lam, seed
+
+    def _everyone(self, *parts: np.ndarray) -> list[np.ndarray]:
+        """This process's `[e, ...]` arrays -> every process's `[E, ...]` (one all-gather of them all)."""
+        if self.processes is None or self.processes.world == 1:
+            return [np.asarray(p, np.float64) for p in parts]
+        flat = [np.asarray(p, np.float64).reshape(len(p), -1) for p in parts]
+        widths = [f.shape[1] for f in flat]
+        gathered = self.processes.gather(torch.from_numpy(np.concatenate(flat, 1))).numpy()
+        out, at = [], 0
+        for part, width in zip(parts, widths):
+            out.append(gathered[:, at : at + width].reshape(-1, *np.shape(part)[1:]))
+            at += width
+        return out
+
+    def rows(self) -> torch.Tensor:
+        """`[T * e]` positions of this process's transitions in the whole epoch's time-major rollout."""
+        envs = torch.arange(self.num_envs)[self.mine]
+        return (torch.arange(self.steps)[:, None] * self.num_envs + envs).reshape(-1)
 
     @torch.no_grad()
     def collect(self, epoch: int) -> ControlBatch:
         start = time.time()
-        n, norm = self.num_envs, self.normalizer
+        n, norm, mine = self.num_envs, self.normalizer, self.mine
         norm.start_epoch()
-        raw, _ = self.envs.reset(seed=env_seed(self.seed, epoch, 11, self.rank))
-        generator = seeded(self.seed, epoch, 12, self.rank)
+        first = env_seed(self.seed, epoch, 11, 0)  # environment e starts from first + e (gymnasium's convention)
+        raw, _ = self.envs.reset(seed=[first + e for e in range(n)[mine]])
+        (raw,) = self._everyone(raw)
+        generator = seeded(self.seed, epoch, 12, 0)  # one stream, drawn for every environment on every process
         obs_t, actions_t, chains, rewards, dones, values = [], [], [], [], [], []
         episode_return, episode_length = np.zeros(n), np.zeros(n, np.int64)
         returns, lengths = [], []
         for _ in range(self.steps):
-            obs = torch.from_numpy(norm.observe(raw, update=True))
+            obs = torch.from_numpy(norm.observe(raw, update=True))  # [E, O]
             actions, chain = self.act(obs, generator)
             value = self.value(obs)
-            raw, reward, terminated, truncated, info = self.envs.step(np.clip(actions.numpy(), self.low, self.high))
-            reward = np.asarray(reward, np.float64)
+            local = np.clip(actions[mine].numpy(), self.low, self.high)
+            raw, reward, terminated, truncated, info = self.envs.step(local)
+            bootstrap = np.flatnonzero(truncated & ~terminated)
+            final_value = None
+            if len(bootstrap):  # a time limit is not a termination: r + gamma V(s_final)
+                final = np.stack([info["final_obs"][e] for e in bootstrap])
+                final_value = self.value(torch.from_numpy(norm.observe(final, update=False)))
+            raw, reward, terminated, truncated = self._everyone(raw, reward, terminated, truncated)
+            terminated, truncated = terminated.astype(bool), truncated.astype(bool)
             done = terminated | truncated
             episode_return += reward
             episode_length += 1
@@ -92,21 +136,19 @@ class ControlCollector:
                 returns.append(float(episode_return[e]))
                 lengths.append(int(episode_length[e]))
             episode_return[done], episode_length[done] = 0.0, 0
-            scaled = torch.from_numpy(norm.reward(reward, done)).float()
-            bootstrap = np.flatnonzero(truncated & ~terminated)
-            if len(bootstrap):  # a time limit is not a termination: r + gamma V(s_final)
-                final = np.stack([info["final_obs"][e] for e in bootstrap])
-                scaled[bootstrap] += self.gamma * self.value(torch.from_numpy(norm.observe(final, update=False)))
-            obs_t.append(obs)
-            actions_t.append(actions)
-            chains.append(chain)
+            scaled = torch.from_numpy(norm.reward(reward, done)).float()[mine]
+            if final_value is not None:
+                scaled[bootstrap] += self.gamma * final_value
+            obs_t.append(obs[mine])
+            actions_t.append(actions[mine])
+            chains.append(chain[mine] if chain is not None else None)
             rewards.append(scaled)
-            dones.append(torch.from_numpy(done))
-            values.append(value)
-        last_value = self.value(torch.from_numpy(norm.observe(raw, update=False)))
+            dones.append(torch.from_numpy(done[mine]))
+            values.append(value[mine])
+        last_value = self.value(torch.from_numpy(norm.observe(raw, update=False)))[mine]
         collect_s = time.time() - start
-        # GAE over [E, T]; rows are time-major [T * E]
-        v = torch.stack(values, 1)  # [E, T]
+        # GAE over [e, T]; rows are time-major [T * e]
+        v = torch.stack(values, 1)  # [e, T]
         adv, ret = gae(torch.stack(rewards, 1), v, torch.stack(dones, 1), last_value, gamma=self.gamma, lam=self.lam)
         rollout = ControlRollout(
             obs=torch.cat(obs_t),
@@ -116,6 +158,7 @@ class ControlCollector:
             advantages=adv.T.reshape(-1),
             returns=ret.T.reshape(-1),
             chain=torch.cat(chains) if chains[0] is not None else None,
+            rows=self.rows(),
         )
         t0 = time.time()
         log_probs, draws = self.behaviour(rollout)

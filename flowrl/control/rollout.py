@@ -12,7 +12,8 @@ from flowrl.policies.rollout import Record, per_sample
 
 @dataclasses.dataclass
 class ControlRollout(Record):
-    """`B = num_envs * steps_per_env` transitions, time-major (row `t * num_envs + e`).
+    """`B = num_envs * steps_per_env` transitions, time-major (row `t * num_envs + e`); with several processes,
+    each holds the rows of its environments (`rows`).
 
     `log_probs [B, K]` are the behaviour policy's element log-probabilities: K = 1 for a Gaussian action, the
     K denoising steps of a flow policy's chain (denoising MDP), or FPO's draws (`-l_old`, the pseudo
@@ -35,6 +36,8 @@ class ControlRollout(Record):
     """`[B, K + 1, act_dim]` a flow policy's denoising chain (denoising-MDP mode)."""
     draws: FPODraws | None = per_sample(default=None)
     """FPO's stored `(tau, eps)` draws and behaviour losses."""
+    rows: torch.Tensor | None = per_sample(default=None)
+    """`[B]` each transition's row in the epoch's rollout of every process (None: this is all of it)."""
 
     @property
     def mask(self) -> torch.Tensor:

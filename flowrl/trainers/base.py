@@ -272,10 +272,13 @@ class Trainer(ABC):
                 window = order[start : start + window_rows]
                 mine = window[(window >= offset) & (window < offset + len(trainable))] - offset
                 minibatches = [mine[i : i + size] for i in range(0, len(mine), size)]
-                for mb, scale in zip(minibatches, self.window_scales([index[mb] for mb in minibatches])):
-                    stats.add(self.train_minibatch(rollout.select(mb), index[mb], advantages[mb], scale=scale))
-                stats.add_scalar("grad_norm", self.optimizer_step(reduction="sum"))
-        return stats.summary()
+                batches = [rollout.select(mb) for mb in minibatches]
+                sizes = [(len(mb), self.trained_elements(b, index[mb])) for mb, b in zip(minibatches, batches)]
+                for mb, batch, scale, (_, n) in zip(minibatches, batches, self.window_scales(sizes), sizes):
+                    metrics = self.train_minibatch(batch, index[mb], advantages[mb], scale=scale)
+                    stats.add(metrics, weight=n)
+                stats.add_scalar("grad_norm", self.optimizer_step(reduction="sum"), shared=True)
+        return stats.summary(self.processes)
 
     @property
     def minibatch_size(self) -> int:
@@ -287,11 +290,17 @@ class Trainer(ABC):
         every element is real."""
         return None
 
-    def window_scales(self, indices: list[torch.Tensor]) -> list[float]:
-        """Each of this process's minibatches' weight in its accumulation window: its share of the aggregation's
-        normaliser over the window of every process (elements for `token_mean`, rows for `seq_mean_*`; 1 for
-        `sum`), so the window's gradient summed over the processes is that of one big minibatch."""
-        counts = [normaliser(self.agg, len(ix), ix.numel()) for ix in indices]
+    def trained_elements(self, batch, index: torch.Tensor) -> int:
+        """The elements a minibatch trains: `index`'s, less padding (`element_valid`)."""
+        valid = self.element_valid(batch, index)
+        return index.numel() if valid is None else int(valid.sum())
+
+    def window_scales(self, sizes: list[tuple[int, int]]) -> list[float]:
+        """Each of this process's minibatches' weight in its accumulation window, from their `(rows, trained
+        elements)`: its share of the aggregation's normaliser over the window of every process (elements for
+        `token_mean`, rows for `seq_mean_*`; 1 for `sum`), so the window's gradient summed over the processes is
+        that of one big minibatch."""
+        counts = [normaliser(self.agg, rows, elements) for rows, elements in sizes]
         if self.agg == "sum":
             return [1.0] * len(counts)
         total = self.processes.sum(sum(counts)) if self.processes.world > 1 else sum(counts)

@@ -232,7 +232,7 @@ class ControlTrainer(Trainer):
         cfg, env = self.config, self.config.env
         return ControlCollector(env.id, env.num_envs, env.steps_per_env, env.kwargs, self.normalizer, self.act,
                                 self.policy.value, self.behaviour, gamma=cfg.gamma, lam=cfg.gae_lambda,
-                                seed=cfg.run.seed, rank=self.processes.rank)  # fmt: skip
+                                seed=cfg.run.seed, processes=self.processes)  # fmt: skip
 
     def build_evaluator(self) -> ControlEvaluator:
         env, ev = self.config.env, self.config.eval
@@ -293,36 +293,61 @@ class ControlTrainer(Trainer):
         return record
 
     def update(self, rollout, advantages: torch.Tensor, trainable, epoch: int) -> dict:
-        """`inner_epochs` passes of shuffled minibatches: policy loss on `[b, K]` + `vf_coef` x value loss."""
+        """`inner_epochs` passes of shuffled minibatches: policy loss on `[b, K]` + `vf_coef` x value loss.
+
+        The minibatches are cut from the epoch's transitions of every process, shuffled the same way on every
+        process; each trains the minibatch's rows it holds, weighted by their share of the minibatch, and
+        `optimizer_step` sums the gradients. Advantage whitening and `target_kl` use the whole minibatch's
+        statistics, so a step is the same on one process or many.
+        """
         cfg = self.config
         index = self.train_elements(rollout, epoch)
-        n = len(rollout)
+        n_local = len(rollout)
+        rows = rollout.rows if rollout.rows is not None else torch.arange(n_local)
+        everyone = self.processes.gather(torch.stack([rows.double(), rollout.advantages.double()], 1))  # [N, 2]
+        n = len(everyone)
+        adv_all = torch.empty(n, dtype=rollout.advantages.dtype)
+        adv_all[everyone[:, 0].long()] = everyone[:, 1].to(adv_all.dtype)  # [N] by row of the whole rollout
+        local = torch.full((n,), -1, dtype=torch.long)
+        local[rows] = torch.arange(n_local)  # the whole rollout's row -> this process's row (-1: another's)
         stats = EpochStats()
         self.policy.train()
-        stop = False
         for inner in range(cfg.inner_epochs):
-            order = torch.randperm(n, generator=seeded(cfg.run.seed, epoch, 3, inner, self.processes.rank))
+            # the same order on every process (the trailing 0 keeps the stream one process always drew)
+            order = torch.randperm(n, generator=seeded(cfg.run.seed, epoch, 3, inner, 0))
+            stop = False
             for start in range(0, n, cfg.minibatch_size):
-                mb = order[start : start + cfg.minibatch_size]
-                batch = rollout.select(mb)
-                adv = batch.advantages
-                if cfg.normalize_advantage and len(mb) > 1:
+                window = order[start : start + cfg.minibatch_size]  # the minibatch's rows, of every process
+                adv = adv_all[window]
+                if cfg.normalize_advantage and len(window) > 1:
                     adv = normalize(adv)
-                value_loss = self.value_loss(batch)
-                metrics = self.train_minibatch(batch, index[mb], adv, scale=1.0, extra_loss=cfg.vf_coef * value_loss)
-                if cfg.target_kl is not None and float(metrics["approx_kl"]) > 1.5 * cfg.target_kl:
-                    self.optimizer.zero_grad(set_to_none=True)  # SB3: stop before this minibatch's step
-                    stats.add_scalar("early_stop_epoch", inner + 1)
-                    stop = True
-                    break
-                stats.add({**metrics, "value_loss": value_loss.detach()})
-                stats.add_scalar("grad_norm", self.optimizer_step())
+                mine = local[window] >= 0
+                mb = local[window][mine]
+                metrics = {}
+                if len(mb):
+                    batch = rollout.select(mb)
+                    share = len(mb) / len(window)  # every row has the same K elements: rows and elements agree
+                    scale = 1.0 if self.agg == "sum" else share
+                    value_loss = self.value_loss(batch)
+                    metrics = self.train_minibatch(batch, index[mb], adv[mine], scale=scale,
+                                                   extra_loss=cfg.vf_coef * value_loss * share / scale)  # fmt: skip
+                    metrics["value_loss"] = value_loss.detach()
+                if cfg.target_kl is not None:
+                    kl = self.processes.sum(float(metrics.get("approx_kl", 0.0)) * len(mb)) / len(window)
+                    if kl > 1.5 * cfg.target_kl:
+                        self.optimizer.zero_grad(set_to_none=True)  # SB3: stop before this minibatch's step
+                        stats.add_scalar("early_stop_epoch", inner + 1, shared=True)
+                        stop = True
+                        break
+                stats.add(metrics, weight=len(mb) * index.shape[1])
+                stats.add_scalar("grad_norm", self.optimizer_step(reduction="sum"), shared=True)
             if stop:
                 break
-        out = stats.summary()
-        residual = (rollout.returns - rollout.values).var()
-        out["explained_variance"] = float(1 - residual / rollout.returns.var().clamp_min(1e-12))
-        out["value_mean"] = float(rollout.values.mean())
+        out = stats.summary(self.processes)
+        values = self.processes.gather(torch.stack([rollout.returns, rollout.values], 1).double())  # [N, 2]
+        residual = (values[:, 0] - values[:, 1]).var()
+        out["explained_variance"] = float(1 - residual / values[:, 0].var().clamp_min(1e-12))
+        out["value_mean"] = float(values[:, 1].mean())
         return out
 
     def value_loss(self, batch) -> torch.Tensor:

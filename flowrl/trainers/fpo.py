@@ -94,10 +94,13 @@ class FPOTrainer(ControlTrainer):
     @torch.no_grad()
     def behaviour(self, rollout):
         cfg = self.config
-        generator = seeded(cfg.run.seed, self.epoch, 13, self.processes.rank)
+        generator = seeded(cfg.run.seed, self.epoch, 13, 0)
         b, n = len(rollout), cfg.num_draws
-        taus = sample_taus((b, n), generator=generator)
-        noises = torch.randn((b, n, rollout.actions.shape[1]), generator=generator)
+        # drawn for the whole epoch's rollout and indexed by row: a transition's draws are the same on any process
+        rows = rollout.rows if rollout.rows is not None else torch.arange(b)
+        total = b * self.processes.world
+        taus = sample_taus((total, n), generator=generator)[rows]
+        noises = torch.randn((total, n, rollout.actions.shape[1]), generator=generator)[rows]
         draws = FPODraws(taus, noises)
         old = torch.cat([self.losses(rollout.obs[rows], rollout.actions[rows], draws.select(rows))
                          for rows in self.chunks(b)])  # fmt: skip

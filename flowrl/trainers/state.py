@@ -72,6 +72,16 @@ class Processes:
             return t[mask.to(t.device)].cpu()
         return self.gather(t)[self.gather(mask.long()).bool()]
 
+    def gather_objects(self, obj) -> list:
+        """`obj` (anything picklable: small diagnostics, never weights) from every process, in rank order."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def sum(self, value: float) -> float:
         """`value` summed over the processes."""
         return float(self.gather(torch.tensor([float(value)])).sum())

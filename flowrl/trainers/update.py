@@ -281,27 +281,37 @@ PER_STEP = {
 
 class EpochStats:
     """Accumulates minibatch metrics into epoch means; per-step rows are pooled with their element counts, so
-    `ratio_std/step_t` is the spread over every element of step t in the epoch, whatever the minibatches."""
+    `ratio_std/step_t` is the spread over every element of step t in the epoch, whatever the minibatches.
+
+    A minibatch's scalars are weighted by `weight` (its trained elements: a scalar's epoch value is then its
+    mean over the epoch's elements, however they were cut into minibatches and processes). `summary(processes)`
+    pools every process's sums, except the `shared` scalars every process already holds alike (the gradient
+    norm after the reduction)."""
 
     def __init__(self):
         self.sums: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
+        self.counts: dict[str, float] = {}
+        self.shared: set[str] = set()
         self.steps: dict[str, torch.Tensor] = {}  # pooled sums per step: count, mean, second moment per row
 
-    def add_scalar(self, key: str, value) -> None:
+    def add_scalar(self, key: str, value, weight: float = 1.0, shared: bool = False) -> None:
+        """One value of `key` with its weight; `shared`: the same on every process (not pooled over them)."""
         value = scalar(value)
         if isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if isinstance(value, float) and math.isfinite(value):
-            self.sums[key] = self.sums.get(key, 0.0) + value
-            self.counts[key] = self.counts.get(key, 0) + 1
+            self.sums[key] = self.sums.get(key, 0.0) + value * weight
+            self.counts[key] = self.counts.get(key, 0.0) + weight
+            if shared:
+                self.shared.add(key)
 
-    def add(self, metrics: dict) -> None:
-        """A minibatch's metrics: scalars, and the core's per-step rows when it returned them."""
+    def add(self, metrics: dict, weight: float = 1.0) -> None:
+        """A minibatch's metrics: scalars (weighted by `weight`), and the core's per-step rows when it returned
+        them."""
         for key, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() > 1 or key.endswith("_per_step"):
                 continue
-            self.add_scalar(key, value)
+            self.add_scalar(key, value, weight)
         norms = metrics.get("grad_norm_per_step")
         if norms is not None:
             for t in torch.isfinite(norms).nonzero().flatten().tolist():
@@ -322,8 +332,30 @@ class EpochStats:
                 raise ValueError(f"per-step metrics over {value.shape[-1]} steps after {self.steps[name].shape[-1]}")
             self.steps[name] = self.steps[name] + value if name in self.steps else value
 
-    def summary(self) -> dict[str, Any]:
-        out = {k: self.sums[k] / self.counts[k] for k in self.sums}
+    def pool(self, processes) -> None:
+        """Add every other process's sums to this one's (every process then holds the whole epoch's)."""
+        if processes is None or processes.world == 1:
+            return
+        mine = {
+            "sums": {k: v for k, v in self.sums.items() if k not in self.shared},
+            "counts": {k: v for k, v in self.counts.items() if k not in self.shared},
+            "steps": self.steps,
+        }
+        sums, counts, steps = {}, {}, {}
+        for part in processes.gather_objects(mine):
+            for key, value in part["sums"].items():
+                sums[key] = sums.get(key, 0.0) + value
+                counts[key] = counts.get(key, 0.0) + part["counts"][key]
+            for name, value in part["steps"].items():
+                steps[name] = _add_padded(steps[name], value) if name in steps else value
+        for key in self.shared:  # the same on every process: kept as they are
+            sums[key], counts[key] = self.sums[key], self.counts[key]
+        self.sums, self.counts, self.steps = sums, counts, steps
+
+    def summary(self, processes=None) -> dict[str, Any]:
+        """Epoch means; with `processes`, over every process's minibatches (a collective call: all must call)."""
+        self.pool(processes)
+        out = {k: self.sums[k] / self.counts[k] for k in self.sums if self.counts[k] > 0}
         if not self.steps:
             return out
         count = self.steps["count"][0]
@@ -335,3 +367,10 @@ class EpochStats:
                 out[f"{name}_std/step_{t}"] = math.sqrt(max(second - first * first, 0.0))
             out[f"clipfrac/step_{t}"] = float(self.steps["clipfrac"][0, t]) / n
         return out
+
+
+def _add_padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a + b` over the last axis, the shorter one padded with zeros (processes' text widths differ)."""
+    width = max(a.shape[-1], b.shape[-1])
+    pad = torch.nn.functional.pad
+    return pad(a, (0, width - a.shape[-1])) + pad(b, (0, width - b.shape[-1]))

@@ -95,8 +95,12 @@ def _disk_full(err: BaseException) -> bool:
     )
 
 
-def save(folder: Path, accelerator, state: dict, tensors: dict[str, torch.Tensor], keep: int | None = None) -> Path:
+def save(folder: Path, accelerator, state: dict, tensors: dict[str, torch.Tensor], keep: int | None = None,
+         files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str] | None]] | None = None) -> Path:  # fmt: skip
     """Write a complete checkpoint to `folder` (via a temporary sibling and a rename).
+
+    `files` adds safetensors files by name, `(tensors, metadata)` each (a sharded run's gathered model and
+    optimizer state), written by the main process like the rest.
 
     `keep` prunes the oldest checkpoints so that `keep` remain, counting only checkpoints up to this one: a
     checkpoint with a later epoch (which a resumed run has not reached yet) is never removed. A failed write
@@ -113,6 +117,8 @@ def save(folder: Path, accelerator, state: dict, tensors: dict[str, torch.Tensor
         if accelerator.is_main_process:
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, allow_nan=True))
             save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / "extra.safetensors")
+            for name, (contents, metadata) in (files or {}).items():
+                save_file(contents, tmp / name, metadata=metadata)
             write_manifest(tmp)
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,6 +3,7 @@ digits run trains like one process with the same global batch (docs/distributed.
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(tmp_path, trainer: str, processes: int):
+def _config(tmp_path, trainer: str, processes: int, shard: str = "none"):
     data = json.loads(json.dumps(TINY_DIGITS_RUN))
     data["prompts"] = {"prompts_per_epoch": 4, "group_size": 4}  # 16 samples per epoch
     changes = dict(TRAINERS[trainer])
@@ -48,18 +49,18 @@ def _config(tmp_path, trainer: str, processes: int):
         data[key] = value // processes
     for key, value in changes.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    data["run"] = dict(RUN)
+    data["run"] = {**RUN, "shard": shard}
     # rows per process per minibatch: an optimizer step's window is forward_batch_size x accumulation x processes
     data["sampling"]["forward_batch_size"] = 8 // processes
     data["eval"] = {**data["eval"], "max_prompts": 4, "samples_per_prompt": 2}
-    path = tmp_path / f"{trainer}-{processes}.yaml"
+    path = tmp_path / f"{trainer}-{processes}-{shard}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
 
-def _train(config, out, cache, processes: int) -> dict:
+def _train(config, out, cache, processes: int, resume: bool = False) -> dict:
     env = {**os.environ, "FLOWRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    base = ["-m", "flowrl", "train", str(config), "--output-dir", str(out)]
+    base = ["-m", "flowrl", "train", str(config), "--output-dir", str(out), *(["--resume"] if resume else [])]
     if processes == 1:
         cmd = [sys.executable, *base]
     else:
@@ -88,16 +89,8 @@ def _two_equals_one(tmp_path, cache, trainer: str) -> None:
     two = _train(_config(tmp_path, trainer, 2), tmp_path / "two", cache, processes=2)
     assert (one["processes"], two["processes"]) == (1, 2)  # a real group of two, not two lone runs
 
-    rows_one, rows_two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
-    # one writer: one row for the baseline evaluation and one per epoch, each epoch once
-    assert [r["epoch"] for r in rows_two] == [r["epoch"] for r in rows_one] == [0, 1, 2]
-    for a, b in zip(rows_one[1:], rows_two[1:]):
-        # the same samples, rewards and advantages: noise is seeded per sample, rewards are gathered
-        advantages = [k for k in a if k.startswith("adv/")]
-        for key in ["reward/mean", "reward/std", "trained_samples", "reward_evals", *advantages]:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (key, a[key], b[key])
-        # the training diagnostics are the whole epoch's, pooled over the processes (not rank 0's share)
-        _same_diagnostics(a, b)
+    # the same samples, rewards and advantages: noise is seeded per sample, rewards are gathered
+    rows_one, rows_two = _same_rows(tmp_path / "one", tmp_path / "two", "reward_evals")
     for key in ("eval/digits_gold", "eval/reward"):
         assert rows_one[-1][key] == pytest.approx(rows_two[-1][key], rel=1e-3, abs=1e-4), key
 
@@ -108,6 +101,20 @@ def _two_equals_one(tmp_path, cache, trainer: str) -> None:
             torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}: {name}")
     before = _weights(tmp_path / "one", 1)
     assert any(not torch.equal(before[k], w1[k]) for k in w1), "epoch 2 changed no weight: the test is vacuous"
+
+
+def _same_rows(one, two, *keys: str) -> tuple[list[dict], list[dict]]:
+    """Both runs' metrics rows, checked: one row for the baseline evaluation and one per epoch (one writer), the
+    same rewards, advantage statistics (and `keys`) and pooled training diagnostics every epoch."""
+    rows_one, rows_two = _rows(one), _rows(two)
+    assert [r["epoch"] for r in rows_two] == [r["epoch"] for r in rows_one] == [0, 1, 2]
+    for a, b in zip(rows_one[1:], rows_two[1:]):
+        advantages = [k for k in a if k.startswith("adv/")]
+        for key in ["reward/mean", "reward/std", "trained_samples", *keys, *advantages]:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (key, a[key], b[key])
+        # the training diagnostics are the whole epoch's, pooled over the processes (not rank 0's share)
+        _same_diagnostics(a, b)
+    return rows_one, rows_two
 
 
 DIAGNOSTICS = ("loss", "pg_loss", "clipfrac", "approx_kl", "ratio_mean", "grad_norm", "value_loss")
@@ -128,6 +135,34 @@ def test_two_processes_equal_one_flow_grpo(tmp_path, cache):
 @pytest.mark.parametrize("trainer", ["grpo_guard", "find", "dpok"])
 def test_two_processes_equal_one(tmp_path, cache, trainer):
     _two_equals_one(tmp_path, cache, trainer)
+
+
+def _sharded_weights(run, epoch: int) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / f"epoch_{epoch}" / "sharded_model.safetensors")
+
+
+@pytest.mark.parametrize("trainer", ["flow_grpo", pytest.param("grpo_guard", marks=pytest.mark.slow)])
+def test_two_sharded_processes_equal_one(tmp_path, cache, trainer):
+    # FSDP2 on CPUs: parameters, gradients and AdamW state sharded over a gloo group of two; every forward and
+    # backward is a collective, so the processes' calls must stay in step through sampling, the update and eval
+    one = _train(_config(tmp_path, trainer, 1), tmp_path / "one", cache, processes=1)
+    two = _train(_config(tmp_path, trainer, 2, shard="fsdp2"), tmp_path / "two", cache, processes=2)
+    assert (one["processes"], two["processes"]) == (1, 2) and (one["shard"], two["shard"]) == ("none", "fsdp2")
+    _same_rows(tmp_path / "one", tmp_path / "two")
+    for epoch in (1, 2):
+        w1, w2 = _weights(tmp_path / "one", epoch), _sharded_weights(tmp_path / "two", epoch)
+        w1 = {k.split(":", 1)[1]: v for k, v in w1.items()}
+        assert w1.keys() == w2.keys()  # the full model, gathered from the shards
+        for name in w1:
+            torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}: {name}")
+    # resuming the sharded run from epoch 1 (the full states scattered back into the shards) continues exactly
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "two" / "checkpoints" / "epoch_1", resumed / "checkpoints" / "epoch_1")
+    _train(_config(tmp_path, trainer, 2, shard="fsdp2"), resumed, cache, processes=2, resume=True)
+    again, straight = _sharded_weights(resumed, 2), _sharded_weights(tmp_path / "two", 2)
+    for name in straight:
+        torch.testing.assert_close(again[name], straight[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_accelerate_cpu_launch_of_many_processes_is_refused():
@@ -202,3 +237,51 @@ def test_two_processes_equal_one_control_fpo(tmp_path):
 def test_two_processes_equal_one_control(tmp_path, trainer):
     pytest.importorskip("gymnasium")
     _control_two_equals_one(tmp_path, trainer)
+
+
+TEXT = {
+    "trainer": "text",
+    "prompts": {"prompts_per_epoch": 8, "group_size": 4},
+    "generation": {"max_new_tokens": 4, "batch_size": 8},
+    "inner_epochs": 2,
+    "run": {**RUN, "epochs": 2},
+    "eval": {"every": 0, "max_prompts": 16},
+}  # fmt: skip
+"""32 completions per epoch sampled in batches of 8 (each process's 16 are two whole batches)."""
+
+
+def _text_config(tmp_path, processes: int, objective: str, minibatch: int = 16):
+    data = json.loads(json.dumps(TEXT))
+    data["objective"] = {"name": objective}
+    data["generation"]["minibatch_size"] = minibatch // processes
+    data["optim"] = {"gradient_accumulation": 16 // minibatch}  # an optimizer step's window: 16 completions
+    path = tmp_path / f"text-{objective}-{processes}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("objective", "minibatch"),
+    [
+        ("grpo", 16),
+        pytest.param("dapo", 16, marks=pytest.mark.slow),
+        # objectives reading batch statistics (the ratio variance and its dual variable; the global entropy
+        # quantile): every call reduces over the processes. Minibatches of 2 completions, one per process on
+        # average, so a process often holds none of a minibatch and must still take part in the call.
+        pytest.param("r2vpo", 2, marks=pytest.mark.slow),
+        pytest.param("high_entropy", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_two_processes_equal_one_text(tmp_path, cache, objective, minibatch):
+    one = _train(_text_config(tmp_path, 1, objective, minibatch), tmp_path / "one", cache, processes=1)
+    two = _train(_text_config(tmp_path, 2, objective, minibatch), tmp_path / "two", cache, processes=2)
+    assert (one["processes"], two["processes"]) == (1, 2)
+    # the same completions (sampled batch by batch from the same seeds), rewards and advantages
+    rows_one, rows_two = _same_rows(tmp_path / "one", tmp_path / "two")
+    assert rows_one[-1]["eval/reward"] == pytest.approx(rows_two[-1]["eval/reward"], abs=1e-6)
+    for epoch in (1, 2):
+        w1, w2 = _weights(tmp_path / "one", epoch), _weights(tmp_path / "two", epoch)
+        for name in w1:
+            torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}: {name}")
+    before = _weights(tmp_path / "one", 1)
+    assert any(not torch.equal(before[k], w1[k]) for k in w1), "epoch 2 changed no weight: the test is vacuous"

@@ -522,7 +522,7 @@ register_objective(
     agg="seq_mean_token_mean",
     description="GMPO: geometric mean of token ratios clipped in log space (eps 0.4) (arXiv:2507.20673)",
 )
-register_objective("bapo", bapo, agg="token_mean", elementwise=False)
+register_objective("bapo", bapo, agg="token_mean", batch_statistics=True)
 register_objective("dcpo", dcpo, agg="token_mean")
 register_objective(
     "ce_gppo",
@@ -548,16 +548,16 @@ register_objective(
 register_objective(
     "sspo",
     sspo,
+    batch_statistics=True,
     log_ratio=segment_log_ratio,
-    elementwise=False,
     agg="token_mean",
     description="SSPO: sentence geometric-mean ratio, clip range from sentence entropy (arXiv:2511.04256)",
 )
 register_objective(
     "espo",
     espo,
+    batch_statistics=True,
     log_ratio=espo_log_ratio,
-    elementwise=False,
     agg="token_mean",
     description="ESPO: entropy-group ratios with entropy-adaptive clip ranges (arXiv:2512.00499)",
 )
@@ -576,18 +576,18 @@ register_objective(
     agg="token_mean",
     clip_eps_high=0.28,
     top_entropy_quantile=0.2,
-    elementwise=False,
+    batch_statistics=True,
     description="80/20 rule: DAPO on the 20% highest-entropy tokens of the batch (arXiv:2506.01939)",
 )
-register_objective("clip_cov", clip_cov, agg="token_mean", elementwise=False, init_state=lambda: {"calls": 0})
+register_objective("clip_cov", clip_cov, agg="token_mean", batch_statistics=True, init_state=lambda: {"calls": 0})
 register_objective(
     "kl_cov",
     kl_cov,
+    batch_statistics=True,
     agg="token_mean",
-    elementwise=False,
     description="KL-Cov: unclipped -A r plus |log r| on the top-covariance tokens (arXiv:2505.22617 sec. 4)",
 )
-register_objective("r2vpo", r2vpo, agg="token_mean", elementwise=False, init_state=lambda: {"lambda": 0.0})
+register_objective("r2vpo", r2vpo, agg="token_mean", batch_statistics=True, init_state=lambda: {"lambda": 0.0})
 register_objective(
     "dro",
     dro,

@@ -104,6 +104,10 @@ class Objective:
     """Inputs (`INPUTS`) the log-ratio estimator takes."""
     init_state: Callable[[], dict] | None = None
     """A stateful objective's initial controller state (R2VPO's dual variable); None: stateless."""
+    batch_statistics: bool = False
+    """Whether the loss uses statistics of the whole batch, summed or gathered over the processes on every call
+    (BAPO's contribution sums, Clip-Cov's covariance, R2VPO's ratio variance): every process must then call it
+    once per minibatch of the global batch, in step (see `uses_batch_statistics`)."""
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -137,6 +141,7 @@ def register_objective(
     elementwise: bool | None = None,
     image: dict[str, Any] | None = None,
     init_state: Callable[[], dict] | None = None,
+    batch_statistics: bool = False,
     **overrides: Any,
 ) -> Objective:
     """Register an objective under `name`.
@@ -157,6 +162,8 @@ def register_objective(
             (SD3.5 at 512 px), `IMAGE_SCALE` = 5e-4. Hyper-parameters not listed keep their defaults.
         init_state (`Callable`, *optional*): the initial controller state of a stateful objective; the caller
             keeps it, passes it as `state=` on every call and checkpoints it.
+        batch_statistics (`bool`, defaults to False): the loss reads statistics of the whole batch, reduced over
+            the processes inside the call (`flowrl.core.dist`); implies `elementwise=False`.
         **overrides: hyper-parameter defaults that differ from the surrogate's (presets such as `dapo`).
 
     Keyword parameters named in `INPUTS` (`logp`, `entropy`, `segment_ids`, `state`, ...) are inputs, not
@@ -164,8 +171,10 @@ def register_objective(
     """
     if agg not in AGGREGATIONS:
         raise unknown_name_error("aggregation", agg, list(AGGREGATIONS))
+    if batch_statistics and elementwise:
+        raise ValueError(f"objective {name!r} reads batch statistics, so it cannot be element-wise")
     if elementwise is None:
-        elementwise = log_ratio is None or log_ratio is element_log_ratio
+        elementwise = not batch_statistics and (log_ratio is None or log_ratio is element_log_ratio)
     log_ratio = log_ratio or element_log_ratio
     surrogate_inputs, surrogate_params = _split_inputs(_keyword_params(surrogate))
     needs_logp = "logp" in surrogate_inputs
@@ -199,9 +208,20 @@ def register_objective(
         surrogate_inputs=surrogate_inputs,
         ratio_inputs=ratio_inputs,
         init_state=init_state,
+        batch_statistics=batch_statistics,
     )
     OBJECTIVES.register(name, objective, description=objective.description)
     return objective
+
+
+def uses_batch_statistics(objective: Objective | None, hparams: dict | None = None) -> bool:
+    """Whether a call of `objective` with `hparams` reduces over the global batch (`Objective.batch_statistics`,
+    or a `top_entropy_quantile` selection): its loss couples every element of the minibatch, and with several
+    processes each must make the same calls."""
+    if objective is None:
+        return False
+    rho = (hparams or {}).get("top_entropy_quantile", objective.hparams.get("top_entropy_quantile"))
+    return objective.batch_statistics or rho is not None
 
 
 def list_objectives() -> list[str]:

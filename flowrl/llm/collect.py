@@ -43,7 +43,7 @@ class TextCollector:
         prompts = epoch_prompts(self.train_prompts, self.m, self.k, self.seed, epoch)
         local = self.processes.local_slice(len(prompts))
         mine = prompts[local]
-        generator = seeded(self.seed, epoch, 2, self.processes.rank)
+        generator = batch_stream(seeded(self.seed, epoch, 2, 0), local.start, self.batch_size)
         parts = [self.generate([str(p) for p in mine[i : i + self.batch_size]], generator)
                  for i in range(0, len(mine), self.batch_size)]  # fmt: skip
         rollout = pad_cat(parts)
@@ -53,6 +53,16 @@ class TextCollector:
         rewards = self.rewards.score(rollout.completions, mine)
         times = {"time/sample_s": t0 - start, "time/behaviour_s": t1 - t0, "time/reward_s": time.time() - t1}
         return Collected(rollout, prompts, local, rewards, times)
+
+
+def batch_stream(generator: torch.Generator, start: int, batch_size: int) -> torch.Generator:
+    """`generator` as the process whose share starts at row `start` continues it: each `generate` call of
+    `batch_size` rows draws one seed from it, so the calls of the earlier rows' batches are skipped. When every
+    process's share is a multiple of `batch_size`, each batch of prompts is sampled from the same seed on one
+    process or many (sampling draws from a batch-wide stream: a prompt's completion depends on its batch)."""
+    for _ in range(start // batch_size):
+        torch.randint(2**62, (1,), generator=generator)  # what `_generate_ids` draws per call
+    return generator
 
 
 def pad_cat(parts: list[TokenRollout], pad_id: int = 0) -> TokenRollout:
@@ -98,7 +108,7 @@ class TextEvaluator:
         prompts = [p for p in self.prompts for _ in range(repeats)]
         local = self.rewards.processes.local_slice(len(prompts))
         mine = prompts[local]
-        generator = torch.Generator().manual_seed(self.seed + self.rewards.processes.rank)
+        generator = batch_stream(torch.Generator().manual_seed(self.seed), local.start, self.batch_size)
         completions, lengths = [], []
         for i in range(0, len(mine), self.batch_size):
             texts, length = self.complete([str(p) for p in mine[i : i + self.batch_size]], generator, self.greedy)

@@ -54,7 +54,14 @@ except ImportError as err:  # the `trl` extra
 import torch
 
 from flowrl.core.aggregation import AGGREGATIONS, aggregation_weights
-from flowrl.core.objectives import COMMON_HPARAMS, DIAGNOSTICS, compute_policy_loss, get_objective, list_objectives
+from flowrl.core.objectives import (
+    COMMON_HPARAMS,
+    DIAGNOSTICS,
+    compute_policy_loss,
+    get_objective,
+    gspo_log_ratio,
+    list_objectives,
+)
 from flowrl.core.ratios import sequence_log_ratio
 from flowrl.registry import unknown_name_error
 
@@ -395,7 +402,7 @@ class FlowrlGRPOTrainer(GRPOTrainer):
             per_token_kl = torch.exp(delta) - delta - 1  # [B, T]
             if self.args.use_bias_correction_kl:  # unbiased reverse-KL gradient (DeepSeek-V3.2)
                 log_ratio = torch.where(bool_mask, per_token_logps - old_per_token_logps.detach(), 0.0)
-                if not objective.elementwise:  # the objective's sequence ratio (GSPO)
+                if objective.log_ratio is gspo_log_ratio:  # trl's importance_sampling_level="sequence"
                     log_ratio = sequence_log_ratio(log_ratio, bool_mask)
                 per_token_kl = per_token_kl * torch.exp(log_ratio)
             agg_weights = aggregation_weights(mask, core_agg, norm_len=norm_len) * factor  # [B, T]

@@ -163,7 +163,10 @@ class ACFlowTrainer(MatchingTrainer):
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
         net.eval()
-        return {"critic/loss": losses[-1]} if losses else {}
+        if not losses:
+            return {}
+        n = len(x1)  # the last step's loss over every process's samples: each process's mean, weighted by its rows
+        return {"critic/loss": self.processes.sum(losses[-1] * n) / max(self.processes.sum(n), 1)}
 
     @torch.no_grad()
     def critic_advantages(self, rollout, shaped: torch.Tensor, draws: MatchingDraws) -> torch.Tensor:
@@ -207,7 +210,9 @@ class ACFlowTrainer(MatchingTrainer):
             adv = self.critic_advantages(rollout, shaped.float(), draws)
         weights = torch.zeros_like(adv)
         weights[rows] = critic_weights(adv[rows], c.weight_fn, c.temperature)
-        a, w = adv[rows], weights[rows]
+        mine = torch.zeros(len(adv), dtype=torch.bool)
+        mine[rows] = True
+        a, w = self.processes.gather_rows(adv, mine), self.processes.gather_rows(weights, mine)  # every process's
         clipped = (a.abs() >= c.critic_clip).float().mean() if c.critic_clip is not None else 0.0
         stats = {"adv/critic_mean": a.mean(), "adv/critic_std": a.std(unbiased=False), "adv/critic_clip_frac": clipped,
                  "weight/max": w.max(), "weight/min": w.min()}  # fmt: skip

@@ -31,13 +31,16 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from flowrl import checkpoint
 from flowrl import rewards as reward_registry
 from flowrl.config import RewardConfig, TrainerConfig, save_config, to_dict
 from flowrl.core import get_objective
+from flowrl.core.objectives import uses_batch_statistics
 from flowrl.threads import ThreadGovernor
 from flowrl.tracking import MetricsLog, PeakMemory, flat_config, plot_curves, scalar, summary_screen
+from flowrl.trainers import sharding
 from flowrl.trainers.advantages import AdvantageEstimator
 from flowrl.trainers.scoring import Rewards
 from flowrl.trainers.state import EMA, Processes, RunState, seeded
@@ -49,6 +52,8 @@ class Trainer(ABC):
 
     config_class = TrainerConfig
     uses_objective = True
+    shard_refusal: str | None = None
+    """Why this trainer cannot shard its model (`run.shard: fsdp2`), beyond what `check_shardable` checks."""
     """Whether the policy loss is a ratio objective of the core (`objective` section); AC-Flow's is not."""
     optimizer_options: dict[str, dict] = {}
     """Extra keyword arguments of each `optim.optimizer` (control's small networks: fused AdamW)."""
@@ -93,10 +98,18 @@ class Trainer(ABC):
         if self.uses_objective:
             presets = get_objective(self.objective).image_hparams if self.image_scale else {}
             self.objective_hparams = {**presets, **config.objective.hparams()}  # what the user sets wins
+        self.batch_statistics = uses_batch_statistics(get_objective(self.objective) if self.objective else None,
+                                                      self.objective_hparams)  # fmt: skip
+        """Whether the objective reduces over the global batch in each call (`uses_batch_statistics`)."""
         self.agg = self.objective_hparams.get("agg") or (get_objective(self.objective).agg if self.objective
                                                          else "token_mean")  # fmt: skip
         self.setup()
         module = self.trained_module()
+        self.sharded = run.shard == "fsdp2" and self.processes.world > 1
+        """Whether the trained model is sharded over the processes (`run.shard: fsdp2`, `flowrl.trainers.sharding`)."""
+        if self.sharded:
+            self.check_shardable()
+            sharding.shard(module, self.processes.world, self.accelerator.device)
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"{type(self).__name__} has no trainable parameters")
@@ -107,13 +120,16 @@ class Trainer(ABC):
         else:
             optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay,
                                           eps=opt.eps, **self.optimizer_options.get("adamw", {}))  # fmt: skip
-        self.model, self.optimizer = self.accelerator.prepare(module, optimizer)
+        if self.sharded:  # FSDP2: the module is sharded in place, not wrapped; flowrl steps the raw optimizer
+            self.model, self.optimizer = module, optimizer
+        else:
+            self.model, self.optimizer = self.accelerator.prepare(module, optimizer)
         if module is getattr(self.policy, "model", None):
             self.policy.forward_module = self.model  # training forwards go through the (DDP-)prepared module
         self.params = params
         # one process, no mixed precision: accelerate's backward and clipping would only add per-call overhead
         # (it re-checks installed packages on every call: 0.2 ms, a third of a small control minibatch)
-        self.plain = self.processes.world == 1 and run.mixed_precision == "no"
+        self.plain = (self.processes.world == 1 or self.sharded) and run.mixed_precision == "no"
         # auxiliary networks (critics, value functions) with optimizers of their own, prepared and checkpointed
         self.aux = {}
         for name, (aux_module, lr) in self.auxiliary_modules().items():
@@ -124,6 +140,25 @@ class Trainer(ABC):
         self.evaluator = self.build_evaluator()
         self.log: MetricsLog | None = None
         self.last_epoch = None  # (rollout, this process's rewards) of the latest epoch, for sample grids
+
+    def check_shardable(self) -> None:
+        """Refuse `run.shard: fsdp2` where flowrl does not keep the processes' forward and backward calls in step
+        (each is a collective when sharded) or keeps copies of the full parameters."""
+        run, name = self.config.run, self.config.trainer
+        reasons = []
+        if type(self).update is not Trainer.update:
+            reasons.append(f"trainer {name!r} has its own update loop")
+        if self.shard_refusal:
+            reasons.append(self.shard_refusal)
+        if self.config.ema_decay:
+            reasons.append("ema_decay keeps a full copy of the parameters")
+        if self.config.optim.step_grad_norms_every:
+            reasons.append("optim.step_grad_norms_every measures full per-step gradients")
+        if run.mixed_precision != "no":
+            reasons.append("mixed precision under FSDP2 is not wired (use run.mixed_precision: no)")
+        if reasons:
+            raise ValueError(f"run.shard: fsdp2 is not supported here: {'; '.join(reasons)}. Use run.shard: none "
+                             "(DDP), or a trainer on the shared update (flow_grpo, grpo_guard, ...)")  # fmt: skip
 
     @property
     def is_main(self) -> bool:
@@ -255,6 +290,14 @@ class Trainer(ABC):
         each. A process trains the rows of the window it sampled, in minibatches of at most `minibatch_size`,
         each weighted by its share of the whole window's normaliser, and `optimizer_step` sums the gradients
         over the processes: a step's gradient is that of its window, on one process or many.
+
+        An objective that reads batch statistics (`batch_statistics`: BAPO's bounds, Clip-Cov's covariance, the
+        80/20 entropy quantile) reduces them over the processes in every call, so the processes must call it in
+        step and the statistics should be those of the minibatch one process would train: the window is then cut
+        into global minibatches of `minibatch_size x processes` rows and each process trains its rows of each
+        (about `minibatch_size`; none at all still takes part, with a weightless row, see `train_padded`). A
+        sharded model (`run.shard: fsdp2`) makes every forward and backward a collective: the processes' global
+        minibatches are cut the same way and padded to the same rows, so each makes the same model calls.
         """
         cfg = self.config
         index = self.train_elements(rollout, epoch)  # [B, k]
@@ -270,13 +313,32 @@ class Trainer(ABC):
             order = rows[torch.randperm(len(rows), generator=seeded(cfg.run.seed, epoch, 3, inner, 0))]
             for start in range(0, len(order), window_rows):
                 window = order[start : start + window_rows]
-                mine = window[(window >= offset) & (window < offset + len(trainable))] - offset
-                minibatches = [mine[i : i + size] for i in range(0, len(mine), size)]
-                batches = [rollout.select(mb) for mb in minibatches]
-                sizes = [(len(mb), self.trained_elements(b, index[mb])) for mb, b in zip(minibatches, batches)]
-                for mb, batch, scale, (_, n) in zip(minibatches, batches, self.window_scales(sizes), sizes):
-                    metrics = self.train_minibatch(batch, index[mb], advantages[mb], scale=scale)
-                    stats.add(metrics, weight=n)
+
+                def own(rows):  # this process's rows among `rows`, as indices of its rollout
+                    return rows[(rows >= offset) & (rows < offset + len(trainable))] - offset
+
+                if self.batch_statistics or self.sharded:  # every call a collective: keep them in step
+                    cut = size * self.processes.world
+                    chunks = [window[i : i + cut] for i in range(0, len(window), cut)]
+                    minibatches = [own(chunk) for chunk in chunks]
+                    # batch statistics: one call each; sharded: the same rows each (forwards are chunked by rows)
+                    widths = [self.lockstep_rows(chunk, len(trainable)) if self.sharded else max(len(mb), 1)
+                              for chunk, mb in zip(chunks, minibatches)]  # fmt: skip
+                else:
+                    mine = own(window)
+                    minibatches = [mine[i : i + size] for i in range(0, len(mine), size)]
+                    widths = [len(mb) for mb in minibatches]
+                batches = [rollout.select(mb) if len(mb) else None for mb in minibatches]
+                sizes = [(len(mb), self.trained_elements(b, index[mb]) if len(mb) else 0)
+                         for mb, b in zip(minibatches, batches)]  # fmt: skip
+                scales = self.window_scales(sizes)
+                for mb, batch, scale, (_, n), width in zip(minibatches, batches, scales, sizes, widths):
+                    if width > len(mb):
+                        metrics = self.train_padded(rollout, index, advantages, mb, width, scale=scale)
+                    else:
+                        metrics = self.train_minibatch(batch, index[mb], advantages[mb], scale=scale)
+                    if len(mb):
+                        stats.add(metrics, weight=n, loss_weight=normaliser(self.agg, len(mb), n))
                 stats.add_scalar("grad_norm", self.optimizer_step(reduction="sum"), shared=True)
         return stats.summary(self.processes)
 
@@ -307,9 +369,11 @@ class Trainer(ABC):
         return [c / total for c in counts]
 
     def train_minibatch(self, batch, index: torch.Tensor, advantages: torch.Tensor | None, *, scale: float,
-                        extra_loss: torch.Tensor | None = None) -> dict:  # fmt: skip
+                        extra_loss: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                        ) -> dict:  # fmt: skip
         """Forward and backward of one minibatch (`optim.backward`: whole or per step); returns its metrics.
-        `extra_loss` (a value loss) joins the first backward pass, so the minibatch takes one backward in all.
+        `extra_loss` (a value loss) joins the first backward pass, so the minibatch takes one backward in all;
+        `valid` replaces `element_valid` (`train_padded` masks its padding).
 
         Gradients stay local (`no_sync`) until `optimizer_step`, which averages them over the processes: a
         whole-K minibatch makes several forward calls before its one backward, which DDP's reducer forbids.
@@ -324,13 +388,34 @@ class Trainer(ABC):
         context = nullcontext() if self.plain else self.accelerator.autocast()
         every = self.config.optim.step_grad_norms_every
         probe = GradProbe(self.params) if every and self.state.epoch % every == 0 else None
-        with self.accelerator.no_sync(self.model), context:
+        # DDP: gradients stay local until `optimizer_step`; FSDP2: each backward reduce-scatters (sums) its share
+        with nullcontext() if self.sharded else self.accelerator.no_sync(self.model), context:
             return minibatch_update(
                 lambda columns: self.score(batch, index[:, columns]), index, self.num_elements(batch), advantages,
                 objective=self.objective, hparams=self.objective_hparams,
                 per_step=self.config.optim.backward == "per_step" or probe is not None, scale=scale,
-                backward=backward, valid=self.element_valid(batch, index), probe=probe,
+                backward=backward, valid=self.element_valid(batch, index) if valid is None else valid, probe=probe,
             )  # fmt: skip
+
+    def lockstep_rows(self, chunk: torch.Tensor, rows_per_process: int) -> int:
+        """The most rows any process holds of the global minibatch `chunk` (at least 1): what each trains when the
+        processes' model calls must match (every process's rows of the global batch are `rows_per_process`)."""
+        owners = torch.bincount(chunk // rows_per_process, minlength=self.processes.world)
+        return max(int(owners.max()), 1)
+
+    def train_padded(self, rollout, index: torch.Tensor, advantages: torch.Tensor, rows: torch.Tensor, width: int,
+                     *, scale: float) -> dict:  # fmt: skip
+        """Train this process's `rows` padded to `width` rows with copies of a row whose elements are all masked:
+        the padding adds nothing to the loss, its normaliser or the gradient, but the objective's reductions over
+        the processes and a sharded model's collectives see the same calls on every process (a process holding
+        no rows of a minibatch still takes part), and a stateful objective advances as on the others."""
+        pad = torch.zeros(width - len(rows), dtype=torch.long)
+        padded = torch.cat([rows, pad])
+        batch = rollout.select(padded)
+        valid = self.element_valid(batch, index[padded])
+        valid = torch.ones(index[padded].shape, dtype=torch.bool) if valid is None else valid.bool()
+        valid[len(rows) :] = False
+        return self.train_minibatch(batch, index[padded], advantages[padded], scale=scale, valid=valid)
 
     def backward(self, loss: torch.Tensor) -> None:
         """The backward pass (accelerate's, which scales mixed-precision losses, unless `plain`)."""
@@ -348,19 +433,26 @@ class Trainer(ABC):
     def optimizer_step(self, reduction: str = "mean") -> float:
         """Reduce the gradients over the processes (`mean`, or `sum` when each process's loss is already its
         share of the global one), clip them, step AdamW (and the EMA); the gradient norm."""
-        if self.processes.world > 1:
+        if self.sharded:  # each process holds its shard of the summed gradient already
+            if reduction == "mean":
+                for p in self.params:
+                    p.grad.div_(self.processes.world)
+        elif self.processes.world > 1:
             for p in self.params:
                 # a process whose share of the window was empty has no gradient: it adds zeros
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
                 p.grad = self.accelerator.reduce(grad, reduction=reduction)
         max_norm = self.config.optim.max_grad_norm
-        if max_norm is not None and self.plain:
+        if self.sharded:  # the norm of the whole gradient (a collective over the shards); inf: measure only
+            norm = sharding.local_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm or math.inf))
+        elif max_norm is not None and self.plain:
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         elif max_norm is not None:
             norm = self.accelerator.clip_grad_norm_(self.params, max_norm)
         else:
             norm = torch.norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
-        optimizer = self.optimizer.optimizer if self.plain else self.optimizer  # accelerate's wrapper: same step
+        # accelerate's wrapper: the same step (a sharded run holds the raw optimizer)
+        optimizer = self.optimizer.optimizer if self.plain and not self.sharded else self.optimizer
         # the same on every process (the gradients were reduced first); fp16's loss scaler skips its own overflows
         if not math.isfinite(float(norm)) and self.config.run.mixed_precision != "fp16":
             optimizer.zero_grad(set_to_none=True)
@@ -593,6 +685,7 @@ class Trainer(ABC):
             "trainer": self.config.trainer,
             "epochs": self.epoch,
             "processes": self.processes.world,
+            "shard": "fsdp2" if self.sharded else "none",
             "wall_s": round(wall_s, 1),
             "reward_start": first.get("eval/reward"),
             "reward_end": last.get("eval/reward"),
@@ -643,7 +736,12 @@ class Trainer(ABC):
         self.state.wall_s = wall_s
         state, tensors = self.state_dict()
         folder = self.output_dir / "checkpoints" / f"epoch_{self.epoch}"
-        return checkpoint.save(folder, self.accelerator, state, tensors, keep=self.config.run.keep_checkpoints)
+        files = None
+        if self.sharded:  # gathered on every process (a collective), written by the main one
+            model, optim, metadata = sharding.full_state(self.model, self.optimizer)
+            files = {sharding.MODEL_FILE: (model, None), sharding.OPTIMIZER_FILE: (optim, metadata)}
+        return checkpoint.save(folder, self.accelerator, state, tensors, keep=self.config.run.keep_checkpoints,
+                               files=files)  # fmt: skip
 
     def load_checkpoint(self, path: str | Path) -> float:
         try:
@@ -652,10 +750,30 @@ class Trainer(ABC):
             raise  # an older checkpoint of the same run would not fit either
         except checkpoint.CheckpointError as err:
             raise self._with_earlier(err, path) from None
+        if self.sharded:
+            self._load_sharded(Path(path))
         self.load_state_dict(state, tensors)
         if self.is_main:
             print(f"resumed from {path} at epoch {self.epoch}")
         return float(state.get("wall_s", 0.0))
+
+    def _load_sharded(self, folder: Path) -> None:
+        """A sharded run's model and optimizer from the full states its checkpoint holds."""
+        from safetensors import safe_open
+
+        model_file, optim_file = folder / sharding.MODEL_FILE, folder / sharding.OPTIMIZER_FILE
+        if not model_file.is_file() or not optim_file.is_file():
+            raise checkpoint.CheckpointMismatch(f"checkpoint {folder} was not written by a sharded run (no "
+                                                f"{sharding.MODEL_FILE}); resume it with run.shard: none")  # fmt: skip
+        with safe_open(str(optim_file), "pt") as f:
+            metadata = f.metadata() or {}
+        try:
+            sharding.load_full_state(self.model, self.optimizer, load_file(model_file), load_file(optim_file),
+                                     metadata)  # fmt: skip
+        except (RuntimeError, ValueError, KeyError) as err:
+            detail = " ".join(str(err).split())[:300]
+            raise checkpoint.CheckpointMismatch(f"checkpoint {folder} does not fit this run's model or optimizer: "
+                                                f"{detail}") from None  # fmt: skip
 
 
 def informative_groups(group_ids: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

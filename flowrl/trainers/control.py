@@ -332,6 +332,8 @@ class ControlTrainer(Trainer):
                     metrics = self.train_minibatch(batch, index[mb], adv[mine], scale=scale,
                                                    extra_loss=cfg.vf_coef * value_loss * share / scale)  # fmt: skip
                     metrics["value_loss"] = value_loss.detach()
+                elif self.batch_statistics:  # the objective reduces over the processes: call it in step
+                    self.train_padded(rollout, index, rollout.advantages, mb, 1, scale=0.0)
                 if cfg.target_kl is not None:
                     kl = self.processes.sum(float(metrics.get("approx_kl", 0.0)) * len(mb)) / len(window)
                     if kl > 1.5 * cfg.target_kl:

@@ -210,12 +210,12 @@ class DPOKTrainer(ImageTrainer):
         self.settings = rollout
         self.buffer.push(self.transitions(rollout, advantages, trainable, epoch))
         stats = EpochStats()
-        stats.add_scalar("buffer_size", len(self.buffer))
+        stats.add_scalar("buffer_size", len(self.buffer), shared=True)  # every process holds the whole buffer
         # the same draws on every process (the trailing 0 keeps the stream one process always drew)
         if self.value_net is not None:
             self.update_value(seeded(self.config.run.seed, epoch, 20, 0), stats)
         self.update_policy(seeded(self.config.run.seed, epoch, 21, 0), stats)
-        return stats.summary()
+        return stats.summary(self.processes)  # every process's equal shares, pooled
 
     def sample_share(self, per_process: int, generator: torch.Generator) -> Transitions:
         """This process's share of one buffer minibatch drawn for all processes (`per_process` rows each): every
@@ -267,7 +267,7 @@ class DPOKTrainer(ImageTrainer):
                 # is the exact mean over the window
                 index = batch.steps[:, None]
                 stats.add(self.train_minibatch(batch, index, c.reward_weight * advantages, scale=1 / n))
-            stats.add_scalar("grad_norm", self.optimizer_step())
+            stats.add_scalar("grad_norm", self.optimizer_step(), shared=True)
 
     def num_elements(self, batch) -> int:
         return self.settings.num_steps if isinstance(batch, Transitions) else batch.num_steps

@@ -162,7 +162,9 @@ class NFTTrainer(MatchingTrainer):
         return {
             **stats,
             "nft/old_decay": eta,
-            "nft/r_mean": optimality(advantages[trainable], self.config.optimality_scale).mean(),
+            "nft/r_mean": optimality(
+                self.processes.gather_rows(advantages, trainable), self.config.optimality_scale
+            ).mean(),  # fmt: skip
         }
 
     def draw_terms(self, batch, rows, draw, *, x1, x_t, taus, noises, v):

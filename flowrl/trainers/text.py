@@ -163,6 +163,7 @@ class TextTrainer(Trainer):
     """See the module docstring and `TextConfig`."""
 
     config_class = TextConfig
+    shard_refusal = "generation stops when a process's own completions end, so the processes' forward calls differ"
 
     def __init__(self, config, **kwargs):
         # before the loop builds rewards and models: a bad prompt set fails first

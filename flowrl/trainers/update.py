@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from flowrl.core import aggregation_weights, compute_policy_loss, get_objective
+from flowrl.core.objectives import uses_batch_statistics
 from flowrl.tracking import scalar
 
 
@@ -136,7 +137,7 @@ def minibatch_update(
         backward(loss * scale)
         return _detached(loss, metrics)
 
-    if spec is None or spec.elementwise:
+    if spec is None or spec.elementwise and not uses_batch_statistics(spec, hp):  # one column's loss is its own
         parts = []
         norms = torch.full((num_elements,), float("nan"))
         if probe is not None:
@@ -279,6 +280,10 @@ PER_STEP = {
 """Logged per-step rows (`ratio_mean/step_t`, ...) and the core metric each comes from."""
 
 
+LOSSES = ("loss", "pg_loss", "penalty")
+"""Minibatch metrics that are aggregated losses (normalised like the loss, not per element)."""
+
+
 class EpochStats:
     """Accumulates minibatch metrics into epoch means; per-step rows are pooled with their element counts, so
     `ratio_std/step_t` is the spread over every element of step t in the epoch, whatever the minibatches.
@@ -305,13 +310,15 @@ class EpochStats:
             if shared:
                 self.shared.add(key)
 
-    def add(self, metrics: dict, weight: float = 1.0) -> None:
-        """A minibatch's metrics: scalars (weighted by `weight`), and the core's per-step rows when it returned
-        them."""
+    def add(self, metrics: dict, weight: float = 1.0, loss_weight: float | None = None) -> None:
+        """A minibatch's metrics: scalars weighted by `weight` (its elements) and the aggregated losses by
+        `loss_weight` (the aggregation's normaliser: rows for the `seq_mean_*` modes; default `weight`), and the
+        core's per-step rows when it returned them."""
         for key, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() > 1 or key.endswith("_per_step"):
                 continue
-            self.add_scalar(key, value, weight)
+            losses = key in LOSSES and loss_weight is not None
+            self.add_scalar(key, value, loss_weight if losses else weight)
         norms = metrics.get("grad_norm_per_step")
         if norms is not None:
             for t in torch.isfinite(norms).nonzero().flatten().tolist():

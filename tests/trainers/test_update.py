@@ -15,7 +15,7 @@ from flowrl.core import AGGREGATIONS, get_objective, list_objectives
 from flowrl.models import tiny_sd3
 from flowrl.policies import DiffusionPolicy
 from flowrl.trainers import build_trainer, load_config
-from flowrl.trainers.update import minibatch_update
+from flowrl.trainers.update import Terms, minibatch_update
 
 
 def _brightness(images, prompts, **_):
@@ -149,3 +149,72 @@ def test_gspo_uses_the_trajectory_ratio_hand_checked_on_two_steps(policy, tmp_pa
         with torch.no_grad():
             for p, b in zip(trainer.params, backup):
                 p.copy_(b)
+
+
+def _synthetic(seed=0, b=4, k=5):
+    """A `[b, k]` policy whose log-probs are a parameter: its gradient is the loss's `dL/dlogp`."""
+    g = torch.Generator().manual_seed(seed)
+    theta = (0.1 * torch.randn(b, k, generator=g, dtype=torch.float64)).requires_grad_(True)
+    old = torch.randn(b, k, generator=g, dtype=torch.float64) - 2.0
+    entropy = torch.rand(b, k, generator=g, dtype=torch.float64)
+
+    def score(columns):
+        return Terms(logp=old[:, columns] + theta[:, columns], old_logp=old[:, columns],
+                     inputs={"entropy": entropy[:, columns]})  # fmt: skip
+
+    return theta, score, torch.arange(k).expand(b, k), torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=torch.float64)[:b]
+
+
+@pytest.mark.parametrize(("objective", "hparams"), [("dapo", {"top_entropy_quantile": 0.4}), ("high_entropy", {}),
+                                                    ("bapo", {}), ("r2vpo", {})])  # fmt: skip
+def test_per_step_backward_keeps_batch_statistics_of_the_whole_minibatch(objective, hparams):
+    # an entropy quantile or a ratio variance is a statistic of the whole minibatch: one column at a time must
+    # not recompute it per column (the per-step pass fixes dL/dlogp from the whole minibatch first)
+    spec = get_objective(objective)
+    assert spec.batch_statistics or "top_entropy_quantile" in hparams
+    grads = []
+    for per_step in (False, True):
+        theta, score, index, adv = _synthetic()
+        state = spec.init_state() if spec.init_state else None
+        hp = {**hparams, **({"state": state} if state is not None else {})}
+        if state is not None:
+            state["lambda"] = 0.5  # an active variance penalty
+        metrics = minibatch_update(score, index, 5, adv, objective=objective, hparams=hp, per_step=per_step,
+                                   backward=lambda loss: loss.backward())  # fmt: skip
+        assert torch.isfinite(metrics["loss"])
+        grads.append(theta.grad.clone())
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-12)
+
+
+def test_a_masked_out_row_takes_part_without_gradient():
+    # `Trainer.train_padded`: a process holding none of a minibatch calls the objective on a row whose elements are
+    # all masked, with weight 0: no gradient, a stateful objective advances once, as on the other processes
+    theta, score, index, adv = _synthetic(b=1)
+    state = {**get_objective("r2vpo").init_state(), "lambda": 0.5}
+    minibatch_update(score, index, 5, adv, objective="r2vpo", hparams={"state": state}, scale=0.0,
+                     backward=lambda loss: loss.backward(), valid=torch.zeros(1, 5, dtype=torch.bool))  # fmt: skip
+    assert theta.grad is None or torch.equal(theta.grad, torch.zeros_like(theta))
+    # no elements, so no variance: one dual step lambda - dual_lr * var_target = 0.5 - 0.1 * 0.01
+    assert state["lambda"] == pytest.approx(0.499, abs=1e-12)
+
+
+def test_fsdp2_is_refused_where_the_calls_would_not_stay_in_step(policy, tmp_path):
+    # run.shard: fsdp2 makes every forward and backward a collective; settings that break that are refused with
+    # one line naming them (the check runs when there are several processes; called directly here)
+    trainer = _trainer(policy, tmp_path, "ppo", ema_decay=0.9, optim={"step_grad_norms_every": 1})
+    assert not trainer.sharded  # one process: nothing to shard
+    with pytest.raises(ValueError, match="ema_decay keeps a full copy.*step_grad_norms_every") as err:
+        trainer.check_shardable()
+    assert "\n" not in str(err.value)
+    (tmp_path / "plain").mkdir()
+    _trainer(policy, tmp_path / "plain", "ppo").check_shardable()  # the shared update: fine
+
+
+def test_shard_blocks_are_the_outermost_block_lists(policy):
+    from flowrl.trainers.sharding import shard_blocks
+
+    model = policy.model
+    units = shard_blocks(model)
+    blocks = [m for n, m in model.named_modules() if n.startswith("transformer_blocks.") and n.count(".") == 1]
+    assert units and [id(u) for u in units] == [id(b) for b in blocks]

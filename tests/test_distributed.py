@@ -141,13 +141,19 @@ def _sharded_weights(run, epoch: int) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / f"epoch_{epoch}" / "sharded_model.safetensors")
 
 
-@pytest.mark.parametrize("trainer", ["flow_grpo", pytest.param("grpo_guard", marks=pytest.mark.slow)])
-def test_two_sharded_processes_equal_one(tmp_path, cache, trainer):
-    # FSDP2 on CPUs: parameters, gradients and AdamW state sharded over a gloo group of two; every forward and
-    # backward is a collective, so the processes' calls must stay in step through sampling, the update and eval
+@pytest.mark.parametrize(
+    ("trainer", "shard"),
+    [("flow_grpo", "fsdp2"), ("flow_grpo", "zero2"), ("flow_grpo", "zero3"),
+     pytest.param("grpo_guard", "fsdp2", marks=pytest.mark.slow),
+     pytest.param("grpo_guard", "zero3", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_two_sharded_processes_equal_one(tmp_path, cache, trainer, shard):
+    # on CPUs, over a gloo group of two: FSDP2 and ZeRO-3 shard the parameters, gradients and AdamW state, ZeRO-2
+    # the gradients and AdamW state; every backward (and, sharded parameters, every forward) is a collective, so
+    # the processes' calls must stay in step through sampling, the update and the evaluation
     one = _train(_config(tmp_path, trainer, 1), tmp_path / "one", cache, processes=1)
-    two = _train(_config(tmp_path, trainer, 2, shard="fsdp2"), tmp_path / "two", cache, processes=2)
-    assert (one["processes"], two["processes"]) == (1, 2) and (one["shard"], two["shard"]) == ("none", "fsdp2")
+    two = _train(_config(tmp_path, trainer, 2, shard=shard), tmp_path / "two", cache, processes=2)
+    assert (one["processes"], two["processes"]) == (1, 2) and (one["shard"], two["shard"]) == ("none", shard)
     _same_rows(tmp_path / "one", tmp_path / "two")
     for epoch in (1, 2):
         w1, w2 = _weights(tmp_path / "one", epoch), _sharded_weights(tmp_path / "two", epoch)
@@ -159,7 +165,7 @@ def test_two_sharded_processes_equal_one(tmp_path, cache, trainer):
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "two" / "checkpoints" / "epoch_1", resumed / "checkpoints" / "epoch_1")
-    _train(_config(tmp_path, trainer, 2, shard="fsdp2"), resumed, cache, processes=2, resume=True)
+    _train(_config(tmp_path, trainer, 2, shard=shard), resumed, cache, processes=2, resume=True)
     again, straight = _sharded_weights(resumed, 2), _sharded_weights(tmp_path / "two", 2)
     for name in straight:
         torch.testing.assert_close(again[name], straight[name], rtol=0, atol=1e-6, msg=name)
@@ -174,16 +180,45 @@ def test_accelerate_cpu_launch_of_many_processes_is_refused():
     _check_launch({"ACCELERATE_USE_CPU": "True", "MASTER_PORT": "1", "WORLD_SIZE": "2"})  # torchrun: fine
 
 
-@pytest.mark.parametrize("name", ["ddp.yaml", "ddp_multinode.yaml"])
-def test_shipped_accelerate_configs_load(name):
+@pytest.mark.parametrize(
+    ("name", "shard"),
+    [("ddp.yaml", "none"), ("ddp_multinode.yaml", "none"), ("fsdp2.yaml", "fsdp2"), ("zero2.yaml", "zero2"),
+     ("zero3.yaml", "zero3")],
+)  # fmt: skip
+def test_shipped_accelerate_configs_launch(name, shard):
+    # each shipped config, read by accelerate's own launcher into the environment it gives the processes, asks
+    # flowrl for the intended sharding (which flowrl then applies itself: accelerate's wrapping is switched off)
     from pathlib import Path
 
-    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    from flowrl.trainers.base import launch_shard
 
     path = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / name
-    config = load_config_from_file(str(path))
-    assert str(config.distributed_type).endswith("MULTI_GPU") and config.num_processes >= 2
-    assert config.num_processes % config.num_machines == 0
+    args = launch_command_parser().parse_args(["--config_file", str(path), "-m", "flowrl", "train", "run.yaml"])
+    args, _, _ = _validate_launch_command(args)
+    assert args.num_processes >= 2 and args.num_processes % args.num_machines == 0
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ""  # what `accelerate launch` adds before launching
+        env = dict(prepare_deepspeed_cmd_env(args)[1])
+    else:
+        env = dict(prepare_multi_gpu_env(args))
+    assert launch_shard("none", env) == shard
+    assert env.get("ACCELERATE_USE_DEEPSPEED", "false") == env.get("ACCELERATE_USE_FSDP", "false") == "false"
+    assert env["ACCELERATE_MIXED_PRECISION"] == ("bf16" if shard == "none" else "no")  # sharding runs in fp32
+
+
+def test_launch_shard_refusals():
+    from flowrl.trainers.base import LaunchError, launch_shard
+
+    assert launch_shard("zero3", {}) == "zero3"  # no accelerate config: run.shard decides
+    stage3 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+    assert launch_shard("zero3", stage3) == "zero3"
+    with pytest.raises(LaunchError, match="ZeRO stage 1; flowrl runs stages 2 and 3"):
+        launch_shard("none", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1"})
+    with pytest.raises(LaunchError, match="launches zero2 but run.shard is 'fsdp2'"):
+        launch_shard("fsdp2", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})
 
 
 CONTROL = {

@@ -53,7 +53,7 @@ class Trainer(ABC):
     config_class = TrainerConfig
     uses_objective = True
     shard_refusal: str | None = None
-    """Why this trainer cannot shard its model (`run.shard: fsdp2`), beyond what `check_shardable` checks."""
+    """Why this trainer cannot shard its model (`run.shard`: FSDP2 or ZeRO), beyond what `check_shardable` checks."""
     """Whether the policy loss is a ratio objective of the core (`objective` section); AC-Flow's is not."""
     optimizer_options: dict[str, dict] = {}
     """Extra keyword arguments of each `optim.optimizer` (control's small networks: fused AdamW)."""
@@ -70,6 +70,7 @@ class Trainer(ABC):
         _check_launch()
         self.config = config
         run = config.run
+        shard = launch_shard(run.shard)  # before accelerate reads its launcher's DeepSpeed/FSDP settings
         _check_trackers(run.log_with)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.output_dir = Path(output_dir or run.output_dir.format(trainer=config.trainer, time=stamp))
@@ -105,10 +106,14 @@ class Trainer(ABC):
                                                          else "token_mean")  # fmt: skip
         self.setup()
         module = self.trained_module()
-        self.sharded = run.shard == "fsdp2" and self.processes.world > 1
-        """Whether the trained model is sharded over the processes (`run.shard: fsdp2`, `flowrl.trainers.sharding`)."""
+        self.shard = shard if self.processes.world > 1 else "none"
+        """How the trained model is split over the processes (`run.shard`, or the accelerate config's; one process:
+        `none`)."""
+        self.sharded = self.shard != "none"
+        """Whether the model is sharded (FSDP2 or ZeRO, `flowrl.trainers.sharding`): its backwards are collectives."""
         if self.sharded:
             self.check_shardable()
+        if self.shard == "fsdp2":
             sharding.shard(module, self.processes.world, self.accelerator.device)
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
@@ -120,7 +125,12 @@ class Trainer(ABC):
         else:
             optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay,
                                           eps=opt.eps, **self.optimizer_options.get("adamw", {}))  # fmt: skip
-        if self.sharded:  # FSDP2: the module is sharded in place, not wrapped; flowrl steps the raw optimizer
+        self.zero_backward = None
+        if self.shard in sharding.ZERO_STAGES:  # DeepSpeed's engine wraps both; its optimizer steps the partitions
+            engine = sharding.zero_engine(module, optimizer, sharding.ZERO_STAGES[self.shard], opt.max_grad_norm)
+            self.model, self.optimizer = engine, engine.optimizer
+            self.zero_backward = sharding.ZeroBackward(engine, self.processes.world)
+        elif self.sharded:  # FSDP2: the module is sharded in place, not wrapped; flowrl steps the raw optimizer
             self.model, self.optimizer = module, optimizer
         else:
             self.model, self.optimizer = self.accelerator.prepare(module, optimizer)
@@ -142,8 +152,8 @@ class Trainer(ABC):
         self.last_epoch = None  # (rollout, this process's rewards) of the latest epoch, for sample grids
 
     def check_shardable(self) -> None:
-        """Refuse `run.shard: fsdp2` where flowrl does not keep the processes' forward and backward calls in step
-        (each is a collective when sharded) or keeps copies of the full parameters."""
+        """Refuse `run.shard` (FSDP2, ZeRO) where flowrl does not keep the processes' forward and backward calls in
+        step (each is a collective when sharded) or keeps copies of the full parameters."""
         run, name = self.config.run, self.config.trainer
         reasons = []
         if type(self).update is not Trainer.update:
@@ -155,10 +165,12 @@ class Trainer(ABC):
         if self.config.optim.step_grad_norms_every:
             reasons.append("optim.step_grad_norms_every measures full per-step gradients")
         if run.mixed_precision != "no":
-            reasons.append("mixed precision under FSDP2 is not wired (use run.mixed_precision: no)")
+            reasons.append("mixed precision under sharding is not wired (use run.mixed_precision: no)")
+        if self.shard in sharding.ZERO_STAGES and self.config.optim.optimizer != "adamw":
+            reasons.append("ZeRO runs keep AdamW's state (use optim.optimizer: adamw)")
         if reasons:
-            raise ValueError(f"run.shard: fsdp2 is not supported here: {'; '.join(reasons)}. Use run.shard: none "
-                             "(DDP), or a trainer on the shared update (flow_grpo, grpo_guard, ...)")  # fmt: skip
+            raise ValueError(f"run.shard: {self.shard} is not supported here: {'; '.join(reasons)}. Use run.shard: "
+                             "none (DDP), or a trainer on the shared update (flow_grpo, grpo_guard, ...)")  # fmt: skip
 
     @property
     def is_main(self) -> bool:
@@ -296,7 +308,7 @@ class Trainer(ABC):
         step and the statistics should be those of the minibatch one process would train: the window is then cut
         into global minibatches of `minibatch_size x processes` rows and each process trains its rows of each
         (about `minibatch_size`; none at all still takes part, with a weightless row, see `train_padded`). A
-        sharded model (`run.shard: fsdp2`) makes every forward and backward a collective: the processes' global
+        sharded model (`run.shard`: FSDP2, ZeRO) makes every backward (and forward) a collective: the processes' global
         minibatches are cut the same way and padded to the same rows, so each makes the same model calls.
         """
         cfg = self.config
@@ -418,8 +430,12 @@ class Trainer(ABC):
         return self.train_minibatch(batch, index[padded], advantages[padded], scale=scale, valid=valid)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """The backward pass (accelerate's, which scales mixed-precision losses, unless `plain`)."""
-        loss.backward() if self.plain else self.accelerator.backward(loss)
+        """The backward pass (accelerate's, which scales mixed-precision losses, unless `plain`; DeepSpeed's
+        under ZeRO)."""
+        if self.zero_backward is not None:
+            self.zero_backward(loss)
+        else:
+            loss.backward() if self.plain else self.accelerator.backward(loss)
 
     def minibatch_loss(self, batch, index: torch.Tensor, advantages: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
         """The loss of one minibatch (whole K, with its graph) and its metrics, without a backward pass."""
@@ -433,6 +449,16 @@ class Trainer(ABC):
     def optimizer_step(self, reduction: str = "mean") -> float:
         """Reduce the gradients over the processes (`mean`, or `sum` when each process's loss is already its
         share of the global one), clip them, step AdamW (and the EMA); the gradient norm."""
+        if self.zero_backward is not None:
+            # DeepSpeed reduces (the losses carry the sum's scale), clips, and skips a non-finite step itself
+            if reduction != "sum":
+                raise RuntimeError("ZeRO runs only the shared update, whose losses are shares of a sum")
+            norm = self.zero_backward.step()
+            if not math.isfinite(norm):
+                self._skip_nonfinite(norm)
+            else:
+                self.state.optimizer_steps += 1
+            return norm
         if self.sharded:  # each process holds its shard of the summed gradient already
             if reduction == "mean":
                 for p in self.params:
@@ -685,7 +711,7 @@ class Trainer(ABC):
             "trainer": self.config.trainer,
             "epochs": self.epoch,
             "processes": self.processes.world,
-            "shard": "fsdp2" if self.sharded else "none",
+            "shard": self.shard,
             "wall_s": round(wall_s, 1),
             "reward_start": first.get("eval/reward"),
             "reward_end": last.get("eval/reward"),
@@ -738,7 +764,10 @@ class Trainer(ABC):
         folder = self.output_dir / "checkpoints" / f"epoch_{self.epoch}"
         files = None
         if self.sharded:  # gathered on every process (a collective), written by the main one
-            model, optim, metadata = sharding.full_state(self.model, self.optimizer)
+            if self.zero_backward is not None:
+                model, optim, metadata = sharding.zero_full_state(self.model)
+            else:
+                model, optim, metadata = sharding.full_state(self.model, self.optimizer)
             files = {sharding.MODEL_FILE: (model, None), sharding.OPTIMIZER_FILE: (optim, metadata)}
         return checkpoint.save(folder, self.accelerator, state, tensors, keep=self.config.run.keep_checkpoints,
                                files=files)  # fmt: skip
@@ -768,8 +797,11 @@ class Trainer(ABC):
         with safe_open(str(optim_file), "pt") as f:
             metadata = f.metadata() or {}
         try:
-            sharding.load_full_state(self.model, self.optimizer, load_file(model_file), load_file(optim_file),
-                                     metadata)  # fmt: skip
+            model, optim = load_file(model_file), load_file(optim_file)
+            if self.zero_backward is not None:
+                sharding.zero_load_full_state(self.model, model, optim, metadata)
+            else:
+                sharding.load_full_state(self.model, self.optimizer, model, optim, metadata)
         except (RuntimeError, ValueError, KeyError) as err:
             detail = " ".join(str(err).split())[:300]
             raise checkpoint.CheckpointMismatch(f"checkpoint {folder} does not fit this run's model or optimizer: "
@@ -788,6 +820,31 @@ class NonFiniteError(RuntimeError):
 
 class LaunchError(RuntimeError):
     """The processes were launched in a way that cannot form one training group."""
+
+
+def launch_shard(shard: str, environ=None) -> str:
+    """`run.shard` under an accelerate config that asks for sharding: `distributed_type: DEEPSPEED` with ZeRO
+    stage 2 or 3 is `zero2` / `zero3`, `distributed_type: FSDP` is `fsdp2` (configs/accelerate/). flowrl shards the
+    model itself, so accelerate's own DeepSpeed and FSDP wrapping are switched off in `environ` (it only launched
+    the processes); a `run.shard` that names another kind is refused."""
+    import os
+
+    env = os.environ if environ is None else environ
+    asked = None
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+        if stage not in ("2", "3"):
+            raise LaunchError(f"the accelerate config asks for DeepSpeed ZeRO stage {stage}; flowrl runs stages 2 "
+                              "and 3 (configs/accelerate/zero2.yaml, zero3.yaml)")  # fmt: skip
+        asked = f"zero{stage}"
+    elif env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        asked = "fsdp2"
+    if asked is None:
+        return shard
+    if shard not in ("none", asked):
+        raise LaunchError(f"the accelerate config launches {asked} but run.shard is {shard!r}: drop one of them")
+    env["ACCELERATE_USE_DEEPSPEED"] = env["ACCELERATE_USE_FSDP"] = "false"
+    return asked
 
 
 def _check_launch(environ=None) -> None:

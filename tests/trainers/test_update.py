@@ -199,7 +199,7 @@ def test_a_masked_out_row_takes_part_without_gradient():
     assert state["lambda"] == pytest.approx(0.499, abs=1e-12)
 
 
-def test_fsdp2_is_refused_where_the_calls_would_not_stay_in_step(policy, tmp_path):
+def test_sharding_is_refused_where_the_calls_would_not_stay_in_step(policy, tmp_path):
     # run.shard: fsdp2 makes every forward and backward a collective; settings that break that are refused with
     # one line naming them (the check runs when there are several processes; called directly here)
     trainer = _trainer(policy, tmp_path, "ppo", ema_decay=0.9, optim={"step_grad_norms_every": 1})
@@ -209,6 +209,13 @@ def test_fsdp2_is_refused_where_the_calls_would_not_stay_in_step(policy, tmp_pat
     assert "\n" not in str(err.value)
     (tmp_path / "plain").mkdir()
     _trainer(policy, tmp_path / "plain", "ppo").check_shardable()  # the shared update: fine
+    # ZeRO keeps AdamW's state in its partitions (and checkpoints it): another optimizer is refused by name
+    (tmp_path / "rms").mkdir()
+    trainer = _trainer(policy, tmp_path / "rms", "ppo", optim={"optimizer": "rmsprop"})
+    trainer.check_shardable()  # FSDP2 is fine with it
+    trainer.shard = "zero3"
+    with pytest.raises(ValueError, match="run.shard: zero3 is not supported here: ZeRO runs keep AdamW's state"):
+        trainer.check_shardable()
 
 
 def test_shard_blocks_are_the_outermost_block_lists(policy):

@@ -94,13 +94,23 @@ def _two_equals_one(tmp_path, cache, trainer: str) -> None:
     for key in ("eval/digits_gold", "eval/reward"):
         assert rows_one[-1][key] == pytest.approx(rows_two[-1][key], rel=1e-3, abs=1e-4), key
 
-    for epoch in (1, 2):
-        w1, w2 = _weights(tmp_path / "one", epoch), _weights(tmp_path / "two", epoch)
+    _same_weights(tmp_path / "one", tmp_path / "two", epochs=(1, 2))
+
+
+def _same_weights(one, two, epochs: tuple[int, int], sharded: bool = False) -> None:
+    """Both runs' weights, the same names within 1e-4 after each of `epochs` (`sharded`: `two`'s full model
+    gathered from the shards), and the later epoch changed some weight (else the test would be vacuous)."""
+    for epoch in epochs:
+        w1 = _weights(one, epoch)
+        if sharded:
+            w1, w2 = {k.split(":", 1)[1]: v for k, v in w1.items()}, _sharded_weights(two, epoch)
+        else:
+            w2 = _weights(two, epoch)
         assert w1.keys() == w2.keys()
         for name in w1:
             torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}: {name}")
-    before = _weights(tmp_path / "one", 1)
-    assert any(not torch.equal(before[k], w1[k]) for k in w1), "epoch 2 changed no weight: the test is vacuous"
+    before, after = _weights(one, epochs[0]), _weights(one, epochs[1])
+    assert any(not torch.equal(before[k], after[k]) for k in after), f"epoch {epochs[1]} changed no weight"
 
 
 def _same_rows(one, two, *keys: str) -> tuple[list[dict], list[dict]]:
@@ -155,12 +165,7 @@ def test_two_sharded_processes_equal_one(tmp_path, cache, trainer, shard):
     two = _train(_config(tmp_path, trainer, 2, shard=shard), tmp_path / "two", cache, processes=2)
     assert (one["processes"], two["processes"]) == (1, 2) and (one["shard"], two["shard"]) == ("none", shard)
     _same_rows(tmp_path / "one", tmp_path / "two")
-    for epoch in (1, 2):
-        w1, w2 = _weights(tmp_path / "one", epoch), _sharded_weights(tmp_path / "two", epoch)
-        w1 = {k.split(":", 1)[1]: v for k, v in w1.items()}
-        assert w1.keys() == w2.keys()  # the full model, gathered from the shards
-        for name in w1:
-            torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}: {name}")
+    _same_weights(tmp_path / "one", tmp_path / "two", epochs=(1, 2), sharded=True)
     # resuming the sharded run from epoch 1 (the full states scattered back into the shards) continues exactly
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
@@ -248,13 +253,7 @@ def _control_two_equals_one(tmp_path, trainer: str) -> None:
         assert a.get("early_stop_epoch") == b.get("early_stop_epoch")
         _same_diagnostics(a, b)
     assert rows_one[-1]["eval/reward"] == pytest.approx(rows_two[-1]["eval/reward"], rel=1e-3, abs=1e-4)
-    for epoch in (2, 3):  # the two checkpoints kept
-        w1, w2 = _weights(tmp_path / "one", epoch), _weights(tmp_path / "two", epoch)
-        assert w1.keys() == w2.keys()
-        for name in w1:
-            torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}: {name}")
-    before = _weights(tmp_path / "one", 2)
-    assert any(not torch.equal(before[k], w1[k]) for k in w1), "epoch 3 changed no weight: the test is vacuous"
+    _same_weights(tmp_path / "one", tmp_path / "two", epochs=(2, 3))  # the two checkpoints kept
     # the normalisers' statistics (every environment's observations and returns) travel in the checkpoints
     s1 = load_file(tmp_path / "one" / "checkpoints" / "epoch_3" / "extra.safetensors")
     s2 = load_file(tmp_path / "two" / "checkpoints" / "epoch_3" / "extra.safetensors")
@@ -314,9 +313,4 @@ def test_two_processes_equal_one_text(tmp_path, cache, objective, minibatch):
     # the same completions (sampled batch by batch from the same seeds), rewards and advantages
     rows_one, rows_two = _same_rows(tmp_path / "one", tmp_path / "two")
     assert rows_one[-1]["eval/reward"] == pytest.approx(rows_two[-1]["eval/reward"], abs=1e-6)
-    for epoch in (1, 2):
-        w1, w2 = _weights(tmp_path / "one", epoch), _weights(tmp_path / "two", epoch)
-        for name in w1:
-            torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}: {name}")
-    before = _weights(tmp_path / "one", 1)
-    assert any(not torch.equal(before[k], w1[k]) for k in w1), "epoch 2 changed no weight: the test is vacuous"
+    _same_weights(tmp_path / "one", tmp_path / "two", epochs=(1, 2))

@@ -52,9 +52,9 @@ class Trainer(ABC):
 
     config_class = TrainerConfig
     uses_objective = True
+    """Whether the policy loss is a ratio objective of the core (`objective` section); AC-Flow's is not."""
     shard_refusal: str | None = None
     """Why this trainer cannot shard its model (`run.shard`: FSDP2 or ZeRO), beyond what `check_shardable` checks."""
-    """Whether the policy loss is a ratio objective of the core (`objective` section); AC-Flow's is not."""
     optimizer_options: dict[str, dict] = {}
     """Extra keyword arguments of each `optim.optimizer` (control's small networks: fused AdamW)."""
     image_scale = False
@@ -400,7 +400,7 @@ class Trainer(ABC):
         context = nullcontext() if self.plain else self.accelerator.autocast()
         every = self.config.optim.step_grad_norms_every
         probe = GradProbe(self.params) if every and self.state.epoch % every == 0 else None
-        # DDP: gradients stay local until `optimizer_step`; FSDP2: each backward reduce-scatters (sums) its share
+        # DDP: gradients stay local until `optimizer_step`; sharded: each backward reduces its share
         with nullcontext() if self.sharded else self.accelerator.no_sync(self.model), context:
             return minibatch_update(
                 lambda columns: self.score(batch, index[:, columns]), index, self.num_elements(batch), advantages,

@@ -164,8 +164,7 @@ class ZeroBackward:
         if not self.backwards:  # ZeRO's step reads the gradients a boundary backward left
             raise RuntimeError("a ZeRO optimizer step needs at least one backward since the last step")
         self.backwards = 0
-        self._flush(boundary=True)
-        self.engine.set_gradient_accumulation_boundary(True)
+        self._flush(boundary=True)  # a backward since the last step means a loss is pending
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)
@@ -231,17 +230,15 @@ def zero_load_full_state(engine, model: dict, tensors: dict, metadata: dict) -> 
                     value.data.copy_(model[name].reshape(value.data.shape))
             else:
                 value.copy_(model[name])
-    _zero_init_state(optimizer)
+    keys = _zero_init_state(optimizer)
     steps = set()
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
         _set_full(p, model[name].to(torch.float32))
-        for key in [k.rsplit("/", 1)[1] for k in tensors if k.startswith(f"state/{name}/")]:
-            if key == "step":
-                steps.add(float(tensors[f"state/{name}/step"]))
-            else:
-                _set_full(p, tensors[f"state/{name}/{key}"].to(torch.float32), key)
+        for key in keys:
+            _set_full(p, tensors[f"state/{name}/{key}"].to(torch.float32), key)
+        steps.add(float(tensors[f"state/{name}/step"]))
     if len(steps) > 1:
         raise ValueError(f"the optimizer state holds different step counts {sorted(steps)}")
     if steps:

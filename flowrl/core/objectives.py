@@ -29,6 +29,14 @@ from flowrl.core.ratios import LOG_RATIO_CLAMP, compute_dtype, grpo_guard_log_ra
 from flowrl.registry import Registry, first_line, unknown_name_error
 
 
+RENAMED_HPARAMS = {
+    "clip_eps": "clip_eps_low (flowrl's one name for a clip width; clip_eps_high for an asymmetric upper one)",
+    "eps": "clip_eps_low (SPO's trust-region width)",
+    "clip_log": "clip_eps_low (GMPO's clip, in log units)",
+    "kl_coef": "beta (flowrl's one name for a KL weight)",
+}
+"""Hyper-parameter names of earlier versions and their one name now (clip widths, KL weights)."""
+
 PER_STEP_METRICS_MAX_K = 64
 """Per-step ratio/clip metrics are returned when K is at most this (denoising steps, not tokens)."""
 
@@ -359,14 +367,16 @@ def reinforce(ratio, adv):
     return Surrogate(value, value, None, None)
 
 
-def spo(ratio, adv, *, eps: float = 0.2):
+def spo(ratio, adv, *, clip_eps_low: float = 0.2):
     """Quadratic-penalty surrogate (SPO, Xie et al. 2025, arXiv:2401.16025).
 
-    `l = -(A r - |A| (r - 1)^2 / (2 eps))`, maximised at `r* = 1 + sign(A) eps`; the gradient
-    `dl/dlog r = (-A + |A| (r - 1) / eps) r` is never zeroed, it pulls r back inside the trust region.
+    `l = -(A r - |A| (r - 1)^2 / (2 eps))`, maximised at `r* = 1 + sign(A) eps` (`eps` = `clip_eps_low`, the trust
+    region's width, flowrl's one name for it); the gradient `dl/dlog r = (-A + |A| (r - 1) / eps) r` is never
+    zeroed, it pulls r back inside the trust region.
     """
+    eps = clip_eps_low
     if eps <= 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
+        raise ValueError(f"clip_eps_low must be > 0, got {eps}")
     value = -(adv * ratio - adv.abs() * (ratio - 1) ** 2 / (2 * eps))  # [B, K]
     coef = (-adv + adv.abs() * (ratio - 1) / eps) * ratio
     # report where PPO's bound would bind, for comparability of the clip-fraction metric
@@ -382,7 +392,7 @@ def ppo_spo(ratio, adv, *, clip_eps_low: float = 0.2):
     likelihood of a bad action down without bound.
     """
     pos = (adv >= 0).expand_as(ratio)  # [B, K]
-    clipped, penalised = ppo_clip(ratio, adv, clip_eps_low=clip_eps_low), spo(ratio, adv, eps=clip_eps_low)
+    clipped, penalised = ppo_clip(ratio, adv, clip_eps_low=clip_eps_low), spo(ratio, adv, clip_eps_low=clip_eps_low)
     value = torch.where(pos, clipped.value, penalised.value)
     coef = torch.where(pos, clipped.coef, penalised.coef)
     return Surrogate(value, coef, pos & clipped.clipped_high.bool(), ~pos & penalised.clipped_low)
@@ -470,7 +480,7 @@ register_objective(
 register_objective("sapo", sapo, agg="seq_mean_token_mean",
                    image={"tau_pos": 1.0 / IMAGE_SCALE, "tau_neg": 1.05 / IMAGE_SCALE})  # fmt: skip
 register_objective("cispo", cispo, agg="token_mean", image={"clip_eps_high": 4.0 * IMAGE_SCALE})
-register_objective("spo", spo, agg="token_mean", image={"eps": 0.2 * IMAGE_SCALE})
+register_objective("spo", spo, agg="token_mean", image={"clip_eps_low": 0.2 * IMAGE_SCALE})
 register_objective("gppo", gppo, agg="token_mean",
                    image={"clip_eps_low": _IMAGE_CLIP, "clip_eps_high": 0.28 * IMAGE_SCALE})  # fmt: skip
 register_objective("ppo_spo", ppo_spo, agg="token_mean", image={"clip_eps_low": _IMAGE_CLIP})
@@ -493,6 +503,10 @@ register_objective(
 # ----------------------------------------------------------------------------------------------
 
 
+ENTROPY_TIE = 1e-5
+"""Entropies closer than this (relative, at least absolute) to the `top_entropy_quantile` threshold are kept."""
+
+
 def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
     """`[B, K]` float, 1 where the entropy is at least the `(1 - rho)` quantile of the valid elements of the
     global batch (all processes; linear interpolation, as `torch.quantile` and trl), else 0.
@@ -505,7 +519,11 @@ def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> t
     values = gather_valid(entropy, mask)
     if values.numel() == 0:
         return mask.to(entropy.dtype)
-    threshold = torch.quantile(values.double(), 1.0 - rho).to(entropy.dtype)
+    threshold = torch.quantile(values.double(), 1.0 - rho)
+    # tokens sharing a prefix (a group's first tokens) have the same entropy, computed in batches of other shapes
+    # it differs by rounding (~1e-7): entropies within ENTROPY_TIE of the threshold count as tied with it, so the
+    # selection does not depend on the process count or the micro-batch size
+    threshold = (threshold - ENTROPY_TIE * (1.0 + threshold.abs())).to(entropy.dtype)
     return ((entropy >= threshold) & mask).to(entropy.dtype)
 
 
@@ -576,6 +594,10 @@ def compute_policy_loss(
         raise unknown_name_error("diagnostics", diagnostics, list(DIAGNOSTICS))
     for key in hparams:
         if key not in objective.hparams and key not in objective.required:
+            if key in RENAMED_HPARAMS:
+                raise ValueError(
+                    f"hyper-parameter {key!r} of objective {name!r} was renamed: use {RENAMED_HPARAMS[key]}"
+                )
             valid = sorted([*objective.hparams, *objective.required, *COMMON_HPARAMS])
             raise unknown_name_error("hyper-parameter", key, valid, where=f"for objective {name!r}")
     missing = [k for k in objective.required if k not in hparams]

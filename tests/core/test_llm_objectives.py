@@ -173,6 +173,20 @@ def test_top_entropy_quantile_keeps_the_forking_tokens():
         assert int((grad != 0).sum()) == kept
 
 
+def test_top_entropy_quantile_keeps_ties_computed_with_rounding_noise():
+    # two group members share their first token: the same entropy, off by rounding in batches of other shapes.
+    # rho = 0.4 over [0, 1, 2, 5, 5]: the 0.6 quantile is 2 + 0.4 * 3 = 3.2 -> both 5s train, whichever is rounded;
+    # over [0, 1, 5, 5, 5]: the quantile is 5 itself, and a 5 rounded down by 1e-7 still trains with the others
+    from flowrl.core.objectives import top_entropy_mask
+
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    exact = top_entropy_mask(torch.tensor([[0.0, 1.0, 5.0, 5.0, 5.0]]), mask, 0.4)
+    noisy = top_entropy_mask(torch.tensor([[0.0, 1.0, 5.0, 5.0 - 4e-7, 5.0]]), mask, 0.4)
+    assert exact.tolist() == noisy.tolist() == [[0.0, 0.0, 1.0, 1.0, 1.0]]
+    # a real gap is not a tie
+    assert top_entropy_mask(torch.tensor([[0.0, 1.0, 5.0, 4.99, 5.0]]), mask, 0.4).tolist() == [[0, 0, 1, 0, 1]]
+
+
 def test_dppo_masks_probability_moves_in_the_advantage_direction():
     # A = +1: q 0.5 -> 0.7 moved 0.2 > 0.15 (masked); 0.5 -> 0.6 kept with gradient -A r = -1.2
     old = torch.tensor([[math.log(0.5)], [math.log(0.5)]], dtype=torch.float64)
@@ -543,6 +557,7 @@ def _two_process_worker(rank, init_file, out_file):
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_batch_statistics_are_global_across_processes(tmp_path):
     """The 80/20 entropy quantile, BAPO's bounds and R2VPO's variance of two processes holding half a batch each
     equal those of one process holding all of it."""

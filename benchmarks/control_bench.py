@@ -78,14 +78,15 @@ def run_sb3(env: str, seed: int, steps: int, out: Path) -> dict:
     venv = make_vec_env(e.id, n_envs=e.num_envs, seed=seed, env_kwargs=e.kwargs)
     if e.normalize_obs or e.normalize_reward:
         venv = VecNormalize(venv, norm_obs=e.normalize_obs, norm_reward=e.normalize_reward, clip_obs=e.clip_obs,
-                            clip_reward=e.clip_reward, gamma=c.gamma)  # fmt: skip
+                            clip_reward=e.clip_reward, gamma=c.advantage.gamma)  # fmt: skip
     p = c.policy
     activation = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU, "silu": torch.nn.SiLU}[p.activation]
     model = PPO(
-        "MlpPolicy", venv, learning_rate=c.optim.lr, n_steps=e.steps_per_env, batch_size=c.minibatch_size,
-        n_epochs=c.inner_epochs, gamma=c.gamma, gae_lambda=c.gae_lambda, clip_range=c.objective.clip_eps_low or 0.2,
-        normalize_advantage=c.normalize_advantage, ent_coef=c.ent_coef, vf_coef=c.vf_coef,
-        max_grad_norm=c.optim.max_grad_norm, target_kl=c.target_kl, seed=seed, device="cpu",
+        "MlpPolicy", venv, learning_rate=c.optim.lr, n_steps=e.steps_per_env, batch_size=c.batch.mini_batch_size,
+        n_epochs=c.batch.inner_epochs, gamma=c.advantage.gamma, gae_lambda=c.advantage.lam,
+        clip_range=c.objective.clip_eps_low or 0.2, normalize_advantage=c.advantage.normalize, ent_coef=c.ent_coef,
+        vf_coef=c.vf_coef, max_grad_norm=c.optim.max_grad_norm, target_kl=c.objective.target_kl, seed=seed,
+        device="cpu",
         policy_kwargs={"net_arch": {"pi": [p.hidden] * p.depth, "vf": [c.critic.hidden] * c.critic.depth},
                        "activation_fn": activation, "log_std_init": p.log_std_init, "ortho_init": p.ortho_init},
     )  # fmt: skip

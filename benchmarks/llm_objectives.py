@@ -89,8 +89,8 @@ TRL_LABELS = {"gspo": "gspo (grpo, sequence level)", "luspo": "luspo (sequence l
 def overrides(objective: str, seed: int, epochs: int, inner_epochs: int) -> list[str]:
     name = VARIANTS.get(objective, [f"objective.name={objective}"])
     return [*name, f"run.seed={seed}", f"run.epochs={epochs}",
-            f"inner_epochs={inner_epochs}", "eval.every=0", "run.log_with=[]", "run.threads=1",
-            "run.save_every=0", "run.images_every=0"]  # fmt: skip
+            f"batch.inner_epochs={inner_epochs}", "eval.every=0", "run.log_with=[]", "run.threads=1",
+            "run.save_every=0", "run.samples_every=0"]  # fmt: skip
 
 
 def run_accuracy(objective: str, seed: int, epochs: int, inner_epochs: int, out: Path) -> dict:

@@ -29,11 +29,14 @@ sys.path.insert(0, str(ROOT))
 from flowrl.trainers import build_trainer, load_config  # noqa: E402
 
 
-def network_work(trainer, rollout) -> float:
+def network_work(trainer, collected, optimizer_steps: int) -> float:
     """Seconds of the bare network calls one epoch makes (same shapes, same number of calls)."""
+    from flowrl.trainers.scheduler import UpdateBatch
+
     cfg = trainer.config
-    chunk, steps = cfg.sampling.forward_batch_size, cfg.sampling.num_steps
-    n = len(rollout)
+    chunk, steps = cfg.batch.micro_batch_size, cfg.sampling.num_steps
+    rollout = collected.data
+    n = collected.size
     model = trainer.policy.model
     cond = {k: v[rollout.prompt_ids] for k, v in rollout.cond.items()}
     rows = 2 * chunk if rollout.null_cond is not None else chunk
@@ -41,13 +44,18 @@ def network_work(trainer, rollout) -> float:
     t = rollout.timesteps[:1].expand(rows)
     c = {k: v[:chunk].repeat(rows // chunk, *([1] * (v.ndim - 1))) for k, v in cond.items()}
     call = lambda: trainer.policy.adapter.forward(x, t, c, cfg.sampling.guidance_scale, model=model)  # noqa: E731
-    chunks = -(-n // chunk)
-    trained_steps = trainer.train_elements(rollout, 0).shape[1]
+    batch = UpdateBatch(data=rollout, rows=collected.rows, size=n, advantages=torch.zeros(n),
+                        trainable=torch.ones(n, dtype=torch.bool))  # fmt: skip
+    index, _ = trainer.algorithm.elements(batch, 0)
+    trained_steps = index.shape[1]
+    # each optimizer step's mini-batch in micro-batches of `chunk` rows
+    mini = cfg.batch.mini_batch_size or n
+    train_calls = optimizer_steps * -(-min(mini, n) // chunk)
     start = time.perf_counter()
     with torch.no_grad():
-        for _ in range(steps * chunks):
+        for _ in range(steps * -(-n // chunk)):
             call()
-    for _ in range(trained_steps * chunks * cfg.inner_epochs):
+    for _ in range(trained_steps * train_calls):
         call().float().square().mean().backward()
     model.zero_grad(set_to_none=True)
     return time.perf_counter() - start
@@ -62,16 +70,18 @@ def main():
     args = parser.parse_args()
     config = load_config(args.config, ["run.log_with=[]", "run.output_dir=/tmp/flowrl-train-bench", *args.set])
     trainer = build_trainer(config)
-    epoch_times, work_times = [], []
+    epoch_times, work_times, phases = [], [], {}
     for epoch in range(args.epochs + 1):  # the first epoch warms up (and is not counted)
         start = time.perf_counter()
-        trainer.train_epoch(epoch)
+        record = trainer.train_epoch(epoch)
         elapsed = time.perf_counter() - start
-        rollout = trainer.last_epoch[0]
-        work = network_work(trainer, rollout)
+        work = network_work(trainer, trainer.last_batch, record["optimizer_steps"])
         if epoch:
             epoch_times.append(elapsed)
             work_times.append(work)
+            for key in ("time/sample_s", "time/reward_s", "time/train_s"):
+                if key in record:
+                    phases.setdefault(key.removeprefix("time/"), []).append(float(record[key]))
     epoch_s, work_s = statistics.median(epoch_times), statistics.median(work_times)
     result = {
         "benchmark": "train_bench",
@@ -84,6 +94,7 @@ def main():
         "epoch_s": epoch_s,
         "network_s": work_s,
         "overhead_ratio": epoch_s / work_s,
+        **{name: statistics.median(times) for name, times in phases.items()},
         "epochs_measured": args.epochs,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,8 @@ import sys
 def _catalog() -> dict[str, dict[str, str]]:
     """Section title -> {name: one-line description} for every registry."""
     from flowrl import core, rewards
+    from flowrl.models.families import MODEL_FAMILIES
     from flowrl.policies import SAMPLERS
-    from flowrl.policies.adapters import MODEL_FAMILIES
     from flowrl.trainers import TRAINERS
 
     return {
@@ -36,6 +36,9 @@ def cmd_list(args: argparse.Namespace) -> int:
             print(f"unknown section {args.section!r}; choose from {', '.join(wanted)}", file=sys.stderr)
             return 2
         sections = {wanted[key]: catalog[wanted[key]]}
+    if args.markdown:
+        print(markdown_catalog(sections), end="")
+        return 0
     for title, entries in sections.items():
         print(f"{title}:")
         if not entries:
@@ -47,24 +50,96 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from flowrl import checkpoint
-    from flowrl.trainers import build_trainer, load_config
+def markdown_catalog(sections: dict[str, dict[str, str]] | None = None) -> str:
+    """The registries as markdown tables (`docs/registries.md` is `flowrl list --markdown`)."""
+    lines = ["# Registries", "", "Every name a config can use, from the registries themselves (`flowrl list",
+             "--markdown` writes this page; `tests/test_docs.py` checks that it is current).", ""]  # fmt: skip
+    for title, entries in (sections or _catalog()).items():
+        lines += [f"## {title}", "", "| name | description |", "| --- | --- |"]
+        lines += [f"| `{name}` | {entries[name].replace('|', chr(92) + '|')} |" for name in sorted(entries)]
+        lines.append("")
+    return "\n".join(lines)
 
-    config = load_config(args.config, args.set or [])
-    if args.output_dir:
-        config.run.output_dir = args.output_dir
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process stands so a run stops as on Ctrl-C (and says how to resume)."""
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        out.update(_flat(value, f"{name}.") if isinstance(value, dict) else {name: value})
+    return out
+
+
+def _train_config(args: argparse.Namespace):
+    """The run's config: the YAML file with `--set` overrides; with `--resume`, the run folder's own saved config
+    (the YAML given is not read again), an override on resume applied and printed."""
+    from pathlib import Path
+
+    from flowrl.config import to_dict
+    from flowrl.trainers import load_config
+
+    source = Path(args.config)
+    if not args.resume:
+        if source.is_dir():
+            raise ValueError(f"{source} is a folder: pass a YAML config (a run folder only with --resume)")
+        config = load_config(source, args.set or [])
+        if args.output_dir:
+            config.run.output_dir = args.output_dir
+        return config
+    checkpoint_dir = Path(args.resume) if args.resume != "latest" else None
+    if source.is_dir():
+        run_dir = source
+    elif checkpoint_dir is not None and checkpoint_dir.parent.name == "checkpoints":
+        run_dir = checkpoint_dir.parent.parent
+    elif args.output_dir:
+        run_dir = Path(args.output_dir)
+    else:
+        run_dir = Path(load_config(source).run.output_dir)
+        if "{" in str(run_dir):
+            raise ValueError(f"run.output_dir {run_dir} names a new folder each run: resume with "
+                             "`flowrl train RUN_FOLDER --resume` (or --output-dir RUN_FOLDER)")  # fmt: skip
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise FileNotFoundError(f"{run_dir} holds no run to resume (no config.yaml): start it without --resume")
+    base = load_config(saved)
+    config = load_config(saved, args.set or [])
+    before, after = _flat(to_dict(base)), _flat(to_dict(config))
+    changed = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+    if changed:
+        print("flowrl train: resuming with overrides: "
+              + ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()), flush=True)  # fmt: skip
+    config.run.output_dir = str(run_dir)
+    return config
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import signal
+
+    from flowrl import checkpoint
+    from flowrl.trainers import build_trainer
+
+    config = _train_config(args)
     trainer = build_trainer(config)
     resume = True if args.resume == "latest" else args.resume
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         trainer.train(resume=resume, overwrite=args.overwrite)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         saved = checkpoint.list_checkpoints(trainer.output_dir)
         where = f"its latest checkpoint is {saved[-1]}" if saved else "no checkpoint was written yet"
-        print(f"flowrl train: interrupted at epoch {trainer.epoch} of {config.run.epochs}; {where}"
-              + (f" (continue with: flowrl train {args.config} --resume --output-dir {trainer.output_dir})"
-                 if saved else ""), file=sys.stderr)  # fmt: skip
-        return 130
+        how = "terminated" if isinstance(err, Terminated) else "interrupted"
+        hint = f" (continue with: flowrl train {trainer.output_dir} --resume)" if saved else ""
+        print(f"flowrl train: {how} at epoch {trainer.epoch} of {config.run.epochs}; {where}{hint}", file=sys.stderr)
+        return 143 if isinstance(err, Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
@@ -92,23 +167,26 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Evaluate a run's checkpoint (latest, or --checkpoint) or a config's untrained model on the test prompts."""
+    """Evaluate a run's checkpoint (latest, or --checkpoint) or a config's untrained model on the test prompts,
+    loading the policy and the rewards without a trainer."""
     import json
     from pathlib import Path
 
-    from flowrl import checkpoint
-    from flowrl.trainers import build_trainer, load_config
+    import torch
+
+    from flowrl.trainers import load_config
+    from flowrl.trainers.inference import build_parts, load_run
 
     target = Path(args.target)
-    run_dir = target if target.is_dir() else None
-    config = load_config(run_dir / "config.yaml" if run_dir else target, [*(args.set or []), "run.log_with=[]"])
-    trainer = build_trainer(config, output_dir=run_dir or config.run.output_dir)
-    label = "base model"
-    if run_dir is not None:
-        path = Path(args.checkpoint) if args.checkpoint else checkpoint.latest(run_dir)
-        trainer.load_checkpoint(path)
-        label = str(path)
-    result = {"evaluated": label, "epoch": trainer.epoch, **trainer.evaluate()}
+    overrides = list(args.set or [])
+    if target.is_dir():
+        run = load_run(target, args.checkpoint or "latest", rewards=True, overrides=overrides)
+        algorithm, label, epoch = run.algorithm, str(run.checkpoint), run.epoch
+    else:
+        _, algorithm = build_parts(load_config(target, [*overrides, "run.log_with=[]"]), rewards=True)
+        label, epoch = "base model", 0
+    with torch.no_grad():
+        result = {"evaluated": label, "epoch": epoch, **algorithm.evaluator().evaluate()}
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
@@ -177,12 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p_list = sub.add_parser("list", help="list registered objectives, estimators, weightings, rewards, ...")
     p_list.add_argument("section", nargs="?", help="only this section (e.g. objectives, rewards)")
+    p_list.add_argument("--markdown", action="store_true", help="markdown tables (what docs/registries.md holds)")
     p_list.set_defaults(func=cmd_list)
     p_train = sub.add_parser("train", help="train from a YAML config")
-    p_train.add_argument("config", help="YAML run config (see configs/)")
+    p_train.add_argument("config", help="YAML run config (see configs/); with --resume, the run folder may be given")
     p_train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
     p_train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                         help="resume the run in run.output_dir from its latest checkpoint, or from PATH")  # fmt: skip
+                         help="resume the run (its own saved config; --set overrides are printed) from its latest "
+                         "checkpoint, or from the checkpoint PATH")  # fmt: skip
     p_train.add_argument("--output-dir", help="run folder (overrides run.output_dir)")
     p_train.add_argument("--overwrite", action="store_true",
                          help="start afresh in a run folder that holds another run (deletes it)")  # fmt: skip

@@ -1,10 +1,11 @@
 """Images from a trained run (`flowrl sample`): PNG files, a labelled grid and how to do the same in diffusers.
 
-`sample(RUN_OR_CHECKPOINT, prompts)` rebuilds the run's trainer from its `config.yaml`, loads a checkpoint (the
-latest, `best`, or a given folder), swaps in the EMA weights when the run kept them, and samples `n` images per
-prompt with one seeded generator, so the same seed gives the same images. It writes
+`sample(RUN_OR_CHECKPOINT, prompts)` loads the run's policy at a checkpoint (the latest, `best`, or a given folder)
+without a trainer (`flowrl.trainers.inference.load_run`: no optimizer, no reward model), with the EMA weights when
+the run kept them, and samples `n` images per prompt with one seeded generator, so the same seed gives the same
+images. It writes
 
-- `OUT/<prompt index>_<sample index>.png` at the model's resolution,
+- `OUT/<prompt index>-<prompt>_<sample index>.png` at the model's resolution (e.g. `000-the-number-7_0.png`),
 - `OUT/grid.png`: one row per prompt, captioned,
 - `OUT/sample.json`: the run, checkpoint, epoch, sampler, seed and which file holds which prompt;
 
@@ -15,31 +16,10 @@ three lines that load it into a plain diffusers pipeline.
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
+import re
 from pathlib import Path
 
 import torch
-
-
-def resolve(target: str | Path, which: str = "latest") -> tuple[Path, Path]:
-    """`(run folder, checkpoint folder)` for a run folder (its `latest` or `best` checkpoint, or `which` as a
-    path) or a checkpoint folder (`RUN/checkpoints/epoch_N`)."""
-    from flowrl import checkpoint
-
-    target = Path(target)
-    if (target / "trainer_state.json").is_file() and target.parent.name == "checkpoints":
-        return target.parent.parent, target
-    if not (target / "config.yaml").is_file():
-        raise FileNotFoundError(f"{target} is neither a run folder (no config.yaml) nor a checkpoint folder "
-                                "(no trainer_state.json)")  # fmt: skip
-    if which == "latest":
-        return target, checkpoint.latest(target)
-    if which == "best":
-        best = target / "checkpoints" / "best"
-        if not best.is_dir():
-            raise FileNotFoundError(f"{target} kept no best checkpoint (set eval.best_metric to keep one)")
-        return target, best
-    return target, Path(which)
 
 
 def read_prompts(prompts: str | list[str]) -> list[str]:
@@ -51,6 +31,12 @@ def read_prompts(prompts: str | list[str]) -> list[str]:
     if Path(prompts).suffix in (".txt", ".jsonl") or prompts in prompt_sets.list_sets():
         return [str(p) for p in prompt_sets.load(prompts)]  # a missing file fails naming it
     return [prompts]
+
+
+def file_name(index: int, prompt: str, sample: int) -> str:
+    """`<prompt index>-<prompt as a slug, at most 40 characters>_<sample index>.png`."""
+    slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40].rstrip("-") or "prompt"
+    return f"{index:03d}-{slug}_{sample}.png"
 
 
 def sample(
@@ -82,56 +68,54 @@ def sample(
         out (`str` or `Path`, *optional*): default `RUN/samples/<checkpoint name>`.
     """
     from flowrl.export import write
+    from flowrl.image import ImageModality
     from flowrl.tracking import image_grid
-    from flowrl.trainers import build_trainer, load_config
-    from flowrl.trainers.image import ImageTrainer
+    from flowrl.trainers import TRAINERS, load_config
+    from flowrl.trainers.inference import load_run, resolve
+    from flowrl.trainers.run_folder import writable
 
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
-    run_dir, path = resolve(target, checkpoint)
     texts = read_prompts(prompts)
     if not texts:
         raise ValueError("no prompts to sample")
+    run_dir, path = resolve(target, checkpoint)
     config = load_config(run_dir / "config.yaml", ["run.log_with=[]"])
-    trainer = build_trainer(config, output_dir=run_dir)
-    if not isinstance(trainer, ImageTrainer):
+    if TRAINERS.get(config.trainer).modality_class is not ImageModality:
         raise ValueError(f"{config.trainer} is not an image trainer: flowrl sample draws images")
-    trainer.load_checkpoint(path)
-    use_ema = trainer.ema is not None if ema is None else ema
-    if use_ema and trainer.ema is None:
-        raise ValueError("the run kept no EMA weights (ema_decay is not set): sample without --ema")
-    policy, s, e = trainer.policy, config.sampling, config.eval
+    out = Path(out) if out else run_dir / "samples" / path.name
+    writable(out)  # before any model loads: a read-only folder fails at once
+    run = load_run(run_dir, str(path), ema=ema)
+    policy, s, e = run.policy, config.sampling, config.eval
     sampler = sampler or ("ode" if policy.adapter.time_kind == "flow" else "ddim")
     rows = [p for p in texts for _ in range(n)]
     generator = torch.Generator().manual_seed(seed)
-    trainer.model.eval()
-    with torch.no_grad(), trainer.ema.swapped() if use_ema else nullcontext(), trainer.accelerator.autocast():
-        latents = None
-        if trainer.evaluation_latents is not None:  # FIND: its trained noise policy draws the starting noise
-            latents = trainer.evaluation_latents(rows, generator, s.height, s.width)
-        rollout = policy.rollout(rows, num_steps=num_steps or e.num_steps or s.num_steps,
-                                 guidance_scale=guidance_scale if guidance_scale is not None else (
-                                     e.guidance_scale if e.guidance_scale is not None else s.guidance_scale),
-                                 noise_level=s.noise_level if noise_level is None else noise_level, sampler=sampler,
+    steps = num_steps or e.num_steps or s.num_steps
+    guidance = guidance_scale if guidance_scale is not None else (
+        e.guidance_scale if e.guidance_scale is not None else s.guidance_scale)  # fmt: skip
+    latents_of = run.algorithm.evaluation_latents
+    with torch.no_grad():
+        # FIND: its trained noise policy draws the starting noise
+        latents = latents_of(rows, generator, s.height, s.width) if latents_of is not None else None
+        rollout = policy.rollout(rows, num_steps=steps, guidance_scale=guidance, sampler=sampler,
+                                 noise_level=s.noise_level if noise_level is None else noise_level,
                                  generator=generator, height=s.height, width=s.width, latents=latents)  # fmt: skip
-    out = Path(out) if out else run_dir / "samples" / path.name
-    out.mkdir(parents=True, exist_ok=True)
     files = []
     for i, image in enumerate(rollout.images):
-        name = f"{i // n:03d}_{i % n}.png"
+        name = file_name(i // n, rows[i], i % n)
         _save_png(image, out / name)
         files.append({"file": name, "prompt": rows[i]})
     image_grid(rollout.images, [f"{r['prompt']} #{i % n}" for i, r in enumerate(files)], out / "grid.png",
-               columns=n, title=f"{run_dir.name} {path.name}{' EMA' if use_ema else ''} seed {seed}")  # fmt: skip
-    record = {"run": str(run_dir), "checkpoint": str(path), "epoch": trainer.epoch, "ema": use_ema,
+               columns=n, title=f"{run_dir.name} {path.name}{' EMA' if run.ema else ''} seed {seed}")  # fmt: skip
+    record = {"run": str(run_dir), "checkpoint": str(path), "epoch": run.epoch, "ema": run.ema,
               "sampler": sampler, "seed": seed, "n": n, "out": str(out), "files": files}  # fmt: skip
     if policy.has_lora and policy.adapter.pipeline is not None:
-        exported = write(trainer, out / "lora", ema=use_ema)
+        exported = write(run, out / "lora")
         pipeline = type(policy.adapter.pipeline).__name__
         record["diffusers"] = [
             f"pipe = {pipeline}.from_pretrained({config.model.name!r})",
             f"pipe.load_lora_weights({str(out / 'lora')!r})",
-            f"image = pipe({texts[0]!r}, num_inference_steps={num_steps or e.num_steps or s.num_steps}).images[0]",
+            f"image = pipe({texts[0]!r}, num_inference_steps={steps}).images[0]",
         ]
         record["lora"] = exported["written"]
     (out / "sample.json").write_text(json.dumps(record, indent=2))

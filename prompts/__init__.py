@@ -111,3 +111,17 @@ def load(name_or_path: str | os.PathLike) -> list[Prompt]:
     if not prompts:
         raise ValueError(f"prompt set {str(name_or_path)!r} ({path}) holds no prompts")
     return prompts
+
+
+def epoch_prompts(prompts: list, m: int, k: int, seed: int, epoch: int) -> list:
+    """Epoch `epoch`'s m prompts drawn from `(seed, epoch)` without replacement (cycling through a reshuffle when
+    the set holds fewer than m), each repeated k times: the same list on every process."""
+    import torch
+
+    from flowrl.runtime import seeded
+
+    g = seeded(seed, epoch, 1)
+    order = torch.randperm(len(prompts), generator=g).tolist()
+    while len(order) < m:
+        order += torch.randperm(len(prompts), generator=g).tolist()
+    return [prompts[i] for i in order[:m] for _ in range(k)]

@@ -83,8 +83,33 @@ def check_output(name: str, scores, batch_size: int) -> torch.Tensor:
     return scores
 
 
-# Built-in rewards register themselves on import (digits: the digits world rewards and gold metrics); heavy
-# dependencies (transformers, open_clip, PIL) load only when a reward is constructed.
-from flowrl.rewards import aesthetic, clip_score, digits, hpsv2, http, imagereward, jpeg, pairwise, pickscore, text  # noqa: E402,F401
-from flowrl.rewards.executor import RewardExecutor  # noqa: E402,F401
-from flowrl.rewards.multi import MultiReward, MultiRewardOutput, combine_advantages  # noqa: E402,F401
+# Every module of this package is imported here, so a built-in reward registers itself by being a module of it (a
+# new reward is one file); heavy dependencies (transformers, open_clip, PIL) load only when a reward is constructed.
+def _import_modules() -> None:
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_modules()
+from flowrl.rewards.executor import RewardExecutor  # noqa: E402
+from flowrl.rewards.multi import MultiReward, MultiRewardOutput, combine_advantages  # noqa: E402
+from flowrl.rewards.scoring import Rewards  # noqa: E402
+
+
+__all__ = [
+    "REWARDS",
+    "MultiReward",
+    "MultiRewardOutput",
+    "RewardError",
+    "RewardExecutor",
+    "RewardWeightsError",
+    "Rewards",
+    "check_output",
+    "combine_advantages",
+    "get",
+    "list_rewards",
+    "register",
+]

@@ -1,4 +1,8 @@
-"""The run's reward models, for every modality: scored on this process, gathered, checked, combined."""
+"""The run's reward models, for every modality: scored on this process, gathered, checked, combined.
+
+`Rewards` is what collectors and evaluators score with (images, completions); `call_reward` names a reward that
+fails; `texts_and_metadata` turns `Prompt`s into the texts and per-sample metadata rewards read.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import torch
 
 from flowrl.rewards import RewardError, check_output
 from flowrl.rewards.multi import weighted_sum
-from flowrl.trainers.state import Processes
+from flowrl.runtime import Processes
 
 
 def texts_and_metadata(prompts: list) -> tuple[list[str], dict[str, list]]:
@@ -72,3 +76,14 @@ class Rewards:
                 f"run.max_bad_reward_frac={self.max_bad_frac}; check the reward model(s)"
             )
         return valid, {"bad_rewards": int((~valid).sum()), **{f"bad_rewards/{k}": v for k, v in bad.items() if v}}
+
+
+def reward_summary(rewards: dict[str, torch.Tensor], total: torch.Tensor, valid: torch.Tensor) -> dict:
+    """An epoch's reward statistics over its valid samples: `reward/mean`, `reward/std` (the weighted sum) and
+    `reward/<name>` (each reward's mean)."""
+    kept = total[valid]
+    return {
+        "reward/mean": kept.mean() if len(kept) else float("nan"),
+        "reward/std": kept.std() if len(kept) > 1 else 0.0,
+        **{f"reward/{name}": r[valid].mean() for name, r in rewards.items()},
+    }

@@ -17,12 +17,66 @@ TEXT = {"max_sequence_length": 16}
 TINY_DIGITS_RUN = {
     "trainer": "grpo_guard",
     "model": {"name": "digits", "digits_pretrain_steps": 2},
-    "sampling": {"num_steps": 3, "guidance_scale": 1.0, "forward_batch_size": 8},
+    "sampling": {"num_steps": 3, "guidance_scale": 1.0},
+    "batch": {"mini_batch_size": 8, "micro_batch_size": 8},
     "prompts": {"prompts_per_epoch": 2, "group_size": 4},
     "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 4, "metrics": ["digits_gold"]},
     "optim": {"lr": 1e-4},
 }
-"""A `flowrl` run config on a 2-step digits base model (CLI tests add their `run` section)."""
+"""A `flowrl` run config on a 2-step digits base model, run by the CLI in a subprocess (tests add their `run`
+section); in-process tests take `tiny_config` on the tiny world instead."""
+
+PPO_TRAINERS = ("flow_grpo", "grpo_guard", "loop")
+"""Image trainers whose tiny configs clip at 1e-2 (the tiny world's log-ratios move that far)."""
+
+TINY = {
+    "image": {
+        "sampling": {"num_steps": 4, "guidance_scale": 2.0},
+        "prompts": {"prompts_per_epoch": 4, "group_size": 4},
+        "eval": {"every": 1, "samples_per_prompt": 2, "max_prompts": 4, "metrics": ["digits_gold"]},
+        "optim": {"lr": 1e-3},
+        "batch": {"mini_batch_size": 16, "micro_batch_size": 8},
+        "run": {"epochs": 2, "save_every": 1, "samples_every": 1, "log_with": []},
+    },
+    "control": {
+        "env": {"id": "Pendulum-v1", "num_envs": 2, "steps_per_env": 32},
+        "batch": {"mini_batch_size": 16, "micro_batch_size": 16, "inner_epochs": 2},
+        "run": {"epochs": 2, "log_with": []},
+        "eval": {"episodes": 2, "every": 0},
+    },
+    "text": {
+        "prompts": {"prompts_per_epoch": 8, "group_size": 4},
+        "generation": {"max_new_tokens": 4},
+        "batch": {"mini_batch_size": 16, "micro_batch_size": 16},
+        "run": {"epochs": 2, "log_with": [], "save_every": 0, "samples_every": 0},
+        "eval": {"every": 0, "max_prompts": 16},
+    },
+}
+"""The shared tiny sizes of each modality's test configs (`tiny_config`)."""
+
+
+def tiny_config(trainer="grpo_guard", tmp_path=None, overrides=(), **sections):
+    """A tiny config of any trainer: its modality's `TINY` sizes (2 epochs; images: 4 prompts x 4 samples, 4 steps,
+    mini-batches of 16 in micro-batches of 8, clip 1e-2 for the PPO family; control: 2 Pendulum environments x 32
+    steps; text: 8 arith prompts x 4 completions), then `sections` (each replaces its whole section) and
+    `overrides` (`key=value` strings), its run folder `tmp_path`."""
+    from flowrl.trainers import TRAINERS, load_config
+
+    modality = {"ImageModality": "image", "ControlModality": "control", "TextModality": "text"}[
+        TRAINERS.get(trainer).modality_class.__name__
+    ]
+    data = {"trainer": trainer, **TINY[modality]}
+    if trainer in PPO_TRAINERS:
+        data["objective"] = {"clip_eps_low": 1e-2}
+    if tmp_path is not None:
+        data["run"] = {**data["run"], "output_dir": str(tmp_path)}
+    return load_config({**data, **sections}, list(overrides))
+
+
+@pytest.fixture
+def tiny():
+    """`tiny_config` as a fixture (for test folders that prefer one)."""
+    return tiny_config
 
 
 @pytest.fixture(scope="session")

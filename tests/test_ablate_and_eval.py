@@ -15,7 +15,7 @@ from .conftest import TINY_DIGITS_RUN
 
 TINY = {
     **TINY_DIGITS_RUN,
-    "run": {"epochs": 1, "save_every": 1, "images_every": 0, "log_with": []},
+    "run": {"epochs": 1, "save_every": 1, "samples_every": 0, "log_with": []},
     "objective": {"clip_eps_low": 1e-3},
 }
 

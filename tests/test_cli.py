@@ -13,7 +13,7 @@ from flowrl.cli import main
 from .conftest import TINY_DIGITS_RUN
 
 
-TINY = {**TINY_DIGITS_RUN, "run": {"epochs": 2, "save_every": 1, "images_every": 1, "log_with": []}}
+TINY = {**TINY_DIGITS_RUN, "run": {"epochs": 2, "save_every": 1, "samples_every": 1, "log_with": []}}
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +66,14 @@ def test_config_and_data_mistakes_are_one_line(cache, tmp_path, capsys, changes,
 
 
 def test_prompt_file_mistakes_name_the_file_before_any_model_loads(cache, tmp_path, capsys, monkeypatch):
+    import flowrl.image.modality
     import flowrl.models.build
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before the prompts were checked")
 
-    monkeypatch.setattr(flowrl.models.build, "build_policy", no_model)
-    monkeypatch.setattr("flowrl.trainers.image.build_policy", no_model)
+    monkeypatch.setattr(flowrl.models.build, "load_policy", no_model)
+    monkeypatch.setattr(flowrl.image.modality, "build_image_policy", no_model)
     empty, latin, cats = tmp_path / "empty.txt", tmp_path / "latin1.txt", tmp_path / "cats.txt"
     empty.write_text("# nothing here\n")
     latin.write_bytes("a handwritten caf\xe9 seven\n".encode("latin-1"))
@@ -87,23 +88,26 @@ def test_prompt_file_mistakes_name_the_file_before_any_model_loads(cache, tmp_pa
 
 def test_run_folders_keep_their_checkpoints(cache, tmp_path, capsys):
     config, run = str(_yaml(tmp_path)), tmp_path / "run"
-    _fails(capsys, ["train", config, "--output-dir", str(run), "--resume"], "no checkpoints under")
+    _fails(capsys, ["train", config, "--output-dir", str(run), "--resume"], "holds no run to resume")
     assert main(["train", config, "--output-dir", str(run)]) == 0
     first = (run / "checkpoints" / "epoch_2" / "manifest.json").read_text()
     # a second run into the same folder is refused: nothing of the first is lost
     _fails(capsys, ["train", config, "--output-dir", str(run)], "already holds a run")
     assert (run / "checkpoints" / "epoch_2" / "manifest.json").read_text() == first
-    # resuming from an earlier checkpoint would fork the run: refused unless --overwrite
-    resume = ["train", str(_yaml(tmp_path, **{"run.epochs": 3})), "--output-dir", str(run)]
+    # resuming from an earlier checkpoint would fork the run: refused unless --overwrite (a resume takes the run's
+    # own saved config; --set changes it, said on the console)
+    resume = ["train", config, "--output-dir", str(run), "--set", "run.epochs=3"]
     _fails(capsys, [*resume, "--resume", str(run / "checkpoints" / "epoch_1")], "would fork it")
-    # a corrupt latest checkpoint: the message offers the previous verified one
+    # a corrupt latest checkpoint: the message offers the previous verified one, and following it works (the
+    # corrupt checkpoint is no later state of the run to fork from)
     weights = next((run / "checkpoints" / "epoch_2").rglob("model.safetensors"))
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
     line = _fails(capsys, [*resume, "--resume"], "model.safetensors is corrupt")
-    assert f"the previous verified checkpoint is {run / 'checkpoints' / 'epoch_1'}" in line
-    assert main([*resume, "--resume", str(run / "checkpoints" / "epoch_1"), "--overwrite"]) == 0
+    assert f"(--resume {run / 'checkpoints' / 'epoch_1'})" in line
+    assert main([*resume, "--resume", str(run / "checkpoints" / "epoch_1")]) == 0
+    assert "resuming with overrides: run.epochs: 2 -> 3" in capsys.readouterr().out
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch_2", "epoch_3"]
     # --overwrite starts afresh: the old run's later checkpoints cannot outlive it
     assert main(["train", config, "--output-dir", str(run), "--overwrite"]) == 0
@@ -111,7 +115,7 @@ def test_run_folders_keep_their_checkpoints(cache, tmp_path, capsys):
 
 
 def test_interrupted_training_says_where_it_stopped(cache, tmp_path, capsys, monkeypatch):
-    from flowrl.trainers.base import Trainer
+    from flowrl.trainers import Trainer
 
     real = Trainer.train_epoch
 

@@ -4,7 +4,9 @@ import pytest
 import yaml
 
 from flowrl.config import ConfigError, apply_overrides, save_config, to_dict
-from flowrl.trainers import FlowGRPOConfig, GRPOGuardConfig, load_config
+from flowrl.trainers import load_config
+from flowrl.trainers.flow_grpo import FlowGRPOConfig
+from flowrl.trainers.grpo_guard import GRPOGuardConfig
 
 
 def test_yaml_overrides_only_the_given_values(tmp_path):
@@ -31,7 +33,7 @@ def test_unknown_keys_name_the_key_and_close_matches():
     message = r"unknown config key 'sampling.num_step' in section 'sampling'.*Did you mean 'num_steps'"
     with pytest.raises(ConfigError, match=message):
         load_config({"trainer": "flow_grpo", "sampling": {"num_step": 4}})
-    message = r"unknown config key 'clip_range' at the top level.*Valid choices: trainer, model"
+    message = r"unknown config key 'clip_range' at the top level.*Valid choices: trainer, run, optim, batch"
     with pytest.raises(ConfigError, match=message):
         load_config({"trainer": "flow_grpo", "clip_range": 1e-4})
     with pytest.raises(ConfigError, match="unknown config key 'rewards\\[0\\].wieght'.*Did you mean 'weight'"):
@@ -90,7 +92,7 @@ def test_shipped_configs_load():
     from pathlib import Path
 
     from flowrl import ablate
-    from flowrl.trainers import TrainerConfig
+    from flowrl.sections import BaseConfig as TrainerConfig
 
     root = Path(__file__).resolve().parents[1]
     for path in sorted((root / "configs").rglob("*.yaml")):
@@ -124,7 +126,14 @@ def test_partial_sections_keep_the_trainers_own_defaults():
         ({"adv_std": "group"}, "advantage.std"),
         ({"tracker_buffer": 8}, "advantage.buffer_size"),
         ({"objective_kwargs": {"dual_clip_c": 3}}, "objective.kwargs"),
-        ({"sampling": {"train_batch_size": 4}}, "sampling.forward_batch_size"),
+        ({"sampling": {"train_batch_size": 4}}, "batch.micro_batch_size"),
+        ({"sampling": {"forward_batch_size": 4}}, "batch.micro_batch_size"),
+        ({"optim": {"gradient_accumulation": 2}}, "batch.mini_batch_size"),
+        ({"optim": {"backward": "per_step"}}, "batch.backward"),
+        ({"inner_epochs": 2}, "batch.inner_epochs"),
+        ({"run": {"images_every": 2}}, "run.samples_every"),
+        ({"model": {"max_sequence_length": 77}}, "model.options.max_sequence_length"),
+        ({"target_kl": 0.01}, "objective.target_kl"),
     ],
 )
 def test_keys_of_earlier_versions_name_their_new_place(old, new):
@@ -153,13 +162,14 @@ def test_load_config_needs_no_import_cycle():
     import subprocess
     import sys
 
-    code = "import flowrl.config, sys; assert 'flowrl.trainers' not in sys.modules, sorted(sys.modules)"
+    code = ("import flowrl.config, flowrl.sections, sys; assert 'flowrl.trainers' not in sys.modules, "
+            "sorted(sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
 
 def test_learning_rate_schedules_by_hand():
-    from flowrl.config import OptimConfig
+    from flowrl.sections import OptimConfig
 
     cosine = OptimConfig(lr=1e-3, schedule="cosine", final_lr_ratio=0.1)
     # epoch e of 5: progress e / 4; lr = 1e-3 (0.1 + 0.9 (1 + cos(pi p)) / 2)

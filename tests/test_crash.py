@@ -20,7 +20,7 @@ DYING = """
 import os, signal, sys
 from flowrl import checkpoint
 from flowrl.cli import main
-from flowrl.trainers.base import Trainer
+from flowrl.trainers.scheduler import UpdateScheduler
 
 mode, at = sys.argv[1], int(sys.argv[2])
 if mode == "checkpoint":  # SIGKILL while checkpoint `at` is written: weights on disk, no manifest yet
@@ -34,14 +34,14 @@ if mode == "checkpoint":  # SIGKILL while checkpoint `at` is written: weights on
 
     checkpoint.write_manifest = dying
 else:  # SIGKILL in the middle of epoch `at` (0-based): sampled and scored, not yet trained
-    update = Trainer.update
+    run = UpdateScheduler.run
 
-    def dying(self, rollout, advantages, trainable, epoch):
+    def dying(self, batch, epoch):
         if epoch == at:
             os.kill(os.getpid(), signal.SIGKILL)
-        return update(self, rollout, advantages, trainable, epoch)
+        return run(self, batch, epoch)
 
-    Trainer.update = dying
+    UpdateScheduler.run = dying
 sys.exit(main(sys.argv[3:]))
 """
 
@@ -57,7 +57,7 @@ def env(tmp_path_factory):
 
 def _config(tmp_path):
     data = json.loads(json.dumps(TINY_DIGITS_RUN))
-    data["run"] = {"epochs": 3, "save_every": 1, "images_every": 0, "log_with": [], "threads": 1}
+    data["run"] = {"epochs": 3, "save_every": 1, "samples_every": 0, "log_with": [], "threads": 1}
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -76,3 +76,11 @@ def test_every_config_field_is_documented():
         own = DOCS / "algorithms" / f"{name}.md"
         walk(TRAINERS.get(name).config_class, training + (own.read_text() if own.is_file() else ""))
         assert f"`{name}`" in training, f"docs/training.md does not list the trainer {name}"
+
+
+def test_the_registries_page_is_what_flowrl_list_prints():
+    from flowrl.cli import _catalog, markdown_catalog
+
+    assert all(_catalog().values()), "a registry section of `flowrl list` is empty"
+    current = (DOCS / "registries.md").read_text()
+    assert current == markdown_catalog(), "docs/registries.md is stale: flowrl list --markdown > docs/registries.md"

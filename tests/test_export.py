@@ -1,58 +1,64 @@
 """`flowrl export`: a trained run becomes what a diffusers user loads in one line, and samples the same images."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from flowrl.cli import main
-from flowrl.models import tiny_flux, tiny_sd3, tiny_unet
+from flowrl.models.families import MODEL_FAMILIES
 from flowrl.policies import DiffusionPolicy
 
 from .trainers.conftest import make_trainer, tiny_config
 
 
-BUILD = {"sd3": tiny_sd3, "flux": tiny_flux, "unet": tiny_unet}
-PIPELINE = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "unet": "StableDiffusionPipeline"}
+FAMILIES = MODEL_FAMILIES.names()
 
 
 def _pipeline(family, folder):
     import diffusers
 
-    return getattr(diffusers, PIPELINE[family]).from_pretrained(folder)
+    return getattr(diffusers, MODEL_FAMILIES.get(family).pipeline_class).from_pretrained(folder)
+
+
+def _options(family):
+    """Short T5 prompts for the families that have that option."""
+    fields = {f.name for f in dataclasses.fields(MODEL_FAMILIES.get(family).Options)}
+    return {"max_sequence_length": 16} if "max_sequence_length" in fields else {}
 
 
 def _brightness(images, prompts, **_):
     return images.float().mean(dim=(1, 2, 3))
 
 
-def _train(family, lora, tmp_path, monkeypatch):
+def _train(family, lora, tmp_path, monkeypatch, ema=True):
     """One epoch of flow_grpo (DDIM for the UNet) on a tiny pipeline folder, EMA on; returns (run, base)."""
     base = tmp_path / "base"
-    BUILD[family](seed=1).save_pretrained(base)
+    MODEL_FAMILIES.get(family).tiny(seed=1).save_pretrained(base)
     (tmp_path / "prompts.txt").write_text("a red cat\na blue dog\n")
     prompts = str(tmp_path / "prompts.txt")
-    sampler = {"sampler": "ddim", "noise_level": 1.0} if family == "unet" else {}
+    adapter = MODEL_FAMILIES.get(family)
+    sampler = {"sampler": adapter.default_sampler, "noise_level": 1.0 if adapter.default_sampler == "ddim" else 0.7}
     run = tmp_path / "run"
     config = {
         "trainer": "flow_grpo",
-        "model": {"name": str(base), "lora_rank": 4 if lora else 0, "max_sequence_length": 16},
+        "model": {"name": str(base), "lora_rank": 4 if lora else 0, "options": _options(family)},
         "sampling": {
             "num_steps": 2,
             "guidance_scale": 1.0,
-            "forward_batch_size": 4,
             "height": 64,
             "width": 64,
             **sampler,
         },  # fmt: skip
+        "batch": {"mini_batch_size": 4, "micro_batch_size": 4},
         "prompts": {"train": prompts, "test": prompts, "prompts_per_epoch": 2, "group_size": 2},
         "rewards": [{"name": "tests.test_export:_brightness"}],
         "eval": {"every": 0, "samples_per_prompt": 1},
         "optim": {"lr": 1e-2},
         "objective": {"clip_eps_low": 0.1},
-        "run": {"epochs": 1, "log_with": [], "images_every": 0, "output_dir": str(run)},
-        "ema_decay": 0.5,
-        "ema_every": 1,
+        "run": {"epochs": 1, "log_with": [], "samples_every": 0, "output_dir": str(run)},
+        **({"ema_decay": 0.5, "ema_every": 1} if ema else {}),
     }
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(config))
@@ -66,7 +72,7 @@ def _samples(policy, family):
                           generator=torch.Generator().manual_seed(3), height=64, width=64).images  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "unet"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_lora_runs_export_to_load_lora_weights(family, tmp_path, monkeypatch, capsys):
     from flowrl.trainers import build_trainer, load_config
 
@@ -80,7 +86,7 @@ def test_lora_runs_export_to_load_lora_weights(family, tmp_path, monkeypatch, ca
     # a plain diffusers pipeline with the exported LoRA samples what the run's EMA policy samples
     pipe = _pipeline(family, base)
     pipe.load_lora_weights(str(out))
-    exported = _samples(DiffusionPolicy.from_pipeline(pipe, max_sequence_length=16), family)
+    exported = _samples(DiffusionPolicy.from_pipeline(pipe, options=_options(family)), family)
     trainer = build_trainer(load_config(run / "config.yaml", ["run.log_with=[]"]), output_dir=run)
     trainer.load_checkpoint(run / "checkpoints" / "epoch_1")
     with trainer.ema.swapped():
@@ -92,7 +98,7 @@ def test_lora_runs_export_to_load_lora_weights(family, tmp_path, monkeypatch, ca
     main(["export", str(run), "--out", str(tmp_path / "raw"), "--no-ema"])
     pipe = _pipeline(family, base)
     pipe.load_lora_weights(str(tmp_path / "raw"))
-    torch.testing.assert_close(_samples(DiffusionPolicy.from_pipeline(pipe, max_sequence_length=16), family), raw,
+    torch.testing.assert_close(_samples(DiffusionPolicy.from_pipeline(pipe, options=_options(family)), family), raw,
                                rtol=0, atol=2e-5)  # fmt: skip
 
 
@@ -106,27 +112,38 @@ def test_full_fine_tunes_export_the_pipeline_folder(tmp_path, monkeypatch, capsy
     assert main(["export", str(run), "--out", str(out)]) == 0
     assert "StableDiffusion3Pipeline.from_pretrained" in capsys.readouterr().out
     exported = _samples(DiffusionPolicy.from_pipeline(StableDiffusion3Pipeline.from_pretrained(out),
-                                                      max_sequence_length=16), "sd3")  # fmt: skip
+                                                      options=_options("sd3")), "sd3")  # fmt: skip
     trainer = build_trainer(load_config(run / "config.yaml", ["run.log_with=[]"]), output_dir=run)
     trainer.load_checkpoint(run / "checkpoints" / "epoch_1")
     with trainer.ema.swapped():
         torch.testing.assert_close(exported, _samples(trainer.policy, "sd3"), rtol=0, atol=2e-5)
 
 
-def test_digits_full_fine_tunes_export_the_transformer(tiny_world, tmp_path):
+def _loaded(trainer, run_dir):
+    """A trainer's policy as `flowrl.trainers.inference.load_run` hands it to `write` (its raw weights)."""
+    from flowrl.trainers.inference import LoadedRun
+
+    return LoadedRun(run_dir, run_dir / "checkpoints" / f"epoch_{trainer.epoch}", trainer.config, trainer.epoch,
+                     trainer.modality, trainer.algorithm, ema=False)  # fmt: skip
+
+
+def test_digits_full_fine_tunes_export_a_digits_model_folder(tiny_world, tmp_path):
     from diffusers import SD3Transformer2DModel
 
+    from flowrl.digits import DigitsWorld
     from flowrl.export import write
 
     trainer = make_trainer(tiny_world, tiny_config("grpo_guard", tmp_path, overrides=["run.epochs=1"]))
     trainer.train()
-    record = write(trainer, tmp_path / "export")
-    assert record["kind"] == "full" and not record["ema"] and "SD3Transformer2DModel.from_pretrained" in record["load"]
-    loaded = SD3Transformer2DModel.from_pretrained(tmp_path / "export")
+    record = write(_loaded(trainer, tmp_path), tmp_path / "export")
+    assert record["kind"] == "full" and not record["ema"] and "DigitsWorld(" in record["load"]
+    loaded = SD3Transformer2DModel.from_pretrained(tmp_path / "export" / "transformer")
     for (name, a), b in zip(trainer.policy.model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
-    with pytest.raises(ValueError, match="kept no EMA weights"):
-        write(trainer, tmp_path / "ema", ema=True)
+    # the folder is a digits model: the world loads it as a policy that samples what the trained policy samples
+    policy = DigitsWorld(tmp_path / "export", tiny_world.classifiers).policy()
+    for a, b in zip(trainer.policy.model.parameters(), policy.model.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_export_refuses_what_it_cannot_write(tiny_world, tmp_path, capsys):
@@ -136,7 +153,7 @@ def test_export_refuses_what_it_cannot_write(tiny_world, tmp_path, capsys):
 
     find = make_trainer(tiny_world, find_config(tmp_path))
     with pytest.raises(ValueError, match="find trains FINDNoisePolicy, not the diffusion model"):
-        write(find, tmp_path / "out")
+        write(_loaded(find, tmp_path), tmp_path / "out")
     assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")]) == 2
     assert "is not a run folder" in capsys.readouterr().err
 
@@ -148,14 +165,16 @@ def test_sample_writes_pngs_a_grid_and_the_diffusers_lines(tmp_path, monkeypatch
     def sample(folder, *extra, target=run):
         assert main(["sample", str(target), "--prompts", "a red cat", "--n", "2", "--num-steps", "2",
                      "--out", str(folder), *extra]) == 0  # fmt: skip
-        return [(folder / name).read_bytes() for name in ("000_0.png", "000_1.png")]
+        return [(folder / name).read_bytes() for name in ("000-a-red-cat_0.png", "000-a-red-cat_1.png")]
 
     first = sample(out, "--seed", "5")
     printed = capsys.readouterr().out
     assert "grid.png" in printed and "pipe.load_lora_weights(" in printed and "from_pretrained(" in printed
     record = json.loads((out / "sample.json").read_text())
     assert record["ema"] and record["epoch"] == 1 and record["sampler"] == "ode"
-    assert [f["file"] for f in record["files"]] == ["000_0.png", "000_1.png"] and (out / "grid.png").is_file()
+    assert [f["file"] for f in record["files"]] == ["000-a-red-cat_0.png", "000-a-red-cat_1.png"] and (
+        out / "grid.png"
+    ).is_file()
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert first[0] != first[1]  # two samples of one prompt
     # the same seed gives the same images (also from the checkpoint folder itself); another seed or the raw
@@ -170,3 +189,11 @@ def test_sample_writes_pngs_a_grid_and_the_diffusers_lines(tmp_path, monkeypatch
     capsys.readouterr()
     assert main(["sample", str(run), "--prompts", "a cat", "--checkpoint", "best"]) == 2
     assert "kept no best checkpoint" in capsys.readouterr().err
+
+
+def test_export_of_ema_weights_a_run_never_kept_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    run, _ = _train("sd3", True, tmp_path, monkeypatch, ema=False)
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(tmp_path / "out"), "--ema"]) == 2
+    assert "kept no EMA weights" in capsys.readouterr().err
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0  # the raw weights, by default

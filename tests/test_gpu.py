@@ -37,15 +37,16 @@ def test_lora_training_epoch_on_cuda(tmp_path):
     pipe.save_pretrained(tmp_path / "sd3")
     config = load_config({
         "trainer": "grpo_guard",
-        "model": {"name": str(tmp_path / "sd3"), "dtype": "bf16", "lora_rank": 4, "max_sequence_length": 16},
-        "sampling": {"num_steps": 3, "height": 64, "width": 64, "forward_batch_size": 4},
+        "model": {"name": str(tmp_path / "sd3"), "dtype": "bf16", "lora_rank": 4, "options": TEXT},
+        "sampling": {"num_steps": 3, "height": 64, "width": 64},
+        "batch": {"mini_batch_size": 8, "micro_batch_size": 4},
         "prompts": {"train": "simple_animals", "test": "simple_animals", "prompts_per_epoch": 2, "group_size": 4},
         "rewards": [{"name": "jpeg_compressibility"}],
         "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 2},
         "run": {"epochs": 1, "log_with": [], "mixed_precision": "bf16", "output_dir": str(tmp_path / "run")},
     })  # fmt: skip
     trainer = build_trainer(config)
-    assert trainer.accelerator.device.type == "cuda"
+    assert trainer.engine.accelerator.device.type == "cuda"
     before = [p.detach().clone() for p in trainer.params]
     record = trainer.train_epoch(0)
     assert torch.isfinite(torch.tensor(float(record["loss"])))

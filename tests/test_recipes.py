@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from flowrl.models import tiny_flux, tiny_sd3, tiny_unet
+from flowrl.models.families import MODEL_FAMILIES
 from flowrl.trainers import build_trainer, load_config
 from tests.rewards.tiny_models import imagereward_official_state, save_tiny_clip, write_bert_vocab
 
@@ -20,7 +20,6 @@ from tests.rewards.tiny_models import imagereward_official_state, save_tiny_clip
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("digits", "control", "llm", "accelerate"))
 """The image recipes (control configs: tests/control/test_control.py; text configs: tests/llm/test_text.py)."""
-TINY = {"sd3": tiny_sd3, "flux": tiny_flux, "unet": tiny_unet}
 SHRINK = {
     "diffusion_nft": ["num_draws=2"],
     "awm": ["num_draws=1"],
@@ -37,8 +36,8 @@ SHRINK = {
 def tiny_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("recipes")
     folders = {}
-    for family, build in TINY.items():
-        build(seed=1).save_pretrained(root / family)
+    for family in MODEL_FAMILIES.names():
+        MODEL_FAMILIES.get(family).tiny(seed=1).save_pretrained(root / family)
         folders[family] = root / family
     folders["clip"] = save_tiny_clip(root / "clip")
     folders["imagereward"] = root / "ImageReward.pt"
@@ -66,18 +65,19 @@ def test_every_real_model_config_is_covered():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.relative_to(CONFIGS).as_posix())
 def test_recipe_trains_one_epoch_on_tiny_stand_ins(path, tiny_folders, tmp_path):
     shipped = load_config(path)
-    assert shipped.model.family in TINY and shipped.model.lora_rank > 0
+    options = {f.name for f in dataclasses.fields(MODEL_FAMILIES.get(shipped.model.family).Options)}
+    assert shipped.model.family in MODEL_FAMILIES.names() and shipped.model.lora_rank > 0
     overrides = [
         f"model.name={tiny_folders[shipped.model.family]}",
         "model.dtype=fp32",
-        "model.max_sequence_length=16",
+        *(["model.options.max_sequence_length=16"] if "max_sequence_length" in options else []),
         "sampling.height=64",
         "sampling.width=64",
         "sampling.num_steps=3",
-        "sampling.forward_batch_size=2",
+        "batch.mini_batch_size=4",
+        "batch.micro_batch_size=2",
         "prompts.prompts_per_epoch=2",
         "prompts.group_size=2",
-        "optim.gradient_accumulation=1",
         "eval.samples_per_prompt=1",
         "eval.max_prompts=2",
         "eval.num_steps=2",
@@ -98,7 +98,7 @@ def test_recipe_trains_one_epoch_on_tiny_stand_ins(path, tiny_folders, tmp_path)
     overrides.append("rewards=" + yaml.safe_dump(rewards, default_flow_style=True).strip())
     config = load_config(path, overrides)
     # the algorithm is as shipped: every top-level field but the sections the overrides shrink
-    shrunk = {"model", "sampling", "prompts", "rewards", "eval", "optim", "run", "ema_every"}
+    shrunk = {"model", "sampling", "batch", "prompts", "rewards", "eval", "run", "ema_every"}
     shrunk |= {item.split("=")[0].split(".")[0] for item in SHRINK.get(shipped.trainer, [])}
     for field in dataclasses.fields(config):
         if field.name not in shrunk:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flowrl import threads as threads_mod
-from flowrl.config import ConfigError, RunConfig, from_dict
+from flowrl.config import ConfigError, from_dict
+from flowrl.sections import RunConfig
 from flowrl.threads import ThreadGovernor
 
 

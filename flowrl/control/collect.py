@@ -12,12 +12,12 @@ transitions are those of one process stepping all `num_envs` environments.
 
 The episode still running at the epoch's end is bootstrapped with `V(s_T)`, as is a time-limit truncation
 (`r_t + gamma V(final_obs)`, SB3's convention); a termination is not. Advantages are GAE over the environment
-steps (`flowrl.core.gae`).
+steps (`flowrl.core.gae`). The collector returns the transitions as a typed `Collected` batch; an algorithm adds
+the behaviour log-probabilities it re-scores against (`ControlAlgorithm.prepare`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -27,13 +27,8 @@ import torch
 from flowrl.control.envs import Normalizer, make_vec_env
 from flowrl.control.rollout import ControlRollout
 from flowrl.core import gae
-
-
-def seeded(*parts: int) -> torch.Generator:
-    # imported here: `flowrl.trainers` imports this module (through its control trainers)
-    from flowrl.trainers.state import seeded
-
-    return seeded(*parts)
+from flowrl.policies.rollout import Collected
+from flowrl.runtime import seeded
 
 
 def env_seed(*parts: int) -> int:
@@ -41,38 +36,31 @@ def env_seed(*parts: int) -> int:
     return int(seeded(*parts).initial_seed() % (2**31 - 1))
 
 
-@dataclasses.dataclass
-class ControlBatch:
-    """One epoch's rollout and what its episodes scored."""
-
-    rollout: ControlRollout
-    episode_returns: list[float]
-    """Undiscounted returns of the episodes that ended in this epoch (raw rewards)."""
-    episode_lengths: list[int]
-    env_steps: int
-    """Environment steps of every process."""
-    times: dict[str, float]
+def act(actor, obs: torch.Tensor, generator: torch.Generator, chain: bool = False):
+    """`(actions [E, A], chain [E, K + 1, A] or None)`: the policy's sampled actions (with `chain`, a flow policy's
+    whole stochastic denoising chain, whose last state is the action: the denoising MDP)."""
+    if chain:
+        steps = actor.chain(obs, generator)
+        return steps[:, -1], steps
+    return actor.act(obs, generator), None
 
 
 class ControlCollector:
-    """Steps `num_envs` environments for `steps_per_env` steps with the policy, then fills in the behaviour
-    log-probabilities (one pass over the rollout, in training-sized chunks) and GAE.
+    """Steps `num_envs` environments for `steps_per_env` steps with the policy, then GAE.
 
     Args:
         env_id (`str`), num_envs (`int`), steps_per_env (`int`), env_kwargs (`dict`): the environments
             (`num_envs` of every process together).
         normalizer (`Normalizer`): observation / reward normalisation (updated while collecting).
-        act (`Callable`): `act(obs [E, O], generator) -> (actions [E, A], chain [E, K + 1, A] or None)`.
-        value (`Callable`): `value(obs [N, O]) -> [N]`.
-        behaviour (`Callable`): `behaviour(rollout) -> (log_probs [B, K], draws or None)` at the current weights.
+        policy (`ActorCritic`): samples actions (`actor.act`, or `actor.chain` with `chain`) and values.
+        chain (`bool`): keep a flow policy's denoising chain (`dppo`).
         gamma (`float`), lam (`float`): discount and GAE lambda.
         seed (`int`): seeds of the episodes and the action noise.
         processes (`Processes`, *optional*): this process's share of the environments (None: all of them).
     """
 
     def __init__(self, env_id: str, num_envs: int, steps_per_env: int, env_kwargs: dict, normalizer: Normalizer,
-                 act: Callable, value: Callable, behaviour: Callable, *, gamma: float, lam: float, seed: int,
-                 processes=None):  # fmt: skip
+                 policy, *, chain: bool = False, gamma: float, lam: float, seed: int, processes=None):  # fmt: skip
         self.processes = processes
         world, rank = (processes.world, processes.rank) if processes is not None else (1, 0)
         if num_envs % world:
@@ -83,7 +71,7 @@ class ControlCollector:
         space = self.envs.single_action_space
         self.low, self.high = space.low.astype(np.float64), space.high.astype(np.float64)
         self.num_envs, self.steps = num_envs, steps_per_env
-        self.normalizer, self.act, self.value, self.behaviour = normalizer, act, value, behaviour
+        self.normalizer, self.policy, self.chain = normalizer, policy, chain
         self.gamma, self.lam, self.seed = gamma, lam, seed
 
     def _everyone(self, *parts: np.ndarray) -> list[np.ndarray]:
@@ -105,7 +93,7 @@ class ControlCollector:
         return (torch.arange(self.steps)[:, None] * self.num_envs + envs).reshape(-1)
 
     @torch.no_grad()
-    def collect(self, epoch: int) -> ControlBatch:
+    def collect(self, epoch: int) -> Collected:
         start = time.time()
         n, norm, mine = self.num_envs, self.normalizer, self.mine
         norm.start_epoch()
@@ -118,15 +106,15 @@ class ControlCollector:
         returns, lengths = [], []
         for _ in range(self.steps):
             obs = torch.from_numpy(norm.observe(raw, update=True))  # [E, O]
-            actions, chain = self.act(obs, generator)
-            value = self.value(obs)
+            actions, chain = act(self.policy.actor, obs, generator, self.chain)
+            value = self.policy.value(obs)
             local = np.clip(actions[mine].numpy(), self.low, self.high)
             raw, reward, terminated, truncated, info = self.envs.step(local)
             bootstrap = np.flatnonzero(truncated & ~terminated)
             final_value = None
             if len(bootstrap):  # a time limit is not a termination: r + gamma V(s_final)
                 final = np.stack([info["final_obs"][e] for e in bootstrap])
-                final_value = self.value(torch.from_numpy(norm.observe(final, update=False)))
+                final_value = self.policy.value(torch.from_numpy(norm.observe(final, update=False)))
             raw, reward, terminated, truncated = self._everyone(raw, reward, terminated, truncated)
             terminated, truncated = terminated.astype(bool), truncated.astype(bool)
             done = terminated | truncated
@@ -145,7 +133,7 @@ class ControlCollector:
             rewards.append(scaled)
             dones.append(torch.from_numpy(done[mine]))
             values.append(value[mine])
-        last_value = self.value(torch.from_numpy(norm.observe(raw, update=False)))[mine]
+        last_value = self.policy.value(torch.from_numpy(norm.observe(raw, update=False)))[mine]
         collect_s = time.time() - start
         # GAE over [e, T]; rows are time-major [T * e]
         v = torch.stack(values, 1)  # [e, T]
@@ -153,30 +141,34 @@ class ControlCollector:
         rollout = ControlRollout(
             obs=torch.cat(obs_t),
             actions=torch.cat(actions_t).float(),
-            log_probs=torch.zeros(0),
             values=v.T.reshape(-1),
             advantages=adv.T.reshape(-1),
             returns=ret.T.reshape(-1),
             chain=torch.cat(chains) if chains[0] is not None else None,
-            rows=self.rows(),
         )
-        t0 = time.time()
-        log_probs, draws = self.behaviour(rollout)
-        rollout = dataclasses.replace(rollout, log_probs=log_probs, draws=draws)
-        times = {"time/collect_s": collect_s, "time/behaviour_s": time.time() - t0}
-        return ControlBatch(rollout, returns, lengths, n * self.steps, times)
+        info = {"episode_returns": returns, "episode_lengths": lengths}
+        return Collected(data=rollout, rows=self.rows(), size=n * self.steps, times={"time/collect_s": collect_s},
+                         info=info)  # fmt: skip
 
 
 class ControlEvaluator:
-    """`episodes` episodes from fixed seeds (the same at every evaluation) with the policy's evaluation actions,
-    observations normalised with the current statistics (not updated). `extra(act)` adds task probes (the
-    bimodal task's `saddle_up`, `top_fraction`) computed with the stochastic policy on raw observations."""
+    """`episodes` episodes from fixed seeds (the same at every evaluation) with the policy's evaluation actions
+    (`deterministic`: the Gaussian's mean, a flow's integration from zero noise), observations normalised with the
+    current statistics (not updated). `extra(act)` adds task probes (the bimodal task's `saddle_up`,
+    `top_fraction`) computed with the stochastic policy (`chain`: its denoising chain) on raw observations."""
 
-    def __init__(self, env_id: str, env_kwargs: dict, episodes: int, seed: int, normalizer: Normalizer,
-                 act: Callable, stochastic_act: Callable, extra: Callable | None = None):  # fmt: skip
+    def __init__(self, env_id: str, env_kwargs: dict, episodes: int, seed: int, normalizer: Normalizer, policy, *,
+                 deterministic: bool = True, chain: bool = False, extra: Callable | None = None):  # fmt: skip
         self.env_id, self.env_kwargs, self.episodes, self.seed = env_id, env_kwargs, episodes, seed
-        self.normalizer, self.act, self.stochastic_act, self.extra = normalizer, act, stochastic_act, extra
+        self.normalizer, self.policy, self.extra = normalizer, policy, extra
+        self.deterministic, self.chain = deterministic, chain
         self.envs = None
+
+    def act(self, obs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return self.policy.actor.act(obs, generator, deterministic=self.deterministic)
+
+    def stochastic_act(self, obs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return act(self.policy.actor, obs, generator, self.chain)[0]
 
     @torch.no_grad()
     def evaluate(self) -> dict:

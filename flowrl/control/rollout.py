@@ -13,7 +13,7 @@ from flowrl.policies.rollout import Record, per_sample
 @dataclasses.dataclass
 class ControlRollout(Record):
     """`B = num_envs * steps_per_env` transitions, time-major (row `t * num_envs + e`); with several processes,
-    each holds the rows of its environments (`rows`).
+    each holds the rows of its environments (`Collected.rows` are their positions).
 
     `log_probs [B, K]` are the behaviour policy's element log-probabilities: K = 1 for a Gaussian action, the
     K denoising steps of a flow policy's chain (denoising MDP), or FPO's draws (`-l_old`, the pseudo
@@ -24,20 +24,18 @@ class ControlRollout(Record):
     """`[B, obs_dim]` the observations the policy saw (normalised with the statistics frozen for the epoch)."""
     actions: torch.Tensor = per_sample()
     """`[B, act_dim]` actions as sampled (unclipped; clipped to the action box only for `env.step`)."""
-    log_probs: torch.Tensor = per_sample()
-    """`[B, K]` fp32 behaviour log-probabilities of the elements."""
     values: torch.Tensor = per_sample()
     """`[B]` value estimates at collection."""
     advantages: torch.Tensor = per_sample()
     """`[B]` GAE advantages (before any normalisation)."""
     returns: torch.Tensor = per_sample()
     """`[B]` value targets, `advantages + values`."""
+    log_probs: torch.Tensor | None = per_sample(default=None)
+    """`[B, K]` fp32 behaviour log-probabilities of the elements (an algorithm adds them after collection)."""
     chain: torch.Tensor | None = per_sample(default=None)
     """`[B, K + 1, act_dim]` a flow policy's denoising chain (denoising-MDP mode)."""
     draws: FPODraws | None = per_sample(default=None)
     """FPO's stored `(tau, eps)` draws and behaviour losses."""
-    rows: torch.Tensor | None = per_sample(default=None)
-    """`[B]` each transition's row in the epoch's rollout of every process (None: this is all of it)."""
 
     @property
     def mask(self) -> torch.Tensor:

@@ -61,11 +61,12 @@ def segment_log_ratio(log_ratio, mask, *, segment_ids, segment_reduce: str = "me
     return segment_mean(log_ratio, mask, segment_ids, segment_reduce)
 
 
-def gmpo_log_ratio(log_ratio, mask, *, adv, clip_log: float = 0.4):
+def gmpo_log_ratio(log_ratio, mask, *, adv, clip_eps_low: float = 0.4):
     """GMPO (Zhao et al. 2025, arXiv:2507.20673 eq. 4): the sequence mean of token log-ratios clipped in log space
-    on the advantage's side, `d~ = sgn(A) min(sgn(A) d, sgn(A) clip(d, -eps, eps))`, broadcast to `[B, K]`."""
+    on the advantage's side, `d~ = sgn(A) min(sgn(A) d, sgn(A) clip(d, -eps, eps))` (`eps` = `clip_eps_low`, in log
+    units), broadcast to `[B, K]`."""
     sign = torch.where(adv >= 0, 1.0, -1.0).to(log_ratio.dtype).expand_as(log_ratio)
-    clipped = log_ratio.clamp(-clip_log, clip_log)
+    clipped = log_ratio.clamp(-clip_eps_low, clip_eps_low)
     token = sign * torch.minimum(sign * log_ratio, sign * clipped)  # [B, K]; grad 0 where the clip binds
     return sequence_log_ratio(token, mask)
 
@@ -188,20 +189,20 @@ def dcpo(
     return _clip_between(ratio, adv, low, high, dual_clip_c)
 
 
-def pspo(ratio, adv, *, alpha: float = 0.1, clip_eps: float | None = None):
+def pspo(ratio, adv, *, alpha: float = 0.1, clip_eps_low: float | None = None):
     """PSPO: probability smoothing before the ratio (Dwyer et al. 2025, arXiv:2509.21282 sec. 3).
 
     `pi~ = (1 - alpha) pi_theta + alpha pi_old`, so `r~ = (1 - alpha) r + alpha`; GR-PSPO's surrogate is the
     unclipped `l = -A r~` with gradient `-A (1 - alpha) r`: the trust region is soft and never zeroes a gradient.
-    With `clip_eps`, PPO's clip is applied to `r~` instead (the composed variant).
+    With `clip_eps_low`, PPO's clip is applied to `r~` instead (the composed variant).
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
     smooth = (1 - alpha) * ratio + alpha  # [B, K]
-    if clip_eps is None:
+    if clip_eps_low is None:
         value = -adv * smooth
         return Surrogate(value, -adv * (1 - alpha) * ratio, None, None)
-    terms = ppo_clip(smooth, adv, clip_eps_low=clip_eps)
+    terms = ppo_clip(smooth, adv, clip_eps_low=clip_eps_low)
     # d r~ / d log r = (1 - alpha) r, and ppo_clip's coef is -A r~ where unclipped
     coef = torch.where(terms.coef != 0, -adv * (1 - alpha) * ratio, 0.0)
     return terms._replace(coef=coef)
@@ -214,7 +215,7 @@ def aspo(
     logp,
     mask,
     entropy,
-    clip_eps: float = 0.2,
+    clip_eps_low: float = 0.2,
     clip_eps_high_entropy: float = 0.4,
     entropy_quantile: float = 0.8,
     max_weight_neg: float = 3.0,
@@ -225,13 +226,13 @@ def aspo(
     A > 0: weight `1 / r~`, `r~ = min(r, 1 + eps)`, as `l = -A (r~ / sg(r~)) / sg(r~)` (value `-A / r~`, gradient
     `-A / r~` below the bound, 0 above); once `1 / r~ > max_weight_pos` the weight is capped and the gradient kept
     (`l = -A sg(c_pos) log pi`). A < 0: PPO's one-sided clip `r' = max(r, 1 - eps)`, `l = -A r'`, and above
-    `max_weight_neg` the gradient-preserving dual clip `l = -A sg(c_neg) log pi`. `eps` is `clip_eps` for the
+    `max_weight_neg` the gradient-preserving dual clip `l = -A sg(c_neg) log pi`. `eps` is `clip_eps_low` for the
     tokens at or below the `entropy_quantile` of their response's entropies and `clip_eps_high_entropy` above
     (the official code's split; its mask names are swapped).
     """
     ent = torch.where(mask, entropy, torch.nan)
     cut = torch.nanquantile(ent, entropy_quantile, dim=-1, keepdim=True)  # [B, 1]; rows without tokens: nan
-    eps = torch.where(entropy > cut, clip_eps_high_entropy, clip_eps).to(ratio.dtype)  # [B, K]
+    eps = torch.where(entropy > cut, clip_eps_high_entropy, clip_eps_low).to(ratio.dtype)  # [B, K]
     a = adv.expand_as(ratio)
     # A > 0: flipped weight
     capped_r = torch.minimum(ratio, 1 + eps)
@@ -333,10 +334,10 @@ def clip_cov(
     return terms._replace(value=terms.value * keep, coef=terms.coef * keep, metrics=metrics)
 
 
-def kl_cov(ratio, adv, *, logp, old_logp, mask, cov_fraction: float = 2e-4, kl_coef: float = 1.0):
-    """KL-Cov (arXiv:2505.22617 sec. 4): no clip, `l = -A r`, plus `kl_coef |log pi - log pi_old|` on the top
+def kl_cov(ratio, adv, *, logp, old_logp, mask, cov_fraction: float = 2e-4, beta: float = 1.0):
+    """KL-Cov (arXiv:2505.22617 sec. 4): no clip, `l = -A r`, plus `beta |log pi - log pi_old|` on the top
     `max(1, floor(cov_fraction * N))` tokens of the global batch by centred covariance `(A - mean A)(log pi - mean
-    log pi)`; their gradient gains `kl_coef sign(log r)`."""
+    log pi)`; their gradient gains `beta sign(log r)` (`beta`: flowrl's one name for a KL weight)."""
     a = adv.expand_as(ratio)
     cov = _centred_cov(a, logp, mask)
     values = gather_valid(cov, mask)
@@ -346,8 +347,8 @@ def kl_cov(ratio, adv, *, logp, old_logp, mask, cov_fraction: float = 2e-4, kl_c
         threshold = torch.topk(values, min(count, values.numel())).values[-1]
         selected = mask & (cov >= threshold)
     log_ratio = logp - old_logp
-    value = -a * ratio + selected * kl_coef * log_ratio.abs()
-    coef = -a * ratio + selected * kl_coef * torch.sign(log_ratio)
+    value = -a * ratio + selected * beta * log_ratio.abs()
+    coef = -a * ratio + selected * beta * torch.sign(log_ratio)
     metrics = {"cov_selected_frac": selected.sum() / mask.sum().clamp_min(1)}
     return Surrogate(value, coef, None, None, metrics=metrics)
 
@@ -462,7 +463,7 @@ def entropy_clip_eps(mean_entropy: torch.Tensor, reference: torch.Tensor, clip_e
     return clip_eps * scale.clamp(0.5, 2.0)
 
 
-def sspo(ratio, adv, *, mask, entropy, segment_ids, clip_eps: float = 0.2, entropy_spread: float = 1.0):
+def sspo(ratio, adv, *, mask, entropy, segment_ids, clip_eps_low: float = 0.2, entropy_spread: float = 1.0):
     """SSPO: sentence-level ratio with a clip range set by the sentence's mean entropy (arXiv:2511.04256).
 
     The ratio is the sentence's geometric mean (`segment_log_ratio`); its clip range is
@@ -471,7 +472,7 @@ def sspo(ratio, adv, *, mask, entropy, segment_ids, clip_eps: float = 0.2, entro
     """
     h_seg = segment_mean(entropy, mask, segment_ids)  # [B, K]
     sums = all_reduce_sum(torch.stack([(entropy * mask).sum(), mask.sum().to(entropy.dtype)]))
-    eps = entropy_clip_eps(h_seg, sums[0] / sums[1].clamp_min(1.0), clip_eps, entropy_spread)
+    eps = entropy_clip_eps(h_seg, sums[0] / sums[1].clamp_min(1.0), clip_eps_low, entropy_spread)
     return _clip_between(ratio, adv, 1 - eps, 1 + eps)
 
 
@@ -491,7 +492,7 @@ def entropy_groups(entropy: torch.Tensor, mask: torch.Tensor, num_groups: int) -
     return torch.where(mask, (rank * num_groups) // n, 0).clamp_max(num_groups - 1)
 
 
-def espo(ratio, adv, *, mask, entropy, num_groups: int = 4, clip_eps: float = 0.2, entropy_spread: float = 1.0):
+def espo(ratio, adv, *, mask, entropy, num_groups: int = 4, clip_eps_low: float = 0.2, entropy_spread: float = 1.0):
     """ESPO: PPO-clip on entropy-group ratios with entropy-adaptive clip ranges (arXiv:2512.00499).
 
     Each group's clip range is `eps (H_g / H)^spread` clamped to `[eps/2, 2 eps]`, `H_g` the group's mean entropy
@@ -500,7 +501,7 @@ def espo(ratio, adv, *, mask, entropy, num_groups: int = 4, clip_eps: float = 0.
     groups = entropy_groups(entropy, mask, num_groups)
     h_group = segment_mean(entropy, mask, groups)
     sums = all_reduce_sum(torch.stack([(entropy * mask).sum(), mask.sum().to(entropy.dtype)]))
-    eps = entropy_clip_eps(h_group, sums[0] / sums[1].clamp_min(1.0), clip_eps, entropy_spread)
+    eps = entropy_clip_eps(h_group, sums[0] / sums[1].clamp_min(1.0), clip_eps_low, entropy_spread)
     return _clip_between(ratio, adv, 1 - eps, 1 + eps)
 
 

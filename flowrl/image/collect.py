@@ -1,59 +1,33 @@
 """Collecting an epoch of images: prompts, sharded sampling, rewards scored (overlapped with sampling).
 
-`ImageCollector` is the image modality's collector: the epoch's m x k prompts (the same list on every
-process, drawn from `(seed, epoch)`), this process's contiguous share sampled by the trainer's
-`sample_part`, optionally in parts whose rewards are scored on threads while the next part samples. The
-reward models themselves (`flowrl.trainers.scoring.Rewards`) serve every modality; a text or control
-collector brings its own sampling and reuses them.
+`ImageCollector` is the image modality's collector: the epoch's m x k prompts (the same list on every process,
+drawn from `(seed, epoch)`), this process's contiguous share sampled by an `ImageSampler` (or an algorithm's own
+sampler), optionally in parts whose rewards are scored on threads while the next part samples. It returns a typed
+`Collected` batch and never calls into the trainer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
 import torch
 
 from flowrl.policies.diffusion import DiffusionRollout
-from flowrl.rewards import RewardExecutor
-from flowrl.trainers.scoring import Rewards, call_reward, texts_and_metadata
-from flowrl.trainers.state import Processes, row_generators, seeded
-
-
-@dataclasses.dataclass
-class Collected:
-    """One epoch's samples and rewards."""
-
-    rollout: DiffusionRollout
-    """This process's samples."""
-    prompts: list
-    """The epoch's prompts, every process's (`[N]`)."""
-    local: slice
-    """This process's rows of `prompts`."""
-    rewards: dict[str, torch.Tensor]
-    """Reward name -> `[N]` scores of every process's samples."""
-    times: dict[str, float]
-    """Seconds spent sampling and then waiting for the rewards (`time/*`), and each phase's memory
-    (`memory/rollout_gb`, `memory/scoring_gb`; `flowrl.tracking.PeakMemory`)."""
-
-
-def epoch_prompts(train_prompts: list, m: int, k: int, seed: int, epoch: int) -> list:
-    """Epoch `epoch`'s m prompts drawn from `(seed, epoch)`, each repeated k times (the same on every process)."""
-    g = seeded(seed, epoch, 1)
-    order = torch.randperm(len(train_prompts), generator=g).tolist()
-    while len(order) < m:  # fewer prompts than m: cycle through a reshuffle
-        order += torch.randperm(len(train_prompts), generator=g).tolist()
-    return [train_prompts[i] for i in order[:m] for _ in range(k)]
+from flowrl.policies.rollout import Collected
+from flowrl.prompts import epoch_prompts
+from flowrl.rewards import RewardExecutor, Rewards
+from flowrl.rewards.scoring import call_reward, texts_and_metadata
+from flowrl.runtime import Processes, row_generators
 
 
 class ImageCollector:
     """An epoch of images and their rewards.
 
     Args:
-        sample_part (`Callable`): `sample_part(texts, generators, rows) -> DiffusionRollout`: one sampling
-            call; `generators` has one generator per text, `rows` are the samples' positions in the epoch's
-            prompt list (sample `i` of a group of `k` is `rows % k`), the same on every process.
+        sampler (`Callable`): `sampler(texts, generators, rows, epoch) -> DiffusionRollout`: one sampling call;
+            `generators` has one generator per text, `rows` are the samples' positions in the epoch's prompt list
+            (sample `i` of a group of `k` is `rows % k`), the same on every process.
         rewards (`Rewards`): the training rewards.
         processes (`Processes`): this process's share.
         train_prompts (`list`): the training prompt set (`flowrl.prompts.Prompt`s).
@@ -63,12 +37,12 @@ class ImageCollector:
         memory (`PeakMemory`, *optional*): measures the rollout and scoring phases.
     """
 
-    def __init__(self, *, sample_part: Callable[[list[str], list[torch.Generator], range], DiffusionRollout],
-                 rewards: Rewards, processes: Processes, train_prompts: list, prompts_per_epoch: int,
-                 group_size: int, seed: int, reward_overlap: int = 1, memory=None):  # fmt: skip
+    def __init__(self, *, sampler: Callable, rewards: Rewards, processes: Processes, train_prompts: list,
+                 prompts_per_epoch: int, group_size: int, seed: int, reward_overlap: int = 1,
+                 memory=None):  # fmt: skip
         if not train_prompts:
             raise ValueError("the training prompt set is empty")
-        self.sample_part, self.rewards, self.processes = sample_part, rewards, processes
+        self.sampler, self.rewards, self.processes = sampler, rewards, processes
         self.train_prompts, self.m, self.k = train_prompts, prompts_per_epoch, group_size
         self.seed, self.reward_overlap, self.memory = seed, reward_overlap, memory
 
@@ -92,8 +66,8 @@ class ImageCollector:
         for i in range(n):
             rows = slice(bounds[i], bounds[i + 1])
             positions = range(local.start + rows.start, local.start + rows.stop)
-            generator = row_generators((self.seed, epoch, 2), positions)
-            part = self.sample_part([str(p) for p in mine[rows]], generator, positions)
+            generators = row_generators((self.seed, epoch, 2), positions)
+            part = self.sampler([str(p) for p in mine[rows]], generators, positions, epoch)
             if on_part is not None:
                 on_part(part, mine[rows])
             parts.append(part)
@@ -114,7 +88,8 @@ class ImageCollector:
             rollout, prompts, local, rewards, sampled = self._collect_overlapped(epoch)
             memory = mark("rollout_and_scoring")
         times = {"time/sample_s": sampled - start, "time/reward_s": time.time() - sampled, **memory}
-        return Collected(rollout, prompts, local, rewards, times)
+        return Collected(data=rollout, rows=torch.arange(local.start, local.stop), size=len(prompts), prompts=prompts,
+                         rewards=rewards, total=self.rewards.combined(rewards), times=times)  # fmt: skip
 
     def _collect_overlapped(self, epoch: int):
         """`sample` in parts, each part's rewards scored on one thread per reward while later parts sample."""

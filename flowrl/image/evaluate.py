@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from flowrl.config import EvalConfig, SamplingConfig
+from flowrl.image.config import ImageEvalConfig, SamplingConfig
+from flowrl.rewards import Rewards
+from flowrl.runtime import Processes, row_generators
 from flowrl.tracking import image_grid
-from flowrl.trainers.scoring import Rewards
-from flowrl.trainers.state import Processes, row_generators
 
 
 class ImageEvaluator:
@@ -30,14 +30,14 @@ class ImageEvaluator:
         metrics (`dict[str, Callable]`): gold metrics by name, never optimised.
         processes (`Processes`): evaluation prompts are sharded over the processes.
         test_prompts (`list`): the held-out prompt set.
-        eval_config, sampling (`EvalConfig`, `SamplingConfig`): sizes, steps, guidance, seed.
+        eval_config, sampling (`ImageEvalConfig`, `SamplingConfig`): sizes, steps, guidance, seed.
         initial_latents (`Callable`, *optional*): `(texts, generator, height, width) -> latents` of the
             evaluation samples (FIND's noise policy); None: the policy draws them.
         autocast (`Callable`, *optional*): a context manager factory for mixed precision.
     """
 
     def __init__(self, *, policy, rewards: Rewards, metrics: dict[str, Callable], processes: Processes,
-                 test_prompts: list, eval_config: EvalConfig, sampling: SamplingConfig,
+                 test_prompts: list, eval_config: ImageEvalConfig, sampling: SamplingConfig,
                  initial_latents: Callable | None = None, autocast: Callable | None = None):  # fmt: skip
         self.policy, self.rewards, self.metrics, self.processes = policy, rewards, metrics, processes
         self.test_prompts, self.config, self.sampling = test_prompts, eval_config, sampling
@@ -74,13 +74,6 @@ class ImageEvaluator:
         out["eval/diversity"] = group_diversity(images, e.samples_per_prompt)
         return out
 
-    def sample_grid(self, rollout, total: torch.Tensor, group_size: int, path: Path, title: str = "") -> torch.Tensor:
-        """A PNG grid of up to 16 training samples (two per group) captioned with prompt and reward; returns them."""
-        take = list(range(0, len(rollout), max(1, group_size // 2)))[:16]
-        captions = [f"{rollout.prompts[i]} | r={total[i]:.3f}" for i in take]
-        image_grid(rollout.images[take], captions, path, title=title)
-        return rollout.images[take]
-
 
 def nanmean(t: torch.Tensor) -> float:
     """Mean of the finite entries (NaN when there are none)."""
@@ -95,3 +88,11 @@ def group_diversity(images: torch.Tensor, k: int) -> float:
     groups = images[: len(images) // k * k].flatten(1).reshape(-1, k, images[0].numel())
     d = torch.cdist(groups, groups) / math.sqrt(images[0].numel())  # [G, k, k]
     return float(d.sum((1, 2)).mean() / (k * (k - 1)))
+
+
+def sample_grid(rollout, total: torch.Tensor, group_size: int, path: Path, title: str = "") -> torch.Tensor:
+    """A PNG grid of up to 16 training samples (two per group) captioned with prompt and reward; returns them."""
+    take = list(range(0, len(rollout), max(1, group_size // 2)))[:16]
+    captions = [f"{rollout.prompts[i]} | r={total[i]:.3f}" for i in take]
+    image_grid(rollout.images[take], captions, path, title=title)
+    return rollout.images[take]

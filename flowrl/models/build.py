@@ -1,40 +1,33 @@
-"""A policy from a run's `model` config: the digits world or a diffusers pipeline, LoRA or full fine-tuning."""
+"""A policy from a run's `model` section: a diffusers pipeline (hub id or folder), with LoRA or full fine-tuning."""
 
 from __future__ import annotations
 
 import torch
 
-from flowrl.config import ModelConfig
+from flowrl.models.config import ModelConfig
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_policy(model: ModelConfig, *, forward_batch_size: int, device="cpu", log=print):
-    """A `DiffusionPolicy` for `model`, on `device`, with its trainable parameters set.
+def load_policy(model: ModelConfig, *, forward_batch_size: int | None, device="cpu"):
+    """A `DiffusionPolicy` over the pipeline `model.name` (a hub id or a `save_pretrained` folder of a registered
+    family), with the family's `model.options`, on `device`; nothing set up for training yet (`prepare_training`).
 
     Args:
-        model (`ModelConfig`): `name` is `digits` (the embedded offline world, built into the cache on first
-            use) or a diffusers hub id / local folder (SD3.x, Flux.1, SD1.x/2.x).
-        forward_batch_size (`int`): rows per network forward (`sampling.forward_batch_size`).
+        model (`ModelConfig`): name, family, dtype and options.
+        forward_batch_size (`int`): rows per network forward (`batch.micro_batch_size`).
         device: where the model lives.
-        log (`Callable`, *optional*): progress messages of a first digits build (None: silent).
-
-    With `lora_rank > 0` a peft LoRA adapter trains in fp32 over the (possibly bf16) frozen base; otherwise
-    every weight trains.
     """
     from flowrl.policies import DiffusionPolicy
 
-    if model.name == "digits":
-        from flowrl.digits import BuildConfig, load_world
+    return DiffusionPolicy.from_pretrained(model.name, family=model.family, dtype=DTYPES[model.dtype], device=device,
+                                           options=model.options, forward_batch_size=forward_batch_size)  # fmt: skip
 
-        world = load_world(BuildConfig(pretrain_steps=model.digits_pretrain_steps), log=log)
-        policy = world.policy(forward_batch_size=forward_batch_size)
-        policy.model.to(device)
-    else:
-        policy = DiffusionPolicy.from_pretrained(model.name, family=model.family, dtype=DTYPES[model.dtype],
-                                                 device=device, max_sequence_length=model.max_sequence_length,
-                                                 forward_batch_size=forward_batch_size)  # fmt: skip
+
+def prepare_training(policy, model: ModelConfig):
+    """Set what trains: with `lora_rank > 0` a peft LoRA adapter in fp32 over the (possibly bf16) frozen base,
+    otherwise every weight; gradient checkpointing when asked. Returns the policy."""
     if model.lora_rank > 0:
         policy.add_lora(rank=model.lora_rank, alpha=model.lora_alpha, target_modules=model.lora_targets)
         for param in policy.trainable_parameters():  # the adapter trains in fp32 over a bf16/fp16 base

@@ -15,7 +15,7 @@ import torch
 
 def families() -> dict[str, str]:
     """flowrl family -> diffusers pipeline class name, for every registered adapter (`MODEL_FAMILIES`)."""
-    from flowrl.policies.adapters import MODEL_FAMILIES
+    from flowrl.models.families import MODEL_FAMILIES
 
     return {name: MODEL_FAMILIES.get(name).pipeline_class for name in MODEL_FAMILIES}
 

@@ -1,8 +1,9 @@
-"""Tiny random SD3, Flux and SD1.5-style pipelines built offline from the real diffusers/transformers classes.
+"""Pieces of tiny random pipelines built offline from the real diffusers/transformers classes.
 
-For tests, benchmarks and the examples in the docs: every component is the real architecture at a toy
-size, tokenizers are built in code (no hub), and `torch.manual_seed(seed)` precedes each component so the
-same seed always gives the same weights. Components are in eval mode, as `from_pretrained` returns them
+Each family builds its own tiny pipeline from these (`ModelAdapter.tiny`, in `flowrl.models.families`); for tests,
+benchmarks and the examples in the docs: every component is the real architecture at a toy size, tokenizers are
+built in code (no hub), and `torch.manual_seed(seed)` precedes each component so the same seed always gives the same
+weights. Components are in eval mode, as `from_pretrained` returns them
 (T5's dropout would otherwise make prompt embeddings random). `save_pretrained(dir)` / `from_pretrained(dir)`
 round-trip them.
 """
@@ -115,127 +116,23 @@ def _vae(latent_channels: int, shift: float, scale: float, block_out_channels=(8
     )
 
 
-def tiny_sd3(seed: int = 0, latent_channels: int = 16):
-    """A `StableDiffusion3Pipeline` with a 2-layer `SD3Transformer2DModel`, tiny CLIP x2 + T5 and a 2-level VAE.
+def tiny_pipeline(family: str, seed: int = 0, **kwargs):
+    """The tiny offline pipeline of a registered family (`flowrl list model_families`)."""
+    from flowrl.models.families import MODEL_FAMILIES
 
-    64x64 images map to 16x32x32 latents (or `latent_channels`).
-    """
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-
-    tokenizer, tokenizer_3 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
-    torch.manual_seed(seed)
-    transformer = SD3Transformer2DModel(
-        sample_size=32,
-        patch_size=2,
-        in_channels=latent_channels,
-        out_channels=latent_channels,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=4,
-        joint_attention_dim=64,  # = T5 d_model
-        caption_projection_dim=64,
-        pooled_projection_dim=64,  # = 2 x CLIP projection
-        pos_embed_max_size=32,
-    )
-    torch.manual_seed(seed + 1)
-    text_encoder = _clip_text_encoder(tokenizer)
-    torch.manual_seed(seed + 2)
-    text_encoder_2 = _clip_text_encoder(tokenizer)
-    torch.manual_seed(seed + 3)
-    text_encoder_3 = _t5_encoder(tokenizer_3, 64)
-    torch.manual_seed(seed + 4)
-    vae = _vae(latent_channels, shift=0.0609, scale=1.5035)
-    return _eval(
-        StableDiffusion3Pipeline(
-            transformer=transformer,
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            text_encoder_2=text_encoder_2,
-            tokenizer_2=tokenizer,
-            text_encoder_3=text_encoder_3,
-            tokenizer_3=tokenizer_3,
-        )
-    )
+    return MODEL_FAMILIES.get(family).tiny(seed=seed, **kwargs)
 
 
-def tiny_flux(seed: int = 0, latent_channels: int = 16):
-    """A `FluxPipeline` with a 1+1-block `FluxTransformer2DModel` (guidance embedding on), tiny CLIP + T5, VAE."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def tiny_sd3(seed: int = 0, **kwargs):
+    """A tiny `StableDiffusion3Pipeline` (`flowrl.models.families.sd3.SD3Adapter.tiny`)."""
+    return tiny_pipeline("sd3", seed, **kwargs)
 
-    tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
-    torch.manual_seed(seed)
-    transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4 * latent_channels,  # 2x2 packed latents
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=4,
-        joint_attention_dim=32,  # = T5 d_model
-        pooled_projection_dim=32,
-        guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),  # sums to the head dim
-    )
-    torch.manual_seed(seed + 1)
-    text_encoder = _clip_text_encoder(tokenizer, with_projection=False)
-    torch.manual_seed(seed + 2)
-    text_encoder_2 = _t5_encoder(tokenizer_2, 32)
-    torch.manual_seed(seed + 3)
-    vae = _vae(latent_channels, shift=0.1159, scale=0.3611)
-    return _eval(
-        FluxPipeline(
-            transformer=transformer,
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            text_encoder_2=text_encoder_2,
-            tokenizer_2=tokenizer_2,
-        )
-    )
+
+def tiny_flux(seed: int = 0, **kwargs):
+    """A tiny `FluxPipeline` (`flowrl.models.families.flux.FluxAdapter.tiny`)."""
+    return tiny_pipeline("flux", seed, **kwargs)
 
 
 def tiny_unet(seed: int = 0):
-    """A `StableDiffusionPipeline` with a tiny `UNet2DConditionModel`, CLIP text encoder, VAE and `DDIMScheduler`."""
-    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-
-    tokenizer = tiny_clip_tokenizer()
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(
-        sample_size=32,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(16, 32),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=8,
-        norm_num_groups=8,
-    )
-    torch.manual_seed(seed + 1)
-    text_encoder = _clip_text_encoder(tokenizer, with_projection=False)
-    torch.manual_seed(seed + 2)
-    vae = _vae(4, shift=None, scale=0.18215)
-    scheduler = DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
-    return _eval(
-        StableDiffusionPipeline(
-            unet=unet,
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-    )
+    """A tiny `StableDiffusionPipeline` (`flowrl.models.families.unet.UNetAdapter.tiny`)."""
+    return tiny_pipeline("unet", seed)

@@ -13,24 +13,38 @@ not change any number; `decode` unpacks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from flowrl.registry import Registry
 
 
 MODEL_FAMILIES: Registry = Registry("model family")
-"""Family name -> adapter class; `register_family` adds one (a new architecture is one adapter class)."""
+"""Family name -> adapter class. Each family is one module of `flowrl.models.families` (its adapter, options and
+tiny offline builder), registered by `register_family` when that package is imported."""
 
 
 def register_family(cls):
     """Class decorator: register a `ModelAdapter` subclass under its `family` (and its pipeline class)."""
     MODEL_FAMILIES.register(cls.family, cls, description=(cls.__doc__ or "").strip().splitlines()[0])
     return cls
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """A family without options of its own."""
+
+
+@dataclasses.dataclass
+class TextEncoderOptions:
+    """Options of a family with a T5 text encoder."""
+
+    max_sequence_length: int | None = None
+    """Text tokens for T5 (None: the pipeline's default: SD3 256, Flux 512)."""
 
 
 class ModelAdapter(ABC):
@@ -49,11 +63,25 @@ class ModelAdapter(ABC):
     """The network's name in diffusers' LoRA files (`transformer`, `unet`)."""
     time_kind: str = "flow"  # "flow": sigma schedules and sde_step; "ddim": alphas and ddim_step
     default_sampler: str = "flow_sde"
+    Options: type = NoOptions
+    """The family's options (`model.options`): a dataclass with a docstring per field."""
 
-    def __init__(self, pipeline, *, max_sequence_length: int | None = None):
+    def __init__(self, pipeline, *, options=None):
         self.pipeline = pipeline
-        self.max_sequence_length = max_sequence_length
+        self.options = self.make_options(options)
         self.scheduler = copy.deepcopy(pipeline.scheduler)  # private copy: set_timesteps mutates state
+
+    @classmethod
+    def make_options(cls, options=None):
+        """`options` (a dict of `Options` fields, an `Options`, or None) as an `Options`, validated: an unknown key
+        fails naming the family's options."""
+        if isinstance(options, cls.Options):
+            return options
+        if options and not dataclasses.fields(cls.Options):
+            raise ValueError(f"model family {cls.family!r} has no options; remove model.options {sorted(options)}")
+        from flowrl.config import from_dict
+
+        return from_dict(cls.Options, dict(options or {}), prefix="model.options")
 
     @property
     @abstractmethod
@@ -135,215 +163,20 @@ class ModelAdapter(ABC):
         return size, size
 
 
-def _text_kwargs(max_sequence_length):
-    return {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+def text_kwargs(options) -> dict:
+    """`encode_prompt`'s `max_sequence_length` when the options set one."""
+    length = getattr(options, "max_sequence_length", None)
+    return {} if length is None else {"max_sequence_length": length}
 
 
-def _decode_vae(pipeline, latents, shift: bool = True) -> torch.Tensor:
+def decode_vae(pipeline, latents, shift: bool = True) -> torch.Tensor:
+    """Latents through the pipeline's VAE (scaling, optional shift) to images `[B, 3, H, W]` in [0, 1]."""
     vae = pipeline.vae
     latents = latents.to(vae.dtype) / vae.config.scaling_factor
     if shift and vae.config.get("shift_factor") is not None:
         latents = latents + vae.config.shift_factor
     image = vae.decode(latents, return_dict=False)[0]
     return pipeline.image_processor.postprocess(image, output_type="pt")
-
-
-@register_family
-class SD3Adapter(ModelAdapter):
-    """Stable Diffusion 3 / 3.5: `SD3Transformer2DModel`, CLIP-L + CLIP-G + T5, flow matching."""
-
-    family = "sd3"
-    pipeline_class = "StableDiffusion3Pipeline"
-    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
-    """Flow-GRPO's SD3 set: the attention projections of both streams."""
-
-    @property
-    def model(self):
-        return self.pipeline.transformer
-
-    def encode(self, prompts):
-        embeds, _, pooled, _ = self.pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, do_classifier_free_guidance=False,
-            **_text_kwargs(self.max_sequence_length),
-        )  # fmt: skip
-        return {"prompt_embeds": embeds.to(self.dtype), "pooled": pooled.to(self.dtype)}
-
-    def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
-        return (model or self.model)(
-            hidden_states=latents,
-            timestep=timesteps,
-            encoder_hidden_states=cond["prompt_embeds"],
-            pooled_projections=cond["pooled"],
-            return_dict=False,
-        )[0]
-
-    def initial_latents(self, batch_size, height, width, generator):
-        channels = self.model.config.in_channels
-        return self.pipeline.prepare_latents(
-            batch_size, channels, height, width, self.dtype, self.device, generator, None
-        )
-
-    def schedule(self, num_steps, latent_shape):
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import retrieve_timesteps
-
-        mu = self.shift_mu(latent_shape)
-        kwargs = {} if mu is None else {"mu": mu}
-        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, self.device, **kwargs)
-        return timesteps, self.scheduler.sigmas.to(torch.float32)
-
-    def shift_mu(self, latent_shape):
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-
-        config = self.scheduler.config
-        if not config.get("use_dynamic_shifting", None):
-            return None
-        patch = self.model.config.patch_size
-        seq_len = (latent_shape[-2] // patch) * (latent_shape[-1] // patch)
-        return calculate_shift(
-            seq_len,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.16),
-        )
-
-    def decode(self, latents, height, width):
-        return _decode_vae(self.pipeline, latents)
-
-
-@register_family
-class FluxAdapter(ModelAdapter):
-    """Flux.1: `FluxTransformer2DModel` on 2x2-packed latents with image ids; guidance is an embedding.
-
-    Flux.1-dev is guidance-distilled: `guidance_scale` is fed to the guidance embedding (no second CFG
-    branch), exactly as `FluxPipeline` does.
-    """
-
-    family = "flux"
-    pipeline_class = "FluxPipeline"
-    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
-
-    @property
-    def model(self):
-        return self.pipeline.transformer
-
-    def uses_cfg(self, guidance_scale):
-        return False
-
-    def encode(self, prompts):
-        embeds, pooled, _ = self.pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, device=self.device, **_text_kwargs(self.max_sequence_length)
-        )
-        return {"prompt_embeds": embeds.to(self.dtype), "pooled": pooled.to(self.dtype)}
-
-    def static_inputs(self, height, width):
-        vsf = self.pipeline.vae_scale_factor
-        h, w = 2 * (int(height) // (vsf * 2)), 2 * (int(width) // (vsf * 2))
-        return {"img_ids": self.pipeline._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype)}
-
-    def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
-        model = model or self.model
-        n = latents.shape[0]
-        guidance = None
-        if self.model.config.guidance_embeds:  # (read from the bare model: a DDP wrapper has no config)
-            guidance = torch.full([1], guidance_scale, device=latents.device, dtype=torch.float32).expand(n)
-        return model(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=guidance,
-            pooled_projections=cond["pooled"],
-            encoder_hidden_states=cond["prompt_embeds"],
-            txt_ids=torch.zeros(cond["prompt_embeds"].shape[1], 3, device=latents.device, dtype=latents.dtype),
-            img_ids=static["img_ids"],
-            return_dict=False,
-        )[0]
-
-    def initial_latents(self, batch_size, height, width, generator):
-        channels = self.model.config.in_channels // 4
-        packed, _ = self.pipeline.prepare_latents(
-            batch_size, channels, height, width, self.dtype, self.device, generator, None
-        )
-        return packed
-
-    def schedule(self, num_steps, latent_shape):
-        from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
-
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        if self.scheduler.config.get("use_flow_sigmas", False):
-            sigmas = None
-        mu = self.shift_mu(latent_shape)
-        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, self.device, sigmas=sigmas, mu=mu)
-        return timesteps, self.scheduler.sigmas.to(torch.float32)
-
-    def shift_mu(self, latent_shape):
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        config = self.scheduler.config
-        if not config.get("use_dynamic_shifting", None):
-            return None
-        return calculate_shift(
-            latent_shape[1],  # packed tokens, as the pipeline's image_seq_len
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-
-    def decode(self, latents, height, width):
-        spatial = self.pipeline._unpack_latents(latents, height, width, self.pipeline.vae_scale_factor)
-        return _decode_vae(self.pipeline, spatial)
-
-
-@register_family
-class UNetAdapter(ModelAdapter):
-    """SD1.x / SD2.x: `UNet2DConditionModel` with a DDIM scheduler (DDPO's sampler)."""
-
-    family = "unet"
-    pipeline_class = "StableDiffusionPipeline"
-    lora_prefix = "unet"
-    time_kind = "ddim"
-    default_sampler = "ddim"
-
-    def __init__(self, pipeline, *, max_sequence_length=None):
-        super().__init__(pipeline, max_sequence_length=max_sequence_length)
-        from diffusers import DDIMScheduler
-
-        if not isinstance(self.scheduler, DDIMScheduler):
-            self.scheduler = DDIMScheduler.from_config(self.scheduler.config)
-
-    @property
-    def model(self):
-        return self.pipeline.unet
-
-    def encode(self, prompts):
-        embeds, _ = self.pipeline.encode_prompt(prompts, self.device, 1, False)
-        return {"prompt_embeds": embeds.to(self.dtype)}
-
-    def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
-        latents = self.scheduler.scale_model_input(latents, timesteps)
-        return (model or self.model)(
-            latents, timesteps, encoder_hidden_states=cond["prompt_embeds"], return_dict=False
-        )[0]
-
-    def initial_latents(self, batch_size, height, width, generator):
-        channels = self.model.config.in_channels
-        return self.pipeline.prepare_latents(
-            batch_size, channels, height, width, self.dtype, self.device, generator, None
-        )
-
-    def schedule(self, num_steps, latent_shape):
-        self.scheduler.set_timesteps(num_steps, device=self.device)
-        timesteps = self.scheduler.timesteps
-        alphas = self.scheduler.alphas_cumprod.to(torch.float32)
-        last = int(timesteps[-1]) - self.scheduler.config.num_train_timesteps // num_steps
-        final = alphas[last] if last >= 0 else torch.as_tensor(self.scheduler.final_alpha_cumprod, dtype=torch.float32)
-        alpha_bar = torch.cat([alphas[timesteps.cpu()], final.reshape(1)])  # [T + 1]
-        # the flow-matching noise level with the same signal-to-noise ratio: x_t / (sqrt(a) + sqrt(1 - a))
-        sigmas = (1 - alpha_bar).sqrt() / (alpha_bar.sqrt() + (1 - alpha_bar).sqrt())
-        return timesteps, sigmas
-
-    def decode(self, latents, height, width):
-        return _decode_vae(self.pipeline, latents, shift=False)
 
 
 class CallableAdapter(ModelAdapter):
@@ -365,7 +198,7 @@ class CallableAdapter(ModelAdapter):
         self.latent_shape = tuple(latent_shape)
         self.scheduler = copy.deepcopy(scheduler)
         self.pipeline = None
-        self.max_sequence_length = None
+        self.options = NoOptions()
 
     @property
     def model(self):
@@ -408,12 +241,15 @@ class CallableAdapter(ModelAdapter):
         return self.latent_shape[-2], self.latent_shape[-1]
 
 
-def adapter_for(pipeline, **kwargs) -> ModelAdapter:
-    """The adapter for a diffusers pipeline instance (SD3/3.5, Flux.1, SD1.x/2.x: `MODEL_FAMILIES`)."""
+def adapter_for(pipeline, options=None) -> ModelAdapter:
+    """The adapter for a diffusers pipeline instance (every registered family: `MODEL_FAMILIES`), with the family's
+    `options` (a dict of its `Options` fields, or an `Options`)."""
+    import flowrl.models.families  # noqa: F401  (the families register themselves)
+
     name = type(pipeline).__name__
     for family in MODEL_FAMILIES:
         cls = MODEL_FAMILIES.get(family)
         if cls.pipeline_class == name:
-            return cls(pipeline, **kwargs)
+            return cls(pipeline, options=options)
     supported = ", ".join(MODEL_FAMILIES.get(f).pipeline_class for f in MODEL_FAMILIES)
     raise ValueError(f"no flowrl adapter for {name}; supported pipelines: {supported}")

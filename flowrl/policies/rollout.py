@@ -201,3 +201,32 @@ class Record:
                 value = tuple(value)
             values[f.name] = value
         return cls(**values)
+
+
+@dataclasses.dataclass
+class Collected:
+    """One epoch's samples, as every modality's collector returns them.
+
+    `N` samples make the epoch over every process; this process holds `data`, the rows at `rows` of them. Images and
+    text carry every process's prompts and rewards (gathered: group statistics are global); control carries its
+    episode statistics in `info`.
+    """
+
+    data: Any
+    """This process's rows (a `Record`: `DiffusionRollout`, `TokenRollout`, `ControlRollout`)."""
+    rows: torch.Tensor
+    """`[B]` the position of each row of `data` in the epoch's samples of every process."""
+    size: int
+    """N, the epoch's samples over every process."""
+    prompts: list | None = None
+    """`[N]` every process's prompts (images, text)."""
+    rewards: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Reward name -> `[N]` scores of every process's samples."""
+    total: torch.Tensor | None = None
+    """`[N]` the weighted sum of the training rewards."""
+    group_ids: torch.Tensor | None = None
+    """`[N]` the baseline group of each sample (the run driver numbers the algorithm's group keys)."""
+    times: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds spent sampling, scoring, ... (`time/*`) and each phase's memory (`memory/*`)."""
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What else the modality reports (control: episode returns and lengths, environment steps)."""

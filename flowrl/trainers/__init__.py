@@ -1,8 +1,8 @@
-"""Trainers: thin algorithm layers on one shared loop (`flowrl.trainers.base`) and one objective core.
+"""Trainers: algorithms as small classes on one run driver, one engine and one update scheduler.
 
-Each trainer module registers its trainer in `TRAINERS` when imported; importing this package imports every
-module of it, so a new trainer is one new file here. `load_config` reads a run config and picks the trainer's
-config class from its `trainer` key.
+Every module of this package is imported here, so an algorithm registers itself by being a module of it (a new
+trainer is one file plus its test). `load_config` reads a run config and picks the trainer's config class from its
+`trainer` key; `build_trainer` assembles the run (`flowrl.trainers.driver.Trainer`).
 """
 
 from __future__ import annotations
@@ -11,28 +11,17 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-# the trainers register themselves on import
-from flowrl.config import ConfigError, TrainerConfig, apply_overrides, from_dict, read_yaml
-from flowrl.trainers.acflow import ACFlowConfig, ACFlowTrainer
-from flowrl.trainers.base import Trainer
-from flowrl.trainers.dpok import DPOKConfig, DPOKTrainer
-from flowrl.trainers.find import FINDConfig, FINDTrainer
-from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
-from flowrl.trainers.grpo_guard import GRPOGuardConfig, GRPOGuardTrainer
-from flowrl.trainers.image import ImageTrainer
-from flowrl.trainers.loop import LOOPConfig, LOOPTrainer
-from flowrl.trainers.registry import TRAINERS
+from flowrl.config import ConfigError, apply_overrides, from_dict, read_yaml
+from flowrl.trainers.algorithm import Algorithm
+from flowrl.trainers.driver import Trainer
+from flowrl.trainers.registry import TRAINERS, register
 
 
-SHARED_MODULES = {"advantages", "base", "collect", "control", "evaluate", "image", "matching", "registry", "scoring",
-                  "state", "update"}  # fmt: skip
-"""The loop's parts; every other module of this package is a trainer and is imported (registered) here."""
 for _module in pkgutil.iter_modules(__path__):
-    if _module.name not in SHARED_MODULES:
-        importlib.import_module(f"{__name__}.{_module.name}")
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
-def load_config(source: str | Path | dict, overrides: list[str] = ()) -> TrainerConfig:
+def load_config(source: str | Path | dict, overrides: list[str] = ()):
     """A trainer config from a YAML file (or dict) plus `section.key=value` overrides.
 
     The `trainer` key picks the config class; unknown keys, keys of earlier versions (the message names their
@@ -47,31 +36,17 @@ def load_config(source: str | Path | dict, overrides: list[str] = ()) -> Trainer
         config_class = TRAINERS.get(name).config_class
     except ValueError as err:
         raise ConfigError(f"trainer: {err}") from None
-    return from_dict(config_class, data, renamed=config_class.renamed_keys())
+    try:
+        return from_dict(config_class, data, renamed=config_class.renamed_keys(), absent=config_class.absent_keys())
+    except ConfigError as err:
+        raise ConfigError(
+            str(err).replace(" does not apply here:", f" does not apply to trainer {name!r}:", 1)
+        ) from None
 
 
-def build_trainer(config: TrainerConfig, **kwargs) -> Trainer:
-    """The trainer named by `config.trainer`, built from its config."""
-    return TRAINERS.get(config.trainer)(config, **kwargs)
+def build_trainer(config, **kwargs) -> Trainer:
+    """The run of `config.trainer` assembled from its config (`Trainer`)."""
+    return Trainer(config, **kwargs)
 
 
-__all__ = [
-    "TRAINERS",
-    "ACFlowConfig",
-    "ACFlowTrainer",
-    "DPOKConfig",
-    "DPOKTrainer",
-    "FINDConfig",
-    "FINDTrainer",
-    "FlowGRPOConfig",
-    "FlowGRPOTrainer",
-    "GRPOGuardConfig",
-    "GRPOGuardTrainer",
-    "ImageTrainer",
-    "LOOPConfig",
-    "LOOPTrainer",
-    "Trainer",
-    "TrainerConfig",
-    "build_trainer",
-    "load_config",
-]
+__all__ = ["TRAINERS", "Algorithm", "Trainer", "build_trainer", "load_config", "register"]

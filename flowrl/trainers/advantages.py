@@ -1,10 +1,10 @@
 """A run's advantage estimator: the `advantage` config section applied to an epoch's per-reward scores.
 
-One meaning for every trainer: the advantage of each sample before any learned baseline. Group, batch and
-leave-one-out baselines come from this epoch's rewards; `per_prompt` keeps DDPO's running statistics and `sas`
-DCPO's smoothed per-prompt statistics (their state goes into checkpoints); `raw` returns the reward itself for
-trainers that subtract a learned baseline per transition or per sample (DPOK's value network, FIND's calibration
-network).
+One meaning for every trainer: the advantage of each sample before any learned baseline. The estimator is looked up
+in the core's registry (`flowrl.core.ADVANTAGES`, or a `package.module:attribute` of your own) and given the options
+of the section its signature takes. A function estimator (`group`, `batch`, `leave_one_out`, `raw`) sees this
+epoch's rewards; a class (`per_prompt`: DDPO's running statistics, `sas`: DCPO's smoothed per-prompt statistics)
+keeps state that goes into checkpoints.
 """
 
 from __future__ import annotations
@@ -13,16 +13,10 @@ from typing import Any
 
 import torch
 
-from flowrl.config import AdvantageConfig
-from flowrl.core import (
-    PerPromptStatTracker,
-    SmoothAdvantageStandardizer,
-    batch_advantages,
-    group_advantages,
-    leave_one_out_advantages,
-    raw_advantages,
-)
+from flowrl.core import ADVANTAGES
 from flowrl.rewards import combine_advantages
+from flowrl.rewards.multi import weighted_sum
+from flowrl.sections import AdvantageConfig
 
 
 class AdvantageEstimator:
@@ -36,27 +30,22 @@ class AdvantageEstimator:
 
     def __init__(self, config: AdvantageConfig, weights: dict[str, float], aggregation: str = "sum"):
         self.config, self.weights, self.aggregation = config, dict(weights), aggregation
-        c = config
-        eps = {} if c.eps is None else {"eps": c.eps}  # None: each estimator's own default
-        self.tracker = None
-        if c.estimator == "per_prompt":
-            self.tracker = PerPromptStatTracker(c.buffer_size, c.min_count, clip=c.clip, **eps)
-        elif c.estimator == "sas":
-            self.tracker = SmoothAdvantageStandardizer(clip=c.clip)
-        self.fn, self.kwargs = {
-            "group": (group_advantages, {"std": c.std, "clip": c.clip, "unbiased": c.unbiased, **eps}),
-            "batch": (batch_advantages, {"std": c.std, "clip": c.clip, "unbiased": c.unbiased, **eps}),
-            "leave_one_out": (leave_one_out_advantages, {"normalize_std": c.std == "group", "clip": c.clip, **eps}),
-            "raw": (raw_advantages, {"clip": c.clip}),
-            "per_prompt": (None, {}),
-            "sas": (None, {}),
-        }[c.estimator]  # fmt: skip
+        target = ADVANTAGES.resolve(config.estimator)
+        self.tracker = target(**config.options(target)) if isinstance(target, type) else None
+        self.fn, self.kwargs = (None, {}) if self.tracker is not None else (target, config.options(target))
+
+    @classmethod
+    def of(cls, config) -> AdvantageEstimator | None:
+        """The estimator of a trainer config with prompt groups and rewards (None for control: GAE)."""
+        advantage = getattr(config, "advantage", None)
+        if not isinstance(advantage, AdvantageConfig):
+            return None
+        weights = {spec.name: spec.weight for spec in config.rewards}
+        return cls(advantage, weights, config.reward_aggregation)
 
     def __call__(self, rewards: dict[str, torch.Tensor], group_ids: torch.Tensor, prompts: list[str]):
         """Advantages of the valid samples: `rewards` `{name: [N]}`, `group_ids [N]`, the N prompt texts."""
         if self.tracker is not None:
-            from flowrl.rewards.multi import weighted_sum
-
             return self.tracker(weighted_sum(rewards, self.weights, len(prompts)).float(), prompts)
         return combine_advantages(rewards, self.weights, group_ids, mode=self.aggregation, estimator=self.fn,
                                   **self.kwargs)  # fmt: skip

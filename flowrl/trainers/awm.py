@@ -22,11 +22,12 @@ from typing import ClassVar, Literal
 
 import torch
 
-from flowrl.config import AdvantageConfig, KLConfig, ObjectiveConfig, SamplingConfig
 from flowrl.core.ratios import reduce_elements
-from flowrl.trainers.matching import MatchingConfig, MatchingTrainer
-from flowrl.trainers.registry import TRAINERS
-from flowrl.trainers.update import Terms
+from flowrl.core.terms import Terms
+from flowrl.image import SamplingConfig
+from flowrl.sections import AdvantageConfig, HasKL, HasObjective, KLConfig, ObjectiveConfig
+from flowrl.trainers.matching import MatchingConfig, PerDrawAlgorithm
+from flowrl.trainers.registry import register
 
 
 AWM_WEIGHTINGS = ("ghuber", "uniform", "t", "t2")
@@ -52,10 +53,9 @@ def awm_weight(loss: torch.Tensor, t: torch.Tensor, kind: str = "ghuber", power:
 
 
 @dataclasses.dataclass
-class AWMConfig(MatchingConfig):
-    unused: ClassVar[tuple[str, ...]] = ("steps",)
+class AWMConfig(HasObjective, HasKL, MatchingConfig):
+    kl_forms: ClassVar[tuple[str, ...]] = ("w2",)
 
-    trainer: str = "awm"
     sampling: SamplingConfig = dataclasses.field(
         default_factory=lambda: SamplingConfig(sampler="ode", guidance_scale=1.0)
     )
@@ -89,15 +89,15 @@ class AWMConfig(MatchingConfig):
         ]
 
 
-@TRAINERS.register("awm", description="AWM: PPO on an advantage-weighted flow-matching likelihood (arXiv:2509.25050)")
-class AWMTrainer(MatchingTrainer):
+@register("awm", description="AWM: PPO on an advantage-weighted flow-matching likelihood (arXiv:2509.25050)")
+class AWM(PerDrawAlgorithm):
     """AWM; see the module docstring and `AWMConfig`."""
 
     config_class = AWMConfig
 
-    def compute_advantages(self, rewards, group_ids, prompts):
+    def advantages(self, collected, valid):
         """`A^ = clip(A, -c, c) * advantage_max / c` (c = `advantage.clip`; unclipped: `A * advantage_max`)."""
-        adv, stats = super().compute_advantages(rewards, group_ids, prompts)
+        adv, stats = super().advantages(collected, valid)
         clip = self.config.advantage.clip or 1.0
         return adv * (self.config.advantage_max / clip), stats
 
@@ -107,9 +107,10 @@ class AWMTrainer(MatchingTrainer):
         loss = reduce_elements((v.float() - (noises.to(x1.device).float() - x1)) ** 2, "mean")  # [n]
         return -awm_weight(loss, taus, c.weighting, c.ghuber_power), loss
 
-    def prepare_draws(self, rollout, advantages, epoch):
+    def prepare_draws(self, collected, advantages, epoch):
         """The epoch's draws and their behaviour log-likelihoods (under the weights before the update)."""
-        draws = self.make_draws(rollout, epoch)
+        rollout = collected.data
+        draws = self.make_draws(rollout, collected.rows, epoch)
         old = torch.empty(draws.taus.shape)  # [B, N]
         for rows, j, logp in self.at_draws(dataclasses.replace(rollout, draws=draws), lambda part, x1, x_t, taus,
                                            noises, v: self.log_likelihood(v, x1, noises, taus)[0]):  # fmt: skip

@@ -16,16 +16,16 @@ import dataclasses
 
 import torch
 
-from flowrl.config import ObjectiveConfig
-from flowrl.trainers.control import ControlConfig, ControlTrainer
+from flowrl.control.config import ControlConfig
+from flowrl.core.terms import Terms
+from flowrl.sections import ObjectiveConfig
+from flowrl.trainers.control import ControlAlgorithm
 from flowrl.trainers.fpo import FlowPolicyConfig
-from flowrl.trainers.registry import TRAINERS
-from flowrl.trainers.update import Terms
+from flowrl.trainers.registry import register
 
 
 @dataclasses.dataclass
 class DPPOConfig(ControlConfig):
-    trainer: str = "dppo"
     policy: FlowPolicyConfig = dataclasses.field(default_factory=FlowPolicyConfig)
     """The flow policy and its denoising kernel."""
     objective: ObjectiveConfig = dataclasses.field(
@@ -39,27 +39,24 @@ class DPPOConfig(ControlConfig):
         return [*super().checks(), (0 < self.step_discount <= 1, "step_discount must lie in (0, 1]")]
 
 
-@TRAINERS.register("dppo", description="DPPO: PPO over a flow policy's denoising steps as an MDP (arXiv:2409.00588)")
-class DPPOTrainer(ControlTrainer):
+@register("dppo", description="DPPO: PPO over a flow policy's denoising steps as an MDP (arXiv:2409.00588)")
+class DPPO(ControlAlgorithm):
     """Denoising-MDP PPO; see the module docstring and `DPPOConfig`."""
 
     config_class = DPPOConfig
+    keeps_chain = True
 
     def build_actor(self, obs_dim: int, act_dim: int):
         return self.config.policy.build(obs_dim, act_dim)
 
-    def act(self, obs: torch.Tensor, generator: torch.Generator):
-        chain = self.policy.actor.chain(obs, generator)  # [E, K + 1, A]
-        return chain[:, -1], chain
-
     @torch.no_grad()
-    def behaviour(self, rollout):
+    def behaviour(self, rollout, rows, size):
         actor, k = self.policy.actor, self.policy.actor.num_steps
-        parts = [actor.step_log_probs(rollout.obs[rows], rollout.chain[rows], torch.arange(k).expand(len(rows), k))
-                 for rows in self.chunks(len(rollout))]  # fmt: skip
+        parts = [actor.step_log_probs(rollout.obs[c], rollout.chain[c], torch.arange(k).expand(len(c), k))
+                 for c in self.chunks(len(rollout))]  # fmt: skip
         return torch.cat(parts), None  # [B, K]
 
-    def score(self, batch, index: torch.Tensor) -> Terms:
+    def policy_terms(self, batch, index: torch.Tensor) -> Terms:
         k = self.policy.actor.num_steps
         logp = self.policy.actor.step_log_probs(batch.obs, batch.chain, index)  # [b, c]
         weight = None

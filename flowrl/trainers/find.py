@@ -13,9 +13,10 @@ image is the environment of a one-step MDP, so the log-probability of the action
    proxy `mean(mu^2 + (sigma - 1)^2)` or the exact `KL(pi_theta || N(0, I))`; sigma is clamped to
    `>= min_std` after every optimizer step.
 
-In flowrl's terms: the `advantage` estimator is `raw` (the calibration network is the baseline), the
+In flowrl's terms: the `advantage` estimator is `raw` (the calibration network, `critic`, is the baseline), the
 `objective` the core's `clamp`, `kl` the proximity term (`proxy` or the exact `gaussian` KL to the prior),
-and each sample has one element, its initial noise (kept as typed `NoiseDraws` on the rollout).
+and each sample has one element, its initial noise (kept as typed `NoiseDraws` on the rollout), sampled by
+`NoiseSampler` (the noise policy's draw, then the frozen sampler).
 `docs/algorithms/find.md` records what is confirmed by the released code and what flowrl chose.
 """
 
@@ -27,21 +28,34 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from flowrl.config import AdvantageConfig, KLConfig, ObjectiveConfig, TrainerConfig
 from flowrl.core import gaussian_log_prob
+from flowrl.core.terms import Terms
+from flowrl.image import ImageConfig
 from flowrl.policies.noise import InitialNoisePolicy, NoiseDraws
 from flowrl.policies.value import pooled_text
-from flowrl.trainers.image import ImageTrainer
-from flowrl.trainers.registry import TRAINERS
-from flowrl.trainers.update import Terms
+from flowrl.sections import AdvantageConfig, HasKL, HasObjective, KLConfig, ObjectiveConfig
+from flowrl.trainers.image import ImageAlgorithm
+from flowrl.trainers.registry import register
 
 
 @dataclasses.dataclass
-class FINDConfig(TrainerConfig):
-    kl_forms: ClassVar[tuple[str, ...]] = ("proxy", "gaussian")
-    unused: ClassVar[tuple[str, ...]] = ("steps",)
+class CalibrationConfig:
+    """FIND's dynamic reward calibration `V(mu, sigma, c)`, regressed on every epoch's rewards before the policy."""
 
-    trainer: str = "find"
+    lr: float = 1e-4
+    """AdamW learning rate (FIND: 1e-4)."""
+    hidden: int = 256
+    """Width of its three hidden layers (FIND: 256)."""
+    steps: int = 5
+    """Full-batch steps per epoch, before the policy update (FIND: v_step 5)."""
+
+
+@dataclasses.dataclass
+class FINDConfig(HasObjective, HasKL, ImageConfig):
+    kl_forms: ClassVar[tuple[str, ...]] = ("proxy", "gaussian")
+    renamed: ClassVar[dict[str, str]] = {"calibration_lr": "critic.lr", "calibration_hidden": "critic.hidden",
+                                         "calibration_steps": "critic.steps"}  # fmt: skip
+
     objective: ObjectiveConfig = dataclasses.field(
         default_factory=lambda: ObjectiveConfig(name="clamp", clip_eps_low=0.2)
     )
@@ -51,6 +65,8 @@ class FINDConfig(TrainerConfig):
     kl: KLConfig = dataclasses.field(default_factory=lambda: KLConfig(beta=0.01, form="proxy"))
     """`lambda_KL` 0.01 on FIND's released `mean(mu^2 + (sigma - 1)^2)` (`proxy`); `gaussian`: the exact
     `KL(pi_theta || N(0, I))`, element mean."""
+    critic: CalibrationConfig = dataclasses.field(default_factory=CalibrationConfig)
+    """The calibration network."""
     drop_zero_std_groups: bool = False
     """Off: the calibration network, not the group, is FIND's baseline, so equal rewards still carry signal."""
     noise_policy: Literal["per_prompt", "conditioned"] = "per_prompt"
@@ -67,27 +83,18 @@ class FINDConfig(TrainerConfig):
     start of every epoch, exactly for tables, to the last bits for the MLP)."""
     reward_weight: float = 10.0
     """`lambda_r`, the scale of the calibrated advantage `r - V` (FIND: 10)."""
-    calibration_hidden: int = 256
-    """Width of the calibration MLP (FIND: three hidden layers of 256)."""
-    calibration_lr: float = 1e-4
-    """AdamW learning rate of the calibration network (FIND: 1e-4)."""
-    calibration_steps: int = 5
-    """Full-batch calibration steps per epoch, before the policy update (FIND: v_step 5)."""
     eval_noise: Literal["sample", "mean"] = "sample"
     """Evaluation latents: `sample`, `mu + sigma * eps` with the evaluation noise `eps` (at the prior this is
     exactly the base model's evaluation); `mean`, `mu` alone (one image per prompt under an ODE sampler)."""
 
-    def __post_init__(self):
-        super().__post_init__()
-        checks = [
+    def checks(self):
+        return [
+            *super().checks(),
             (self.model.lora_rank == 0, "find keeps the diffusion model frozen: model.lora_rank must be 0"),
             (self.min_std > 0, "min_std must be > 0"),
-            (self.calibration_steps >= 0, "calibration_steps must be >= 0"),
-            (self.noise_hidden >= 1 and self.calibration_hidden >= 1, "hidden sizes must be >= 1"),
+            (self.critic.steps >= 0, "critic.steps must be >= 0"),
+            (self.noise_hidden >= 1 and self.critic.hidden >= 1, "hidden sizes must be >= 1"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
 
 
 class FINDNoisePolicy(InitialNoisePolicy):
@@ -124,27 +131,54 @@ class CalibrationNet(nn.Module):
         return self.net(x).squeeze(-1)
 
 
-@TRAINERS.register(
-    "find", description="FIND: a Gaussian policy over the initial noise of a frozen sampler (arXiv:2407.19453)"
-)
-class FINDTrainer(ImageTrainer):
+class NoiseSampler:
+    """FIND's sampling call: `z_T ~ pi_theta(. | c)`, then the frozen sampler from `z_T`; the draws ride along as
+    `rollout.noise`."""
+
+    def __init__(self, algorithm: FIND):
+        self.algorithm = algorithm
+
+    @torch.no_grad()
+    def __call__(self, texts, generators, rows, epoch):
+        algo = self.algorithm
+        s, policy = algo.config.sampling, algo.policy
+        condition, text = algo.conditions(texts)
+        z = algo.initial_latents(condition, generators, s.height, s.width)
+        with algo.modality.context.autocast():
+            window = algo.base_sampler.window(epoch)
+            rollout = policy.rollout(texts, latents=z, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
+                                     noise_level=s.noise_level, sampler=s.sampler, sde_window=window,
+                                     generator=generators, height=s.height, width=s.width)  # fmt: skip
+            action = z.float()
+            if algo.config.old_policy == "prior":
+                old = gaussian_log_prob(action, torch.zeros_like(action), 1.0, reduce=policy.reduce)
+            else:
+                old = algo.noise_policy.log_prob(action, condition)
+        return dataclasses.replace(rollout, noise=NoiseDraws(z=action, condition=condition, text=text,
+                                                             log_probs=old.float()))  # fmt: skip
+
+
+@register("find", description="FIND: a Gaussian policy over the initial noise of a frozen sampler (arXiv:2407.19453)")
+class FIND(ImageAlgorithm):
     """FIND; see the module docstring and `FINDConfig`."""
 
     config_class = FINDConfig
     requires_stochastic = False  # the policy is over the initial noise; the sampler may be the ODE
+    shard_refusal = "FIND trains a small noise table beside a frozen model: shard nothing, run DDP (run.shard: none)"
     kl_to_reference = False  # the regulariser compares the noise policy with the N(0, I) prior
 
     # ------------------------------------------------------------------------------------------
     # the pieces: noise policy, calibration network, conditions
     # ------------------------------------------------------------------------------------------
 
-    def setup(self):
+    def build(self):
         c, s = self.config, self.config.sampling
         self.policy.model.requires_grad_(False).eval()  # the environment: frozen
         default_h, default_w = self.policy.adapter.default_size()
         probe = self.policy.adapter.initial_latents(1, s.height or default_h, s.width or default_w, torch.Generator())
         self.latent_shape = tuple(probe.shape[1:])
-        texts = list(dict.fromkeys(str(p) for p in self.train_prompts + self.test_prompts))
+        m = self.modality
+        texts = list(dict.fromkeys(str(p) for p in m.train_prompts + m.test_prompts))
         self.prompt_index = {text: i for i, text in enumerate(texts)}
         text_dim = pooled_text(self.policy.encode(texts[:1])).shape[-1]
         with torch.random.fork_rng(devices=[]):  # initial weights from run.seed, whatever ran before
@@ -154,19 +188,20 @@ class FINDTrainer(ImageTrainer):
             self.noise_policy = FINDNoisePolicy(self.latent_shape, kl_form=kl_form, hidden=c.noise_hidden,
                                                 min_std=c.min_std, reduce=self.policy.reduce, **size)  # fmt: skip
             numel = int(torch.tensor(self.latent_shape).prod())
-            self.calibration = CalibrationNet(numel, text_dim, hidden=c.calibration_hidden)
-        self.noise_policy.to(self.accelerator.device)
+            self.calibration = CalibrationNet(numel, text_dim, hidden=c.critic.hidden)
+        self.noise_policy.to(self.engine.device)
+        self.base_sampler = self.modality.sampler(requires_stochastic=False)
 
     def trained_module(self):
         return self.noise_policy
 
     def auxiliary_modules(self):
-        return {"calibration": (self.calibration, self.config.calibration_lr)}
+        return {"calibration": (self.calibration, self.config.critic.lr)}
 
     def conditions(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """`(condition, text)`: the noise policy's input (prompt ids `[B]` or embeddings `[B, E]`) and the
         pooled text embedding `[B, E]` the calibration network sees."""
-        device = self.accelerator.device
+        device = self.engine.device
         text = pooled_text(self.policy.encode(texts)).float().to(device)
         if self.config.noise_policy == "conditioned":
             return text, text
@@ -190,88 +225,75 @@ class FINDTrainer(ImageTrainer):
     # the loop's hooks
     # ------------------------------------------------------------------------------------------
 
-    def sample_part(self, texts, generator, rows=None):
-        """`texts` through the frozen sampler from `z_T ~ pi_theta`; the draws ride along as `rollout.noise`."""
-        s = self.config.sampling
-        condition, text = self.conditions(texts)
-        z = self.initial_latents(condition, generator, s.height, s.width)
-        with torch.no_grad(), self.accelerator.autocast():
-            window = self.sde_window(self.state.epoch)
-            rollout = self.policy.rollout(texts, latents=z, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
-                                          noise_level=s.noise_level, sampler=s.sampler, sde_window=window,
-                                          generator=generator, height=s.height, width=s.width)  # fmt: skip
-            action = z.float()
-            if self.config.old_policy == "prior":
-                old = gaussian_log_prob(action, torch.zeros_like(action), 1.0, reduce=self.policy.reduce)
-            else:
-                old = self.noise_policy.log_prob(action, condition)
-        return dataclasses.replace(rollout, noise=NoiseDraws(z=action, condition=condition, text=text,
-                                                             log_probs=old.float()))  # fmt: skip
+    def sampler(self):
+        return NoiseSampler(self)
 
-    def update(self, rollout, advantages, trainable, epoch):
-        """Calibration steps on the epoch's rewards, then the policy update with `A = lambda_r (r - V)`."""
-        c = self.config
-        rewards, rows = advantages, trainable.nonzero().flatten()
-        draws = rollout.noise.select(rows)
+    def prepare(self, collected, advantages, trainable, epoch):
+        """Calibration steps on the epoch's rewards (every process's samples: the one-process regression), then the
+        policy update's advantages `A = lambda_r (r - V)`."""
+        c, rollout = self.config, collected.data
+        mine = trainable[collected.rows]  # [B] this process's trainable samples
+        rows = mine.nonzero().flatten()
         with torch.no_grad():
             sample_mean, sample_std = self.noise_policy.params(rollout.noise.condition)  # [B, ...] every sample's
-        mean, std = sample_mean[rows], sample_std[rows]
-        target = rewards[rows].to(mean.device)
+        local_rewards = advantages[collected.rows]
         # the calibration regresses on every process's samples (the same loss on each), as one process would
-        per_sample = (sample_mean, sample_std, rollout.noise.text, rewards)
-        all_mean, all_std, all_text, all_target = (self.processes.gather_rows(x, trainable).to(mean.device)
+        per_sample = (sample_mean, sample_std, rollout.noise.text, local_rewards)
+        device = sample_mean.device
+        all_mean, all_std, all_text, all_target = (self.processes.gather_rows(x, mine).to(device)
                                                    for x in per_sample)  # fmt: skip
-        net, optimizer = self.aux["calibration"]
+        net = self.engine.aux_module("calibration")
+        _, optimizer = self.engine.aux["calibration"]
         net.train()
         losses = []
-        for _ in range(c.calibration_steps):
+        for _ in range(c.critic.steps):
             loss = (net(all_mean, all_std, all_text) - all_target).pow(2).mean()
-            self.accelerator.backward(loss)
+            loss.backward()  # the same whole-batch loss on every process: no reduction
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
         net.eval()
         with torch.no_grad():
-            baseline = net(mean, std, draws.text)
-        calibrated = torch.zeros_like(rewards)
-        calibrated[rows] = c.reward_weight * (target - baseline).cpu()
-        stats = super().update(rollout, calibrated, trainable, epoch)
+            baseline = net(sample_mean[rows], sample_std[rows], rollout.noise.text[rows]).cpu()
+        calibrated = torch.zeros(len(rollout))
+        calibrated[rows] = c.reward_weight * (local_rewards[rows] - baseline)
+        full = self.processes.gather_at(calibrated, collected.rows, collected.size)  # [N]
+        draws = rollout.noise.select(rows)
         with torch.no_grad():
             kl = self.noise_policy.kl_to_prior(draws.condition)
             mean, std = self.noise_policy.params(draws.condition)
-        adv = self.processes.gather_rows(calibrated, trainable)  # every process's, like the other trainers'
-        return {
-            **stats,
+        adv = full[trainable]
+        stats = {
             "calibration/loss": losses[-1] if losses else float("nan"),
-            "calibration/baseline_mean": baseline.mean(),
+            "calibration/baseline_mean": self.processes.sum(float(baseline.sum())) / max(int(trainable.sum()), 1),
             "adv/mean": adv.mean(),
             "adv/std": adv.std(unbiased=False),
             "noise/kl_to_prior": kl.mean(),
             "noise/mean_rms": mean.pow(2).mean().sqrt(),
             "noise/std_mean": std.mean(),
         }
+        return self.update_batch(collected, full, trainable), stats
 
-    def num_elements(self, rollout) -> int:
+    def num_elements(self, data) -> int:
         return 1
 
-    def train_elements(self, rollout, epoch):
+    def elements(self, batch, epoch):
         """One element per sample: its initial noise."""
-        return torch.zeros(len(rollout), 1, dtype=torch.long)
+        return torch.zeros(len(batch.data), 1, dtype=torch.long), None
 
-    def score(self, batch, index):
+    def terms(self, batch, index):
         """`log pi_theta(z | c)` against the stored `log pi_old`, and the regulariser `kl.beta * R` (`[b, 1]`)."""
-        log_prob, regulariser = self.model(batch.noise.z, batch.noise.condition)  # [b], [b]
-        old = batch.noise.log_probs.to(log_prob.device)
+        noise = batch.data.noise
+        log_prob, regulariser = self.engine.model(noise.z, noise.condition)  # [b], [b]
+        old = noise.log_probs.to(log_prob.device)
         terms = Terms(logp=log_prob[:, None], old_logp=old[:, None], logs={"regulariser": regulariser[:, None]})
-        coef = self.config.kl.coef(self.state.epoch)
+        coef = self.config.kl.coef(self.epoch)
         if coef:
             terms.penalty = coef * regulariser[:, None]
         return terms
 
-    def optimizer_step(self, reduction: str = "mean"):
-        norm = super().optimizer_step(reduction)
+    def after_step(self):
         self.noise_policy.clamp_std_()  # FIND: sigma >= min_std after every optimizer step
-        return norm
 
     # ------------------------------------------------------------------------------------------
     # evaluation: the shared evaluation, starting from the noise policy's latents

@@ -17,16 +17,17 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from flowrl.config import AdvantageConfig, KLConfig, ObjectiveConfig, StepConfig, TrainerConfig
-from flowrl.trainers.image import STEP_KL_FORMS, ImageTrainer
-from flowrl.trainers.registry import TRAINERS
+from flowrl.image import HasSteps, ImageConfig, StepConfig
+from flowrl.image.steps import STEP_KL_FORMS
+from flowrl.sections import AdvantageConfig, HasKL, HasObjective, KLConfig, ObjectiveConfig
+from flowrl.trainers.image import ImageAlgorithm
+from flowrl.trainers.registry import register
 
 
 @dataclasses.dataclass
-class FlowGRPOConfig(TrainerConfig):
+class FlowGRPOConfig(HasObjective, HasKL, HasSteps, ImageConfig):
     kl_forms: ClassVar[tuple[str, ...]] = STEP_KL_FORMS
 
-    trainer: str = "flow_grpo"
     objective: ObjectiveConfig = dataclasses.field(default_factory=lambda: ObjectiveConfig(clip_eps_low=1e-4))
     """PPO-clip with Flow-GRPO's clip range 1e-4 (log-probs are means over SD3.5's 65,536 latent elements)."""
     advantage: AdvantageConfig = dataclasses.field(
@@ -39,11 +40,11 @@ class FlowGRPOConfig(TrainerConfig):
     """The first 99% of the stochastic steps, uniform weights."""
 
 
-@TRAINERS.register(
+@register(
     "flow_grpo", description="Flow-GRPO: PPO-clip on flow-SDE step log-probs with group advantages (arXiv:2505.05470)"
 )
-class FlowGRPOTrainer(ImageTrainer):
-    """Flow-GRPO; see the module docstring and `FlowGRPOConfig`. The loop, the step scoring and the KL are
-    `ImageTrainer`'s; the objective, advantages and steps are the config's."""
+class FlowGRPO(ImageAlgorithm):
+    """Flow-GRPO; see the module docstring and `FlowGRPOConfig`. The step scoring and the KL are `ImageAlgorithm`'s;
+    the objective, advantages and steps are the config's."""
 
     config_class = FlowGRPOConfig

@@ -17,13 +17,14 @@ from typing import Literal
 
 import torch
 
-from flowrl.config import ObjectiveConfig
+from flowrl.control.config import ControlConfig
 from flowrl.control.policies import FlowPolicy
+from flowrl.core.terms import Terms
 from flowrl.policies.fpo import FPODraws, cfm_losses, fpo_log_ratio, sample_taus
-from flowrl.trainers.control import ControlConfig, ControlTrainer
-from flowrl.trainers.registry import TRAINERS
-from flowrl.trainers.state import seeded
-from flowrl.trainers.update import Terms
+from flowrl.runtime import seeded
+from flowrl.sections import ObjectiveConfig
+from flowrl.trainers.control import ControlAlgorithm
+from flowrl.trainers.registry import register
 
 
 @dataclasses.dataclass
@@ -54,7 +55,6 @@ class FlowPolicyConfig:
 
 @dataclasses.dataclass
 class FPOConfig(ControlConfig):
-    trainer: str = "fpo"
     policy: FlowPolicyConfig = dataclasses.field(default_factory=FlowPolicyConfig)
     """The flow policy."""
     objective: ObjectiveConfig = dataclasses.field(
@@ -76,8 +76,8 @@ class FPOConfig(ControlConfig):
         return [*super().checks(), (self.num_draws >= 1, "num_draws must be >= 1")]
 
 
-@TRAINERS.register("fpo", description="FPO: flow policies by PPO on a flow-matching ratio (arXiv:2507.21053)")
-class FPOTrainer(ControlTrainer):
+@register("fpo", description="FPO: flow policies by PPO on a flow-matching ratio (arXiv:2507.21053)")
+class FPO(ControlAlgorithm):
     """FPO; see the module docstring and `FPOConfig`."""
 
     config_class = FPOConfig
@@ -92,23 +92,21 @@ class FPOTrainer(ControlTrainer):
         return cfm_losses(fn, actions, draws.taus, draws.noises, supervise=self.config.supervise)
 
     @torch.no_grad()
-    def behaviour(self, rollout):
+    def behaviour(self, rollout, rows, size):
         cfg = self.config
         generator = seeded(cfg.run.seed, self.epoch, 13, 0)
-        b, n = len(rollout), cfg.num_draws
+        n = cfg.num_draws
         # drawn for the whole epoch's rollout and indexed by row: a transition's draws are the same on any process
-        rows = rollout.rows if rollout.rows is not None else torch.arange(b)
-        total = b * self.processes.world
-        taus = sample_taus((total, n), generator=generator)[rows]
-        noises = torch.randn((total, n, rollout.actions.shape[1]), generator=generator)[rows]
+        taus = sample_taus((size, n), generator=generator)[rows]
+        noises = torch.randn((size, n, rollout.actions.shape[1]), generator=generator)[rows]
         draws = FPODraws(taus, noises)
-        old = torch.cat([self.losses(rollout.obs[rows], rollout.actions[rows], draws.select(rows))
-                         for rows in self.chunks(b)])  # fmt: skip
+        old = torch.cat([self.losses(rollout.obs[c], rollout.actions[c], draws.select(c))
+                         for c in self.chunks(len(rollout))])  # fmt: skip
         draws = FPODraws(taus, noises, old)
         log_probs = -old.mean(-1, keepdim=True) if cfg.ratio == "mean" else -old  # [B, 1] or [B, N]
         return log_probs, draws
 
-    def score(self, batch, index: torch.Tensor) -> Terms:
+    def policy_terms(self, batch, index: torch.Tensor) -> Terms:
         losses = self.losses(batch.obs, batch.actions, batch.draws)  # [b, N]
         log_ratio = fpo_log_ratio(losses, batch.draws.old_losses, mode=self.config.ratio,
                                   clamp=self.config.ratio_clamp)  # fmt: skip

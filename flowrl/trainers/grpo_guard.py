@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from flowrl.config import AdvantageConfig, ObjectiveConfig, StepConfig
-from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
-from flowrl.trainers.registry import TRAINERS
+from flowrl.image import StepConfig
+from flowrl.sections import AdvantageConfig, ObjectiveConfig
+from flowrl.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig
+from flowrl.trainers.registry import register
 
 
 @dataclasses.dataclass
 class GRPOGuardConfig(FlowGRPOConfig):
-    trainer: str = "grpo_guard"
     objective: ObjectiveConfig = dataclasses.field(
         default_factory=lambda: ObjectiveConfig(name="grpo_guard", clip_eps_low=2e-6)
     )
@@ -37,10 +37,8 @@ class GRPOGuardConfig(FlowGRPOConfig):
             raise ValueError(f"grpo_guard trains the grpo_guard objective; got objective.name={self.objective.name!r}")
 
 
-@TRAINERS.register(
-    "grpo_guard", description="GRPO-Guard: Flow-GRPO with RatioNorm and 1/|dt| step weights (arXiv:2510.22319)"
-)
-class GRPOGuardTrainer(FlowGRPOTrainer):
+@register("grpo_guard", description="GRPO-Guard: Flow-GRPO with RatioNorm and 1/|dt| step weights (arXiv:2510.22319)")
+class GRPOGuard(FlowGRPO):
     """GRPO-Guard; see the module docstring. Rollouts keep each step's behaviour mean for RatioNorm."""
 
     config_class = GRPOGuardConfig

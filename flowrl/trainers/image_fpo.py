@@ -17,23 +17,22 @@ flow-matching gradient `A grad mean_i l_theta_i`. FPO has no KL term (the `kl` s
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
-from flowrl.config import AdvantageConfig, ObjectiveConfig, SamplingConfig
+from flowrl.core.terms import Terms
+from flowrl.image import SamplingConfig
 from flowrl.policies.fpo import cfm_losses, fpo_log_ratio
-from flowrl.trainers.matching import MatchingConfig, MatchingTrainer
-from flowrl.trainers.registry import TRAINERS
-from flowrl.trainers.update import Terms
+from flowrl.sections import AdvantageConfig, HasObjective, ObjectiveConfig
+from flowrl.trainers.matching import MatchingAlgorithm, MatchingConfig
+from flowrl.trainers.registry import register
 
 
 @dataclasses.dataclass
-class ImageFPOConfig(MatchingConfig):
-    unused: ClassVar[tuple[str, ...]] = ("steps", "kl")
-    kl_forms: ClassVar[tuple[str, ...]] = ("gaussian",)  # the untouched default section (FPO has no KL)
+class ImageFPOConfig(HasObjective, MatchingConfig):
+    """FPO has no KL term: the config has no `kl` section."""
 
-    trainer: str = "image_fpo"
     sampling: SamplingConfig = dataclasses.field(
         default_factory=lambda: SamplingConfig(sampler="ode", guidance_scale=1.0)
     )
@@ -54,26 +53,26 @@ class ImageFPOConfig(MatchingConfig):
     """Regress the velocity, or FPO's `u_but_supervise_as_eps` (the velocity error times `(1 - tau)^2`)."""
 
 
-@TRAINERS.register("image_fpo", description="FPO for images: PPO on the flow-matching ratio of final samples")
-class ImageFPOTrainer(MatchingTrainer):
+@register("image_fpo", description="FPO for images: PPO on the flow-matching ratio of final samples")
+class ImageFPO(MatchingAlgorithm):
     """Image FPO; see the module docstring and `ImageFPOConfig`."""
 
     config_class = ImageFPOConfig
 
     def losses(self, batch) -> torch.Tensor:
         """`[b, N]` per-draw flow-matching losses of the current policy at the batch's draws (one forward of
-        `b * N` rows per `forward_batch_size` samples, `DiffusionPolicy.velocity_fn`)."""
+        `b * N` rows per `batch.micro_batch_size` samples, `DiffusionPolicy.velocity_fn`)."""
         draws = batch.draws
         velocity = self.policy.velocity_fn(batch, draws.taus.shape[1])
         x1 = batch.latents[:, -1]
         return cfm_losses(velocity, x1, draws.taus.to(x1.device), draws.noises.to(x1.device),
                           supervise=self.config.supervise)  # fmt: skip
 
-    def prepare_draws(self, rollout, advantages, epoch):
+    def prepare_draws(self, collected, advantages, epoch):
         """The epoch's draws and the behaviour losses on them, in training-sized chunks."""
-        draws = self.make_draws(rollout, epoch)
-        rollout = dataclasses.replace(rollout, draws=draws)
-        size = self.config.sampling.forward_batch_size
+        draws = self.make_draws(collected.data, collected.rows, epoch)
+        rollout = dataclasses.replace(collected.data, draws=draws)
+        size = self.config.batch.micro_batch_size
         with torch.no_grad():
             old = torch.cat([self.losses(rollout.select(torch.arange(i, min(i + size, len(rollout))))).float().cpu()
                              for i in range(0, len(rollout), size)])  # fmt: skip
@@ -82,13 +81,14 @@ class ImageFPOTrainer(MatchingTrainer):
     def num_elements(self, rollout) -> int:
         return 1 if self.config.ratio == "mean" else self.config.num_draws
 
-    def train_elements(self, rollout, epoch):
-        return torch.arange(self.num_elements(rollout)).expand(len(rollout), -1)
+    def elements(self, batch, epoch):
+        k = self.num_elements(batch.data)
+        return torch.arange(k).expand(len(batch.data), -1), None
 
-    def score(self, batch, index):
+    def terms(self, batch, index):
         """FPO's log-ratio at the elements `index [b, c]` (the whole sample for `mean`, its draws for `per_draw`),
         with the old log-likelihood `-l_old` as `old_logp`."""
-        c = self.config
+        c, batch = self.config, batch.data
         losses = self.losses(batch)  # [b, N]
         old_losses = batch.draws.old_losses.to(losses.device)
         log_ratio = fpo_log_ratio(losses, old_losses, mode=c.ratio, clamp=c.ratio_clamp)

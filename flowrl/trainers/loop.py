@@ -12,34 +12,35 @@ from __future__ import annotations
 
 import dataclasses
 
-from flowrl.config import AdvantageConfig
-from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
-from flowrl.trainers.registry import TRAINERS
+from flowrl.sections import AdvantageConfig, BatchConfig
+from flowrl.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig
+from flowrl.trainers.registry import register
 
 
 @dataclasses.dataclass
 class LOOPConfig(FlowGRPOConfig):
-    trainer: str = "loop"
-    inner_epochs: int = 2
+    batch: BatchConfig = dataclasses.field(default_factory=lambda: BatchConfig(inner_epochs=2))
     """PPO passes over each epoch's samples (the importance ratio is what makes several passes valid)."""
     advantage: AdvantageConfig = dataclasses.field(
         default_factory=lambda: AdvantageConfig(estimator="leave_one_out", std="none")
     )
     """The leave-one-out baseline, not divided by the group's std (`std: group` divides), not clipped."""
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.advantage.estimator != "leave_one_out":
-            raise ValueError(f"loop is defined by its leave-one-out baseline; got advantage.estimator="
-                             f"{self.advantage.estimator!r} (use flow_grpo for other estimators)")  # fmt: skip
-        if self.reward_aggregation != "sum":
-            raise ValueError("loop combines rewards by their weighted sum (reward_aggregation: sum)")
+    def checks(self):
+        return [
+            *super().checks(),
+            (self.advantage.estimator == "leave_one_out",
+             f"loop is defined by its leave-one-out baseline; got advantage.estimator={self.advantage.estimator!r} "
+             "(use flow_grpo for other estimators)"),
+            (self.reward_aggregation == "sum",
+             "loop combines rewards by their weighted sum (reward_aggregation: sum)"),
+        ]  # fmt: skip
 
 
-@TRAINERS.register(
+@register(
     "loop", description="LOOP: PPO-clip over several inner epochs with a leave-one-out baseline (arXiv:2503.00897)"
 )
-class LOOPTrainer(FlowGRPOTrainer):
+class LOOP(FlowGRPO):
     """LOOP; see the module docstring and `LOOPConfig`."""
 
     config_class = LOOPConfig

@@ -7,25 +7,27 @@ rollout's sampler (any: ODE, SDE, CFG-free) is never re-scored. Each sample gets
     x_t = (1 - t) x1 + t eps,   target velocity  v* = eps - x1   (flowrl's convention: t = 1 is noise, as SD3),
 
 so the draws are the sample's `[B, K]` elements: the core sees `[b, num_draws]` (FPO's mean ratio: `[b, 1]`).
-`MatchingTrainer` holds what they share: the draws (times uniform, logit-normal, the sampler's grid, or one per
-grid stratum), the conditional path, the velocity through the prepared module, the column-major scoring layout
-and the `kl` regulariser `beta ||v_theta - v_ref||^2` (AC-Flow's W2 bound; NFT's and AWM's "KL").
+`MatchingAlgorithm` holds what they share: the draws (times uniform, logit-normal, the sampler's grid, or one per
+grid stratum; drawn per sample from its position in the epoch, so the same on any number of processes), the
+conditional path, the velocity through the prepared module, the column-major scoring layout and the `kl`
+regulariser `beta ||v_theta - v_ref||^2` (AC-Flow's W2 bound; NFT's and AWM's "KL").
 """
 
 from __future__ import annotations
 
 import dataclasses
+from abc import abstractmethod
 from typing import ClassVar, Literal
 
 import torch
 
-from flowrl.config import TrainerConfig
 from flowrl.core import velocity_mse
+from flowrl.core.terms import Terms
+from flowrl.image import ImageConfig
 from flowrl.policies.fpo import FPODraws
 from flowrl.policies.rollout import per_sample
-from flowrl.trainers.image import ImageTrainer
-from flowrl.trainers.state import seeded
-from flowrl.trainers.update import Terms
+from flowrl.runtime import seeded
+from flowrl.trainers.image import ImageAlgorithm
 
 
 T_SAMPLINGS = ("uniform", "logit_normal", "grid", "stratified")
@@ -44,8 +46,8 @@ class MatchingDraws(FPODraws):
 
 
 @dataclasses.dataclass
-class MatchingConfig(TrainerConfig):
-    """Fields every final-sample trainer shares."""
+class MatchingConfig(ImageConfig):
+    """Fields every final-sample trainer shares (those with a `kl` add `HasKL`: its form is `w2`)."""
 
     kl_forms: ClassVar[tuple[str, ...]] = ("w2",)
 
@@ -95,35 +97,45 @@ def conditional_path(x1: torch.Tensor, taus: torch.Tensor, noises: torch.Tensor)
     return (1 - t) * x1 + t * noises.to(x1.device)
 
 
-class MatchingTrainer(ImageTrainer):
-    """Base of the final-sample trainers; see the module docstring. A subclass implements `draw_terms`."""
+def row_draws(kind: str, rows, num_draws: int, shape, seed: tuple[int, ...], sigmas=None) -> MatchingDraws:
+    """`num_draws` pairs `(t, eps)` for each sample at positions `rows` of the epoch, drawn from `(*seed, row)`: a
+    sample's draws are the same whichever process holds it."""
+    taus, noises = [], []
+    for row in rows:
+        generator = seeded(*seed, int(row))
+        taus.append(draw_times(kind, (1, num_draws), generator, sigmas))
+        noises.append(torch.randn((1, num_draws, *shape), generator=generator))
+    return MatchingDraws(taus=torch.cat(taus), noises=torch.cat(noises))
+
+
+class MatchingAlgorithm(ImageAlgorithm):
+    """Base of the final-sample algorithms (draws, the conditional path, velocities); see the module docstring.
+    Their loss is per draw (`PerDrawAlgorithm`) or the algorithm's own `terms` (image FPO's per-sample ratio)."""
 
     requires_stochastic = False  # they train on final samples; ODE rollouts are fine
     image_scale = False  # their ratios (AWM, FPO) are not Gaussian step log-probs: no image-scale clip presets
 
-    def setup(self):
+    def build(self):
         if self.policy.adapter.time_kind != "flow":
             family, name = self.policy.family, self.config.trainer
             raise ValueError(f"{name} needs a flow-matching (velocity) model; a {family} model predicts noise")
 
-    def make_draws(self, rollout, epoch: int) -> MatchingDraws:
-        """`num_draws` pairs `(t, eps)` per sample of this process, drawn from `(seed, epoch, 5, rank)`."""
+    def make_draws(self, rollout, rows: torch.Tensor, epoch: int) -> MatchingDraws:
+        """`num_draws` pairs `(t, eps)` per sample of this process (at positions `rows`), from `(seed, epoch, 5)`."""
         c = self.config
-        x1 = rollout.latents[:, -1]
-        generator = seeded(c.run.seed, epoch, 5, self.processes.rank)
-        taus = draw_times(c.t_sampling, (len(rollout), c.num_draws), generator, rollout.sigmas)
-        noises = torch.randn((len(rollout), c.num_draws, *x1.shape[1:]), generator=generator)
-        return MatchingDraws(taus=taus, noises=noises)
+        return row_draws(c.t_sampling, rows, c.num_draws, rollout.latents.shape[2:], (c.run.seed, epoch, 5),
+                         rollout.sigmas)  # fmt: skip
 
-    def prepare_draws(self, rollout, advantages: torch.Tensor, epoch: int) -> MatchingDraws:
-        """The epoch's draws with what the trainer stores before its update (the behaviour policy's losses, ...)."""
-        return self.make_draws(rollout, epoch)
+    def prepare_draws(self, collected, advantages: torch.Tensor, epoch: int) -> MatchingDraws:
+        """The epoch's draws with what the algorithm stores before its update (the behaviour policy's losses, ...)."""
+        return self.make_draws(collected.data, collected.rows, epoch)
 
-    def update(self, rollout, advantages, trainable, epoch):
-        """`prepare_draws` (unless the rollout carries draws already), then the shared minibatch update."""
+    def prepare(self, collected, advantages, trainable, epoch):
+        """The rollout with its draws (`prepare_draws`) as the update's rows."""
+        rollout = collected.data
         if rollout.draws is None:
-            rollout = dataclasses.replace(rollout, draws=self.prepare_draws(rollout, advantages, epoch))
-        return super().update(rollout, advantages, trainable, epoch)
+            rollout = dataclasses.replace(rollout, draws=self.prepare_draws(collected, advantages, epoch))
+        return self.update_batch(collected, advantages, trainable, data=rollout), {}
 
     def velocity(self, batch, x: torch.Tensor, t: torch.Tensor, *, reference: bool = False) -> torch.Tensor:
         """The conditional velocity `v(x_t, t, c)` of the trained network (through its prepared module) or of the
@@ -133,11 +145,11 @@ class MatchingTrainer(ImageTrainer):
 
     @torch.no_grad()
     def at_draws(self, rollout, fn) -> list:
-        """`fn(rows_batch, x1, x_t, taus, noises, v)` for every draw column and chunk of `forward_batch_size` rows of
-        `rollout` (its `draws` set), under the current weights: the chunks a training minibatch forwards in, so
-        values stored here reproduce exactly at the same weights. Returns the results, column-major."""
+        """`fn(rows_batch, x1, x_t, taus, noises, v)` for every draw column and chunk of `batch.micro_batch_size`
+        rows of `rollout` (its `draws` set), under the current weights: the chunks a training micro-batch forwards
+        in, so values stored here reproduce exactly at the same weights. Returns the results, column-major."""
         out = []
-        size = self.config.sampling.forward_batch_size
+        size = self.config.batch.micro_batch_size
         for j in range(rollout.draws.taus.shape[1]):
             for start in range(0, len(rollout), size):
                 rows = torch.arange(start, min(start + size, len(rollout)))
@@ -148,33 +160,39 @@ class MatchingTrainer(ImageTrainer):
                 out.append((rows, j, fn(part, x1, x_t, taus, noises, self.velocity(part, x_t, taus))))
         return out
 
-    def num_elements(self, rollout) -> int:
+    def num_elements(self, data) -> int:
         return self.config.num_draws
 
-    def train_elements(self, rollout, epoch):
+    def elements(self, batch, epoch):
         """Each sample trains on its draws `0 .. num_draws - 1`."""
-        return torch.arange(self.config.num_draws).expand(len(rollout), -1)
+        return torch.arange(self.config.num_draws).expand(len(batch.data), -1), None
 
-    def score(self, batch, index):
+
+class PerDrawAlgorithm(MatchingAlgorithm):
+    """A final-sample algorithm whose loss inputs are per draw: it implements `draw_terms`."""
+
+    def terms(self, batch, index):
         """`draw_terms` at the draws `index [b, c]`, one forward per column (column-major), plus the `kl` term
         `beta ||v_theta - v_ref||^2`."""
+        data = batch.data
         b, c = index.shape
         rows = torch.arange(b).repeat(c)  # column-major: each column's b rows are one forward chunk
         draw = index.t().reshape(-1)
-        pairs = batch.select(rows)
-        taus, noises = batch.draws.taus[rows, draw], batch.draws.noises[rows, draw]  # [n], [n, ...]
+        pairs = data.select(rows)
+        taus, noises = data.draws.taus[rows, draw], data.draws.noises[rows, draw]  # [n], [n, ...]
         x1 = pairs.latents[:, -1].float()
         x_t = conditional_path(x1, taus, noises)
         v = self.velocity(pairs, x_t, taus)
-        terms = self.draw_terms(batch, rows, draw, x1=x1, x_t=x_t, taus=taus.to(x1.device), noises=noises, v=v)
-        beta = self.config.kl.coef(self.state.epoch)
+        terms = self.draw_terms(data, rows, draw, x1=x1, x_t=x_t, taus=taus.to(x1.device), noises=noises, v=v)
+        kl = getattr(self.config, "kl", None)
+        beta = kl.coef(self.epoch) if kl is not None else 0.0
         if beta:
             w2 = velocity_mse(v, self.velocity(pairs, x_t, taus, reference=True))  # [n]
             terms.penalty = beta * w2 if terms.penalty is None else terms.penalty + beta * w2
             terms.logs["w2_loss"] = w2.detach()
         return Terms.from_tensors({k: t.reshape(c, b).t() for k, t in terms.tensors().items()})
 
+    @abstractmethod
     def draw_terms(self, batch, rows: torch.Tensor, draw: torch.Tensor, *, x1, x_t, taus, noises, v) -> Terms:
         """`Terms` (`[n]` each) of the `n` draws `(rows, draw)` of `batch`: `x1`, `x_t`, `taus`, `noises` and the
-        current velocity `v` (with its graph) at them. A subclass implements this or replaces `score`."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither draw_terms nor score")
+        current velocity `v` (with its graph) at them."""

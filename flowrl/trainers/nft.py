@@ -30,12 +30,13 @@ from typing import ClassVar, Literal
 
 import torch
 
-from flowrl.config import AdvantageConfig, KLConfig, SamplingConfig
 from flowrl.core.ratios import reduce_elements
-from flowrl.trainers.matching import MatchingConfig, MatchingTrainer
-from flowrl.trainers.registry import TRAINERS
+from flowrl.core.terms import Terms
+from flowrl.image import SamplingConfig
+from flowrl.sections import AdvantageConfig, HasKL, KLConfig
+from flowrl.trainers.matching import MatchingConfig, PerDrawAlgorithm
+from flowrl.trainers.registry import register
 from flowrl.trainers.state import EMA
-from flowrl.trainers.update import Terms
 
 
 def optimality(advantages: torch.Tensor, scale: float) -> torch.Tensor:
@@ -79,10 +80,10 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x1: torch.Tensor, x_t: torch.
 
 
 @dataclasses.dataclass
-class NFTConfig(MatchingConfig):
-    unused: ClassVar[tuple[str, ...]] = ("objective", "steps")
+class NFTConfig(HasKL, MatchingConfig):
+    kl_forms: ClassVar[tuple[str, ...]] = ("w2",)
+    renamed: ClassVar[dict[str, str]] = {"beta": "guidance_strength (beta in the paper; kl.beta is the KL weight)"}
 
-    trainer: str = "diffusion_nft"
     sampling: SamplingConfig = dataclasses.field(
         default_factory=lambda: SamplingConfig(sampler="ode", guidance_scale=1.0)
     )
@@ -97,8 +98,9 @@ class NFTConfig(MatchingConfig):
     """Training noise levels per sample (NVlabs: the first int(10 * 0.99) = 9 of the permuted grid)."""
     t_sampling: Literal["uniform", "logit_normal", "grid", "stratified"] = "grid"
     """The sampler's grid levels, permuted per sample (NVlabs)."""
-    beta: float = 1.0
-    """The implicit policies' step beta (NVlabs: 1.0; 0.1 for OCR and multi-reward)."""
+    guidance_strength: float = 1.0
+    """beta of the implicit policies `v+- = v_old +- beta (v_theta - v_old)` (NVlabs: 1.0; 0.1 for OCR and
+    multi-reward), named apart from `kl.beta`, the KL weight."""
     optimality_scale: float = 5.0
     """Z in `r = 1/2 + 1/2 clip(A / Z, -1, 1)` and the loss factor `Z / beta` (NVlabs: `adv_clip_max` 5)."""
     loss: Literal["x0_adaptive", "velocity"] = "x0_adaptive"
@@ -113,66 +115,76 @@ class NFTConfig(MatchingConfig):
     def checks(self):
         return [
             *super().checks(),
-            (self.beta > 0, "beta must be > 0"),
+            (self.guidance_strength > 0, "guidance_strength must be > 0"),
             (self.optimality_scale > 0, "optimality_scale must be > 0"),
             (0 <= self.old_decay_max < 1, "old_decay_max must be in [0, 1)"),
             (self.old_decay_rate >= 0 and self.old_decay_flat >= 0, "old_decay_rate and old_decay_flat must be >= 0"),
         ]
 
 
-@TRAINERS.register(
+class OldPolicySampler:
+    """Rollouts of the old policy: the sampler called with the lagged weights `theta_old` swapped in."""
+
+    def __init__(self, base, old: EMA):
+        self.base, self.old = base, old
+
+    def __call__(self, texts, generators, rows, epoch):
+        with self.old.swapped():
+            return self.base(texts, generators, rows, epoch)
+
+
+@register(
     "diffusion_nft", description="DiffusionNFT: negative-aware flow matching on the forward process (arXiv:2509.16117)"
 )
-class NFTTrainer(MatchingTrainer):
+class DiffusionNFT(PerDrawAlgorithm):
     """DiffusionNFT; see the module docstring and `NFTConfig`."""
 
     config_class = NFTConfig
     uses_objective = False  # a weighted flow-matching regression, no ratio
 
-    def __init__(self, config, **kwargs):
-        super().__init__(config, **kwargs)
-        self.old = EMA(self.params, 0.0, prefix="old")  # theta_old starts at theta
+    def build(self):
+        super().build()
+        params = [p for p in self.trained_module().parameters() if p.requires_grad]
+        self.old = EMA(params, 0.0, prefix="old")  # theta_old starts at theta
 
     def old_decay(self, step: int | None = None) -> float:
         """eta at optimizer step `step` (default: the current one)."""
         c = self.config
-        step = self.state.optimizer_steps if step is None else step
+        step = self.engine.optimizer_steps if step is None else step
         return min(c.old_decay_rate * max(0, step - c.old_decay_flat), c.old_decay_max)
 
-    def sample_part(self, texts, generator, rows=None):
+    def sampler(self):
         """Rollouts come from the old policy."""
-        with self.old.swapped():
-            return super().sample_part(texts, generator, rows)
+        return OldPolicySampler(super().sampler(), self.old)
 
-    def prepare_draws(self, rollout, advantages, epoch):
+    def prepare_draws(self, collected, advantages, epoch):
         """The draws, the old velocity at them and each sample's optimality `r` (as the draws' weights)."""
-        draws = self.make_draws(rollout, epoch)
+        rollout = collected.data
+        draws = self.make_draws(rollout, collected.rows, epoch)
         velocities = torch.empty((*draws.taus.shape, *rollout.latents.shape[2:]))  # [B, N, ...]
         with self.old.swapped():
             for rows, j, v in self.at_draws(dataclasses.replace(rollout, draws=draws), lambda *args: args[-1]):
                 velocities[rows, j] = v.float().cpu()
-        r = optimality(advantages, self.config.optimality_scale)  # [B]
+        r = optimality(advantages[collected.rows], self.config.optimality_scale)  # [B]
         return dataclasses.replace(draws, old_velocity=velocities, weights=r[:, None].expand(-1, draws.taus.shape[1]))
 
-    def update(self, rollout, advantages, trainable, epoch):
-        """The flow-matching steps, then the old policy's soft update."""
-        eta = self.old_decay()  # at the steps taken before this epoch: the first epoch's eta is 0 (a copy)
-        stats = super().update(rollout, advantages, trainable, epoch)
-        self.old.update(eta)
-        return {
-            **stats,
-            "nft/old_decay": eta,
-            "nft/r_mean": optimality(
-                self.processes.gather_rows(advantages, trainable), self.config.optimality_scale
-            ).mean(),  # fmt: skip
-        }
+    def prepare(self, collected, advantages, trainable, epoch):
+        self._eta = self.old_decay()  # at the steps taken before this epoch: the first epoch's eta is 0 (a copy)
+        batch, stats = super().prepare(collected, advantages, trainable, epoch)
+        r = optimality(advantages[trainable], self.config.optimality_scale)
+        return batch, {**stats, "nft/old_decay": self._eta, "nft/r_mean": r.mean()}
+
+    def finish(self, batch, epoch):
+        """The old policy's soft update, after the flow-matching steps."""
+        self.old.update(self._eta)
+        return {}
 
     def draw_terms(self, batch, rows, draw, *, x1, x_t, taus, noises, v):
         """NFT's loss at the draws (`nft_loss`)."""
         c = self.config
         r = batch.draws.weights[rows, draw].to(x1.device)  # [n]
         v_old = batch.draws.old_velocity[rows, draw].to(x1.device)  # [n, ...]
-        value, logs = nft_loss(v, v_old, x1, x_t, noises.to(x1.device), taus, r, beta=c.beta,
+        value, logs = nft_loss(v, v_old, x1, x_t, noises.to(x1.device), taus, r, beta=c.guidance_strength,
                                scale=c.optimality_scale, form=c.loss)  # fmt: skip
         return Terms(loss=value, logs=logs)
 

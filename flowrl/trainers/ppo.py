@@ -5,8 +5,8 @@ init with a 0.01 action head, log-std 0), the shared control loop (GAE, per-mini
 value loss without 1/2, one Adam with eps 1e-5 and a 0.5 gradient-norm clip), and the core's clipped
 objectives on `[b, 1]` log-probabilities summed over action dimensions. The defaults are SB3's, so the two
 libraries can be compared setting for setting (`benchmarks/control_bench.py`). With one inner epoch, one
-minibatch of the whole rollout, `gae_lambda` 1, no advantage whitening and RMSprop this update is A2C's
-(Huang et al. 2022, arXiv:2205.09123; `tests/control/test_control.py`).
+mini-batch of the whole rollout (`batch.mini_batch_size: null`), `advantage.lam` 1, no advantage whitening and
+RMSprop this update is A2C's (Huang et al. 2022, arXiv:2205.09123; `tests/control/test_control.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from typing import Literal
 
 import torch
 
-from flowrl.config import ObjectiveConfig
+from flowrl.control.config import ControlConfig
 from flowrl.control.policies import GaussianPolicy
-from flowrl.trainers.control import ControlConfig, ControlTrainer
-from flowrl.trainers.registry import TRAINERS
-from flowrl.trainers.update import Terms
+from flowrl.core.terms import Terms
+from flowrl.sections import ObjectiveConfig
+from flowrl.trainers.control import ControlAlgorithm
+from flowrl.trainers.registry import register
 
 
 @dataclasses.dataclass
@@ -41,15 +42,14 @@ class GaussianPolicyConfig:
 
 @dataclasses.dataclass
 class PPOConfig(ControlConfig):
-    trainer: str = "ppo"
     policy: GaussianPolicyConfig = dataclasses.field(default_factory=GaussianPolicyConfig)
     """The Gaussian policy."""
     objective: ObjectiveConfig = dataclasses.field(default_factory=lambda: ObjectiveConfig(name="ppo"))
     """The clipped objective (PPO's clip 0.2 by default; any registered objective works)."""
 
 
-@TRAINERS.register("ppo", description="Gaussian PPO for continuous control on Gymnasium (arXiv:1707.06347)")
-class PPOTrainer(ControlTrainer):
+@register("ppo", description="Gaussian PPO for continuous control on Gymnasium (arXiv:1707.06347)")
+class PPO(ControlAlgorithm):
     """Gaussian PPO; see the module docstring and `PPOConfig`."""
 
     config_class = PPOConfig
@@ -60,12 +60,12 @@ class PPOTrainer(ControlTrainer):
                               log_std_init=p.log_std_init, ortho_init=p.ortho_init)  # fmt: skip
 
     @torch.no_grad()
-    def behaviour(self, rollout):
+    def behaviour(self, rollout, rows, size):
         actor = self.policy.actor
-        parts = [actor.log_prob(rollout.obs[rows], rollout.actions[rows]) for rows in self.chunks(len(rollout))]
+        parts = [actor.log_prob(rollout.obs[c], rollout.actions[c]) for c in self.chunks(len(rollout))]
         return torch.cat(parts)[:, None], None  # [B, 1]
 
-    def score(self, batch, index: torch.Tensor) -> Terms:
+    def policy_terms(self, batch, index: torch.Tensor) -> Terms:
         actor = self.policy.actor
         logp = actor.log_prob(batch.obs, batch.actions)[:, None]  # [b, 1]
         penalty = None

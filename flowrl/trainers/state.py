@@ -1,8 +1,7 @@
-"""Run state every trainer shares: seeding, processes, EMA weights and the resumable counters.
+"""Run state every trainer shares: EMA weights and the resumable counters.
 
-Nothing here knows about images, tokens or actions. Randomness is drawn from generators seeded by
-`(run.seed, epoch, purpose, ...)`, so a resumed run draws exactly the numbers an uninterrupted one would; the
-counters, the evaluation history and the metrics rows travel in `checkpoint` folders with the weights.
+Nothing here knows about images, tokens or actions. The counters, the evaluation history and the metrics rows
+travel in `checkpoint` folders with the weights (seeding and the process group: `flowrl.runtime`).
 """
 
 from __future__ import annotations
@@ -11,80 +10,6 @@ import dataclasses
 from contextlib import contextmanager
 
 import torch
-
-
-def seeded(*parts: int) -> torch.Generator:
-    """A CPU generator seeded from integers (e.g. `(seed, epoch, purpose)`): resumed runs draw the same numbers."""
-    value = 0
-    for part in parts:
-        value = (value * 1_000_003 + int(part) + 1) % (2**63 - 1)
-    return torch.Generator().manual_seed(value)
-
-
-def row_generators(prefix: tuple[int, ...], rows) -> list[torch.Generator]:
-    """One generator per sample, seeded by `(*prefix, row)` with `row` the sample's position in the whole
-    batch of every process: a sample's noise is the same whichever process draws it and however the batch is
-    split into calls (diffusers' `randn_tensor` draws row `i` from generator `i`)."""
-    return [seeded(*prefix, int(row)) for row in rows]
-
-
-class Processes:
-    """This process's place among the run's processes (accelerate): its share of a batch and gathers.
-
-    Args:
-        accelerator (`accelerate.Accelerator`): the run's accelerator.
-    """
-
-    def __init__(self, accelerator):
-        self.accelerator = accelerator
-
-    @property
-    def rank(self) -> int:
-        return self.accelerator.process_index
-
-    @property
-    def world(self) -> int:
-        return self.accelerator.num_processes
-
-    @property
-    def is_main(self) -> bool:
-        return self.accelerator.is_main_process
-
-    @property
-    def device(self) -> torch.device:
-        return self.accelerator.device
-
-    def local_slice(self, n: int) -> slice:
-        """This process's contiguous share of `n` rows (n must split evenly)."""
-        if n % self.world:
-            raise ValueError(f"{n} samples per epoch do not split over {self.world} processes")
-        share = n // self.world
-        return slice(self.rank * share, (self.rank + 1) * share)
-
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` from every process, concatenated in rank order, on the CPU."""
-        return self.accelerator.gather(t.to(self.device)).cpu()
-
-    def gather_rows(self, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The rows of `t` where `mask` ([B] bool) holds, of every process, in rank order, on the CPU (as
-        `gather`)."""
-        if self.world == 1:
-            return t[mask.to(t.device)].cpu()
-        return self.gather(t)[self.gather(mask.long()).bool()]
-
-    def gather_objects(self, obj) -> list:
-        """`obj` (anything picklable: small diagnostics, never weights) from every process, in rank order."""
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def sum(self, value: float) -> float:
-        """`value` summed over the processes."""
-        return float(self.gather(torch.tensor([float(value)])).sum())
 
 
 class EMA:

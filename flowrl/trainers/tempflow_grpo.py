@@ -24,11 +24,14 @@ import dataclasses
 
 import torch
 
-from flowrl.config import AdvantageConfig, SamplingConfig, StepConfig
 from flowrl.core import select_steps
+from flowrl.image import SamplingConfig, StepConfig
+from flowrl.image.sampler import ImageSampler
+from flowrl.image.steps import StepTerms
 from flowrl.policies.diffusion import DiffusionRollout
-from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
-from flowrl.trainers.registry import TRAINERS
+from flowrl.sections import AdvantageConfig
+from flowrl.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig
+from flowrl.trainers.registry import register
 
 
 BRANCH_SELECTIONS = ("all", "first_fraction", "window")
@@ -36,7 +39,6 @@ BRANCH_SELECTIONS = ("all", "first_fraction", "window")
 
 @dataclasses.dataclass
 class TempFlowGRPOConfig(FlowGRPOConfig):
-    trainer: str = "tempflow_grpo"
     sampling: SamplingConfig = dataclasses.field(default_factory=lambda: SamplingConfig(sampler="flow_sde",
                                                                                         noise_level=0.7))  # fmt: skip
     """Flow-SDE branches (a = 0.7, hard-coded in the authors' SD3 code), ODE trunk and completions."""
@@ -83,17 +85,60 @@ class TempFlowGRPOConfig(FlowGRPOConfig):
         return checks
 
 
-@TRAINERS.register(
+class BranchingSampler(ImageSampler):
+    """Each branch step's samples as trajectories stochastic only at that step, from their seed's noise."""
+
+    def __init__(self, base: ImageSampler, config: TempFlowGRPOConfig, branch_of):
+        super().__init__(base.policy, base.sampling, seed=base.seed, group_size=base.group_size,
+                         autocast=base.autocast, store_means=base.store_means)  # fmt: skip
+        self.config, self.branch_of = config, branch_of
+
+    def __call__(self, texts, generators, rows, epoch):
+        s = self.sampling
+        latents = self.group_noise(rows, epoch, per_group=self.config.seeds_per_prompt)
+        steps = torch.tensor([self.branch_of(r)[1] for r in rows])
+        parts, order = [], []
+        for j in steps.unique().tolist():
+            mine = (steps == j).nonzero().flatten()
+            with self.autocast():
+                part = self.policy.rollout([texts[i] for i in mine], num_steps=s.num_steps,
+                                           guidance_scale=s.guidance_scale, noise_level=s.noise_level,
+                                           sampler=s.sampler, sde_window=(j, j + 1), latents=latents[mine],
+                                           generator=[generators[i] for i in mine], height=s.height, width=s.width,
+                                           store_means=self.store_means)  # fmt: skip
+            if not part.sde_mask[j]:
+                raise ValueError(f"sampler {s.sampler!r} (noise_level {s.noise_level}) is deterministic at step {j}")
+            parts.append(dataclasses.replace(part, stochastic_step=torch.full((len(mine),), j)))
+            order.append(mine)
+        union = torch.stack([p.sde_mask for p in parts]).any(0)
+        stds = torch.stack([p.stds for p in parts]).amax(0)
+        rollout = DiffusionRollout.cat([dataclasses.replace(p, sde_mask=union, stds=stds) for p in parts])
+        return rollout.select(torch.argsort(torch.cat(order)))  # back to the order of `texts`
+
+
+class BranchStepTerms(StepTerms):
+    """Step terms whose `normalize_weights` scales the weights to mean 1 over the branch steps (TempFlow's `c`)."""
+
+    def __init__(self, base: StepTerms, branch_steps: list[int]):
+        super().__init__(base.policy, base.steps, base.kl, store_means=base.store_means, seed=base.seed)
+        self.branch_steps = branch_steps
+
+    def trainable_steps(self, rollout) -> torch.Tensor:
+        return torch.as_tensor(self.branch_steps)
+
+
+@register(
     "tempflow_grpo", description="TempFlow-GRPO: per-step advantages by branching, noise-aware weights (2508.04324)"
 )
-class TempFlowGRPOTrainer(FlowGRPOTrainer):
+class TempFlowGRPO(FlowGRPO):
     """TempFlow-GRPO; see the module docstring and `TempFlowGRPOConfig`."""
 
     config_class = TempFlowGRPOConfig
 
-    def __init__(self, config, **kwargs):
+    def __init__(self, config, modality, engine):
+        super().__init__(config, modality, engine)
         self.branch_steps = config.branch_steps()
-        super().__init__(config, **kwargs)
+        self.step_terms = BranchStepTerms(self.step_terms, self.branch_steps)
 
     def branch_of(self, position: int) -> tuple[int, int, int]:
         """`(seed n, branch step j, branch k)` of the sample at `position` in the epoch's prompt list."""
@@ -106,36 +151,9 @@ class TempFlowGRPOTrainer(FlowGRPOTrainer):
         """A baseline per prompt and branch step (the column's advantages have zero mean)."""
         return [(text, self.branch_of(i)[1]) for i, text in enumerate(texts)]
 
-    def sample_part(self, texts, generator, rows=None):
-        """Each branch step's samples as trajectories stochastic only at that step, from their seed's noise."""
-        if rows is None:
-            raise ValueError("tempflow_grpo samples need their positions in the epoch's prompt list")
-        s = self.config.sampling
-        latents = self.group_noise(rows, s.height, s.width, per_group=self.config.seeds_per_prompt)
-        steps = torch.tensor([self.branch_of(r)[1] for r in rows])
-        parts, order = [], []
-        for j in steps.unique().tolist():
-            mine = (steps == j).nonzero().flatten()
-            noise = [generator[i] for i in mine] if isinstance(generator, list) else generator  # its samples' own
-            with self.accelerator.autocast():
-                part = self.policy.rollout([texts[i] for i in mine], num_steps=s.num_steps,
-                                           guidance_scale=s.guidance_scale, noise_level=s.noise_level,
-                                           sampler=s.sampler, sde_window=(j, j + 1), latents=latents[mine],
-                                           generator=noise, height=s.height, width=s.width,
-                                           store_means=self.store_means)  # fmt: skip
-            if not part.sde_mask[j]:
-                raise ValueError(f"sampler {s.sampler!r} (noise_level {s.noise_level}) is deterministic at step {j}")
-            parts.append(dataclasses.replace(part, stochastic_step=torch.full((len(mine),), j)))
-            order.append(mine)
-        union = torch.stack([p.sde_mask for p in parts]).any(0)
-        stds = torch.stack([p.stds for p in parts]).amax(0)
-        rollout = DiffusionRollout.cat([dataclasses.replace(p, sde_mask=union, stds=stds) for p in parts])
-        return rollout.select(torch.argsort(torch.cat(order)))  # back to the order of `texts`
+    def sampler(self):
+        return BranchingSampler(super().sampler(), self.config, self.branch_of)
 
-    def train_elements(self, rollout, epoch):
+    def elements(self, batch, epoch):
         """`[B, 1]`: each sample trains its branching step."""
-        return rollout.stochastic_step[:, None]
-
-    def trainable_steps(self, rollout) -> torch.Tensor:
-        """The branch steps: `normalize_weights` scales the weights to mean 1 over them (TempFlow's `c`)."""
-        return torch.as_tensor(self.branch_steps)
+        return batch.data.stochastic_step[:, None], None

@@ -1,6 +1,6 @@
 """Presets of Flow-GRPO that change where the rollouts are stochastic and which steps train.
 
-They are `FlowGRPOTrainer` with other defaults: the same loop, step kernels (`flowrl.policies.sde`), step
+They are `FlowGRPO` with other defaults: the same loop, step kernels (`flowrl.policies.sde`), step
 selection (`steps`) and the moving SDE window of `sampling.sde_window_schedule` (`flowrl.core.sde_window_at`).
 
 - `mix_grpo` (MixGRPO, Li et al. 2025, arXiv:2507.21802; Tencent-Hunyuan/MixGRPO `train_grpo_flux.py`): a window
@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from flowrl.config import AdvantageConfig, ObjectiveConfig, SamplingConfig, StepConfig
-from flowrl.trainers.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
-from flowrl.trainers.registry import TRAINERS
+from flowrl.image import SamplingConfig, StepConfig
+from flowrl.sections import AdvantageConfig, ObjectiveConfig
+from flowrl.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig
+from flowrl.trainers.registry import register
 
 
 def mix_sampling(**changes) -> SamplingConfig:
@@ -40,7 +41,6 @@ def mix_sampling(**changes) -> SamplingConfig:
 
 @dataclasses.dataclass
 class MixGRPOConfig(FlowGRPOConfig):
-    trainer: str = "mix_grpo"
     sampling: SamplingConfig = dataclasses.field(default_factory=mix_sampling)
     """Flow-SDE (a 0.7) inside a 4-step window that moves by 1 step every 25 epochs; ODE outside; a group's
     samples start from one noise (`--init_same_noise`)."""
@@ -54,7 +54,6 @@ class MixGRPOConfig(FlowGRPOConfig):
 
 @dataclasses.dataclass
 class MixGRPOFlashConfig(MixGRPOConfig):
-    trainer: str = "mix_grpo_flash"
     sampling: SamplingConfig = dataclasses.field(
         default_factory=lambda: mix_sampling(
             window_every=20, post_window_solver="dpm_solver_2m", post_window_ratio=0.4
@@ -66,7 +65,6 @@ class MixGRPOFlashConfig(MixGRPOConfig):
 
 @dataclasses.dataclass
 class FlowGRPOFastConfig(FlowGRPOConfig):
-    trainer: str = "flow_grpo_fast"
     sampling: SamplingConfig = dataclasses.field(
         default_factory=lambda: SamplingConfig(
             guidance_scale=1.0,
@@ -86,7 +84,6 @@ class FlowGRPOFastConfig(FlowGRPOConfig):
 
 @dataclasses.dataclass
 class DanceGRPOConfig(FlowGRPOConfig):
-    trainer: str = "dance_grpo"
     sampling: SamplingConfig = dataclasses.field(
         default_factory=lambda: SamplingConfig(
             num_steps=16, sampler="dance_sde", noise_level=0.3, sde_window=(0, 15), init_same_noise=True
@@ -102,38 +99,32 @@ class DanceGRPOConfig(FlowGRPOConfig):
     """A random int(15 * 0.6) = 9 of the 15 stochastic steps per sample (timestep fraction 0.6)."""
 
 
-@TRAINERS.register(
-    "mix_grpo", description="MixGRPO: Flow-GRPO on a sliding SDE window, ODE outside it (arXiv:2507.21802)"
-)
-class MixGRPOTrainer(FlowGRPOTrainer):
+@register("mix_grpo", description="MixGRPO: Flow-GRPO on a sliding SDE window, ODE outside it (arXiv:2507.21802)")
+class MixGRPO(FlowGRPO):
     """MixGRPO; see the module docstring."""
 
     config_class = MixGRPOConfig
 
 
-@TRAINERS.register(
+@register(
     "mix_grpo_flash",
     description="MixGRPO-Flash: MixGRPO with fewer DPM-Solver++(2M) steps after the window (arXiv:2507.21802)",
 )
-class MixGRPOFlashTrainer(FlowGRPOTrainer):
+class MixGRPOFlash(FlowGRPO):
     """MixGRPO-Flash; see the module docstring."""
 
     config_class = MixGRPOFlashConfig
 
 
-@TRAINERS.register(
-    "flow_grpo_fast", description="Flow-GRPO-Fast: a random 3-step CPS window per epoch, ODE outside, no CFG"
-)
-class FlowGRPOFastTrainer(FlowGRPOTrainer):
+@register("flow_grpo_fast", description="Flow-GRPO-Fast: a random 3-step CPS window per epoch, ODE outside, no CFG")
+class FlowGRPOFast(FlowGRPO):
     """Flow-GRPO-Fast; see the module docstring."""
 
     config_class = FlowGRPOFastConfig
 
 
-@TRAINERS.register(
-    "dance_grpo", description="DanceGRPO: its SDE, a random 60% of the steps per sample (arXiv:2505.07818)"
-)
-class DanceGRPOTrainer(FlowGRPOTrainer):
+@register("dance_grpo", description="DanceGRPO: its SDE, a random 60% of the steps per sample (arXiv:2505.07818)")
+class DanceGRPO(FlowGRPO):
     """DanceGRPO; see the module docstring."""
 
     config_class = DanceGRPOConfig

@@ -16,30 +16,33 @@ from flowrl.config import ConfigError  # noqa: E402
 from flowrl.control.envs import BIMODAL_ID, Normalizer, RunningMeanStd, make_vec_env  # noqa: E402
 from flowrl.core import compute_policy_loss  # noqa: E402
 from flowrl.trainers import build_trainer, load_config  # noqa: E402
+from flowrl.trainers.scheduler import UpdateBatch  # noqa: E402
+from tests.conftest import tiny_config  # noqa: E402
 
 
 def tiny(trainer, env="Pendulum-v1", **extra):
-    config = {"trainer": trainer, "env": {"id": env, "num_envs": 2, "steps_per_env": 32},
-              "minibatch_size": 16, "inner_epochs": 2, "run": {"epochs": 2, "log_with": []},
-              "eval": {"episodes": 2, "every": 0}}  # fmt: skip
-    for key, value in extra.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return load_config(config)
+    """The shared tiny control config (2 environments x 32 steps, mini-batches of 16, 2 inner epochs) on `env`,
+    `extra` given as dotted keys."""
+    overrides = [f"env.id={env}", *(f"{key}={json.dumps(value)}" for key, value in extra.items())]
+    return tiny_config(trainer, overrides=overrides)
+
+
+def prepared(trainer, epoch=0):
+    """The epoch's update batch: the rollout with its behaviour log-probs, every process's advantages."""
+    batch, _, _ = trainer.prepare_epoch(epoch)
+    return batch
 
 
 @pytest.mark.parametrize("name,extra", [("ppo", {}), ("fpo", {}), ("fpo", {"ratio": "per_draw"}), ("dppo", {})])
 def test_ratio_is_exactly_one_at_the_behaviour_weights(tmp_path, name, extra):
     trainer = build_trainer(tiny(name, **extra), output_dir=tmp_path)
-    rollout = trainer.collector.collect(0).rollout
-    k = trainer.num_elements(rollout)
+    batch = prepared(trainer)
+    rollout = batch.data
+    k = trainer.algorithm.num_elements(rollout)
     assert rollout.log_probs.shape == (64, {"ppo": 1, "dppo": 10}.get(name, 8 if extra else 1))
-    index = trainer.train_elements(rollout, 0)
+    index, _ = trainer.algorithm.elements(batch, 0)
     for rows in torch.randperm(len(rollout)).split(16):  # any minibatch of the training size re-scores exactly
-        terms = trainer.score(rollout.select(rows), index[rows])
+        terms = trainer.algorithm.policy_terms(rollout.select(rows), index[rows])
         assert terms.logp.shape == (16, k)
         assert torch.equal(terms.logp, terms.old_logp)
         _, metrics = compute_policy_loss("ppo", terms.logp, terms.old_logp, torch.randn(16), clip_eps_low=0.2)
@@ -48,15 +51,16 @@ def test_ratio_is_exactly_one_at_the_behaviour_weights(tmp_path, name, extra):
 
 def test_dppo_chain_ends_in_the_action_and_rescoring_changes_with_the_weights(tmp_path):
     trainer = build_trainer(tiny("dppo"), output_dir=tmp_path)
-    rollout = trainer.collector.collect(0).rollout
+    batch = prepared(trainer)
+    rollout = batch.data
     assert torch.equal(rollout.chain[:, -1], rollout.actions)
     assert rollout.chain.shape == (64, 11, 1)
     rows = torch.arange(16)
-    index = trainer.train_elements(rollout, 0)[rows]
+    index = trainer.algorithm.elements(batch, 0)[0][rows]
     with torch.no_grad():
         for p in trainer.policy.actor.parameters():
             p.add_(0.01)
-    terms = trainer.score(rollout.select(rows), index)
+    terms = trainer.algorithm.policy_terms(rollout.select(rows), index)
     assert not torch.equal(terms.logp, terms.old_logp)
     # the step log-prob is the kernel's Gaussian, mean over the action dimension: re-derive step 3 by hand
     actor, k = trainer.policy.actor, 3
@@ -72,16 +76,17 @@ def test_dppo_chain_ends_in_the_action_and_rescoring_changes_with_the_weights(tm
 
 def test_fpo_gradient_at_the_old_weights_is_advantage_weighted_flow_matching(tmp_path):
     trainer = build_trainer(tiny("fpo"), output_dir=tmp_path)
-    rollout = trainer.collector.collect(0).rollout
+    update = prepared(trainer)
+    rollout = update.data
     rows = torch.arange(16)
     batch, adv = rollout.select(rows), torch.randn(16)
-    index = trainer.train_elements(rollout, 0)[rows]
+    index = trainer.algorithm.elements(update, 0)[0][rows]
     params = list(trainer.policy.actor.parameters())
-    terms = trainer.score(batch, index)
+    terms = trainer.algorithm.policy_terms(batch, index)
     loss, _ = compute_policy_loss("ppo", terms.logp, terms.old_logp, adv, clip_eps_low=0.05)
     grads = torch.autograd.grad(loss, params)
     # d/dtheta of -mean_b A_b r_b at r = 1 is mean_b A_b d mean_i l_theta_i
-    losses = trainer.losses(batch.obs, batch.actions, batch.draws).mean(-1)
+    losses = trainer.algorithm.losses(batch.obs, batch.actions, batch.draws).mean(-1)
     expected = torch.autograd.grad((adv * losses).mean(), params)
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
@@ -90,14 +95,16 @@ def test_fpo_gradient_at_the_old_weights_is_advantage_weighted_flow_matching(tmp
 def test_a2c_is_a_special_case_of_ppo(tmp_path):
     """Huang et al. 2022 (arXiv:2205.09123): one epoch, one minibatch of the whole rollout, lambda 1, no
     advantage whitening, RMSprop: flowrl's PPO update is SB3's A2C update."""
-    config = tiny("ppo", inner_epochs=1, minibatch_size=64, gae_lambda=1.0, normalize_advantage=False,
-                  vf_coef=0.5, **{"optim.optimizer": "rmsprop", "optim.lr": 7e-4, "optim.eps": 1e-5,
-                                  "optim.max_grad_norm": 0.5})  # fmt: skip
+    config = tiny("ppo", vf_coef=0.5, **{"batch.inner_epochs": 1, "batch.mini_batch_size": None,
+                                         "advantage.lam": 1.0, "advantage.normalize": False,
+                                         "optim.optimizer": "rmsprop", "optim.lr": 7e-4, "optim.eps": 1e-5,
+                                         "optim.max_grad_norm": 0.5})  # fmt: skip
     trainer = build_trainer(config, output_dir=tmp_path)
-    rollout = trainer.collector.collect(0).rollout
+    batch = prepared(trainer)
+    rollout = batch.data
     reference = copy.deepcopy(trainer.policy)
     initial = copy.deepcopy(trainer.policy)
-    trainer.update(rollout, rollout.advantages, None, 0)
+    trainer.scheduler.run(batch, 0)  # one mini-batch of the whole rollout, in micro-batches of 16
 
     # SB3's A2C.train: one step on the whole rollout
     optimizer = torch.optim.RMSprop(reference.parameters(), lr=7e-4, alpha=0.99, eps=1e-5, weight_decay=0)
@@ -133,7 +140,8 @@ def test_ppo_update_matches_stable_baselines3_on_its_own_rollout(tmp_path, monke
     buf, sb = model.rollout_buffer, model.policy
     assert buf.episode_starts.sum() >= E
 
-    trainer = build_trainer(tiny("ppo", inner_epochs=2, minibatch_size=64), output_dir=tmp_path)
+    trainer = build_trainer(tiny("ppo", **{"batch.mini_batch_size": 64, "batch.micro_batch_size": 64}),
+                            output_dir=tmp_path)  # fmt: skip
     actor, critic = trainer.policy.actor, trainer.policy.critic
     pi, vf = sb.mlp_extractor.policy_net, sb.mlp_extractor.value_net
     pairs = [(actor.mean[0], pi[0]), (actor.mean[2], pi[2]), (actor.mean[4], sb.action_net),
@@ -159,12 +167,11 @@ def test_ppo_update_matches_stable_baselines3_on_its_own_rollout(tmp_path, monke
     rollout = ControlRollout(
         obs=rows(buf.observations),
         actions=rows(buf.actions),
-        log_probs=torch.zeros(0),
         values=rows(buf.values),
         advantages=rows(buf.advantages),
         returns=rows(buf.returns),
     )
-    log_probs, _ = trainer.behaviour(rollout)
+    log_probs, _ = trainer.algorithm.behaviour(rollout, torch.arange(T * E), T * E)
     torch.testing.assert_close(log_probs[:, 0], rows(buf.log_probs), rtol=1e-5, atol=1e-5)
     rollout = dataclasses.replace(rollout, log_probs=log_probs)
 
@@ -187,10 +194,12 @@ def test_ppo_update_matches_stable_baselines3_on_its_own_rollout(tmp_path, monke
         order = torch.as_tensor(next(replay))
         return (order % T) * E + order // T
 
-    import flowrl.trainers.control as control
+    import flowrl.trainers.scheduler as scheduler
 
-    monkeypatch.setattr(control.torch, "randperm", sb3_order)
-    trainer.update(rollout, rollout.advantages, None, 0)
+    batch = UpdateBatch(data=rollout, rows=torch.arange(T * E), size=T * E, advantages=rollout.advantages,
+                        trainable=torch.ones(T * E, dtype=torch.bool))  # fmt: skip
+    monkeypatch.setattr(scheduler.torch, "randperm", sb3_order)
+    trainer.scheduler.run(batch, 0)
     monkeypatch.undo()
     for (ours, theirs), start in zip(pairs, initial):
         moved = (theirs.weight - start).abs().max()
@@ -221,7 +230,14 @@ def test_exact_resume(tmp_path):
         assert torch.equal(p, q)
     rows = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     again = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
-    drop = ("time", "wall_s", "env_steps_per_s", "threads", "eval/")  # the interrupted run evaluated at its end
+    drop = (
+        "time",
+        "wall_s",
+        "env_steps_per_s",
+        "threads",
+        "memory/",
+        "eval/",
+    )  # the interrupted run evaluated at its end
     strip = [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
     assert strip == [{k: v for k, v in r.items() if not k.startswith(drop)} for r in again]
 
@@ -234,16 +250,21 @@ def test_resume_restores_the_normalisation_statistics(tmp_path):
     first.train()
     second = build_trainer(config(), output_dir=tmp_path)
     second.load_checkpoint(tmp_path / "checkpoints" / "epoch_2")
-    np.testing.assert_array_equal(first.normalizer.obs_rms.mean, second.normalizer.obs_rms.mean)
-    np.testing.assert_array_equal(first.normalizer.ret_rms.var, second.normalizer.ret_rms.var)
-    assert first.normalizer.obs_rms.count == second.normalizer.obs_rms.count
+    a, b = first.modality.normalizer, second.modality.normalizer
+    np.testing.assert_array_equal(a.obs_rms.mean, b.obs_rms.mean)
+    np.testing.assert_array_equal(a.ret_rms.var, b.ret_rms.var)
+    assert a.obs_rms.count == b.obs_rms.count
 
 
 def test_config_errors_name_the_problem():
     with pytest.raises(ValueError, match="reward from the environment"):
         load_config({"trainer": "ppo", "rewards": [{"name": "digits_alignment"}]})
-    with pytest.raises(ValueError, match="does not use the prompts section"):
+    with pytest.raises(ValueError, match="'prompts' does not apply to trainer 'fpo'"):
         load_config({"trainer": "fpo", "prompts": {"group_size": 4}})
+    with pytest.raises(ConfigError, match="'gae_lambda' was renamed: use advantage.lam"):
+        load_config({"trainer": "ppo", "gae_lambda": 0.9})
+    with pytest.raises(ConfigError, match="'minibatch_size' was renamed: use batch.mini_batch_size"):
+        load_config({"trainer": "ppo", "minibatch_size": 32})
     with pytest.raises(ConfigError, match="env.num_envs"):
         load_config({"trainer": "dppo", "env": {"num_envs": "four"}})
     with pytest.raises(ConfigError, match="ratio"):
@@ -311,7 +332,7 @@ def test_vector_env_bootstraps_time_limits_in_same_step_mode():
 def test_every_control_config_trains_one_short_epoch(path, tmp_path):
     shipped = load_config(path)
     config = load_config(path, ["env.steps_per_env=16", "total_env_steps=null", "run.epochs=1", "eval.episodes=1",
-                                "run.log_with=[]", "run.images_every=0"])  # fmt: skip
+                                "run.log_with=[]", "run.samples_every=0"])  # fmt: skip
     assert config.env == dataclasses.replace(shipped.env, steps_per_env=16)
     summary = build_trainer(config, output_dir=tmp_path).train()
     assert summary["epochs"] == 1 and np.isfinite(summary["reward_end"])

@@ -69,7 +69,8 @@ def ref_reinforce(logp, old_logp, adv, mask):
     return -adv * torch.exp(logp - old_logp)
 
 
-def ref_spo(logp, old_logp, adv, mask, *, eps=0.2):
+def ref_spo(logp, old_logp, adv, mask, *, clip_eps_low=0.2):
+    eps = clip_eps_low
     ratio = torch.exp(logp - old_logp)
     return -(ratio * adv - adv.abs() / (2 * eps) * (ratio - 1) ** 2)
 

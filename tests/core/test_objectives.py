@@ -117,13 +117,13 @@ def test_cispo_hand_values():
 def test_spo_hand_values():
     # J = r A - |A| (r-1)^2 / (2 eps) = 1.5 - 0.25 / 0.4 = 0.875, so the loss is -0.875;
     # dJ/dr = A - |A| (r - 1) / eps = 1 - 2.5 = -1.5, so dl/dlogp = 1.5 * r = 2.25
-    v, g, _ = one("spo", 1.5, 1.0, eps=0.2)
+    v, g, _ = one("spo", 1.5, 1.0, clip_eps_low=0.2)
     assert v == pytest.approx(-0.875)
     assert g == pytest.approx(2.25)
     # the per-element objective peaks at r* = 1 + sign(A) eps: zero gradient there
-    _, g, _ = one("spo", 1.2, 1.0, eps=0.2)
+    _, g, _ = one("spo", 1.2, 1.0, clip_eps_low=0.2)
     assert g == pytest.approx(0.0, abs=1e-12)
-    _, g, _ = one("spo", 0.8, -1.0, eps=0.2)
+    _, g, _ = one("spo", 0.8, -1.0, clip_eps_low=0.2)
     assert g == pytest.approx(0.0, abs=1e-12)
 
 
@@ -258,7 +258,7 @@ PARITY_HPARAMS = {
     "gspo": {"clip_eps_low": 0.05, "clip_eps_high": 0.08},
     "sapo": {"tau_pos": 0.9, "tau_neg": 1.3},
     "cispo": {"clip_eps_low": 0.3, "clip_eps_high": 0.2},
-    "spo": {"eps": 0.15},
+    "spo": {"clip_eps_low": 0.15},
     "gppo": {"beta_low": 0.5, "beta_high": 0.75},
     "clamp": {"clip_eps_low": 0.2, "clip_eps_high": 0.25},
     "reinforce": {},
@@ -348,7 +348,7 @@ def test_ppo_gradient_is_zero_exactly_where_the_clip_binds():
 def test_spo_never_zeroes_the_gradient():
     logp, old, adv, mask, _ = random_batch(12, b=16, k=16)
     old = logp.detach() + 2.0 * (old - logp.detach())  # far off-policy: ratios well outside 1 +- eps
-    loss, _ = compute_policy_loss("spo", logp, old, adv, torch.ones_like(mask), eps=0.2)
+    loss, _ = compute_policy_loss("spo", logp, old, adv, torch.ones_like(mask), clip_eps_low=0.2)
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.all(grad != 0)
 
@@ -414,8 +414,13 @@ def test_unknown_objective_lists_valid_names():
 
 def test_unknown_and_missing_hyper_parameters():
     lp = torch.zeros(1, 1)
-    with pytest.raises(ValueError, match="unknown hyper-parameter 'clip_eps' for objective 'ppo'.*clip_eps_low"):
+    with pytest.raises(ValueError, match="unknown hyper-parameter 'clip_epsilon' for objective 'ppo'.*clip_eps_low"):
+        compute_policy_loss("ppo", lp, lp, torch.ones(1), clip_epsilon=0.1)
+    # one name per concept: the clip widths and KL weights of earlier versions name their new one
+    with pytest.raises(ValueError, match="'clip_eps' of objective 'ppo' was renamed: use clip_eps_low"):
         compute_policy_loss("ppo", lp, lp, torch.ones(1), clip_eps=0.1)
+    with pytest.raises(ValueError, match="'kl_coef' of objective 'kl_cov' was renamed: use beta"):
+        compute_policy_loss("kl_cov", lp, lp, torch.ones(1), kl_coef=0.1)
     with pytest.raises(ValueError, match="needs hyper-parameter.*std, mean_diff_sq"):
         compute_policy_loss("grpo_guard", lp, lp, torch.ones(1))
     with pytest.raises(ValueError, match="unknown aggregation 'mean'"):
@@ -450,8 +455,8 @@ def test_duplicate_registration_raises_and_custom_objective_works():
 def test_invalid_hyper_parameter_values():
     with pytest.raises(ValueError, match="dual_clip_c must be > 1"):
         one("ppo", 1.0, -1.0, dual_clip_c=0.5)
-    with pytest.raises(ValueError, match="eps must be > 0"):
-        one("spo", 1.0, 1.0, eps=0.0)
+    with pytest.raises(ValueError, match="clip_eps_low must be > 0"):
+        one("spo", 1.0, 1.0, clip_eps_low=0.0)
     with pytest.raises(ValueError, match="clip ranges must be >= 0"):
         one("ppo", 1.0, 1.0, clip_eps_low=-0.1)
 
@@ -485,6 +490,6 @@ def test_every_objective_has_image_scale_defaults_derived_from_flow_grpo():
         assert set(objective.image_hparams) <= set(objective.hparams), name
     assert get_objective("ppo").image_hparams == {"clip_eps_low": pytest.approx(1e-4)}
     assert get_objective("sapo").image_hparams == {"tau_pos": pytest.approx(2000.0), "tau_neg": pytest.approx(2100.0)}
-    assert get_objective("spo").image_hparams == {"eps": pytest.approx(1e-4)}
+    assert get_objective("spo").image_hparams == {"clip_eps_low": pytest.approx(1e-4)}
     assert get_objective("cispo").image_hparams == {"clip_eps_high": pytest.approx(2e-3)}
     assert get_objective("grpo_guard").image_hparams == {"clip_eps_low": 2e-6}

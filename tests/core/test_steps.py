@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from flowrl.config import StepConfig
 from flowrl.core import STEP_SELECTIONS, STEP_WEIGHTINGS, select_steps, step_weights, steps_to_mask
+from flowrl.image import StepConfig
 
 
 def test_selections():

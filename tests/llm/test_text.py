@@ -10,6 +10,7 @@ import torch
 from flowrl.core import get_objective, list_objectives
 from flowrl.llm.logprobs import token_log_probs
 from flowrl.trainers import build_trainer, load_config
+from tests.conftest import tiny_config
 
 
 pytest.importorskip("transformers")
@@ -18,29 +19,19 @@ IMAGE_ONLY = {"grpo_guard"}  # needs the per-step Gaussian std of a denoising st
 
 
 def tiny(**overrides):
-    config = {"trainer": "text", "prompts": {"prompts_per_epoch": 8, "group_size": 4},
-              "generation": {"minibatch_size": 16, "max_new_tokens": 4},
-              "run": {"epochs": 2, "log_with": [], "save_every": 0, "images_every": 0},
-              "eval": {"every": 0, "max_prompts": 16}}  # fmt: skip
-    for key, value in overrides.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return load_config(config)
+    """The shared tiny text config (8 arith prompts x 4 completions of at most 4 tokens), dotted-key overrides."""
+    return tiny_config("text", overrides=[f"{key}={json.dumps(value)}" for key, value in overrides.items()])
 
 
 def test_ratio_is_exactly_one_at_the_behaviour_weights(tmp_path):
     trainer = build_trainer(tiny(**{"objective.name": "grpo"}), output_dir=tmp_path)
-    batch = trainer.collector.collect(0)
-    rollout = batch.rollout
-    index = trainer.train_elements(rollout, 0)
-    adv = torch.randn(len(rollout))
-    _, metrics = trainer.minibatch_loss(rollout, index, adv)
+    batch, collected, _ = trainer.prepare_epoch(0)
+    rollout = batch.data
+    batch.advantages = torch.randn(len(rollout))
+    _, metrics = trainer.scheduler.loss(trainer.scheduler.micro_batch(batch))
     assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["ratio_std"]) == 0.0
     assert rollout.completion_mask.any(1).all()  # every completion has at least one token
-    assert len(batch.prompts) == 32 and set(batch.rewards) == {"arith_exact"}
+    assert len(collected.prompts) == 32 and set(collected.rewards) == {"arith_exact"}
 
 
 def test_token_log_probs_ignore_padding():
@@ -63,7 +54,8 @@ def test_token_log_probs_ignore_padding():
 
 @pytest.mark.parametrize("name", [n for n in list_objectives() if n not in IMAGE_ONLY])
 def test_every_objective_trains_one_epoch(name, tmp_path):
-    trainer = build_trainer(tiny(**{"objective.name": name, "run.epochs": 1, "inner_epochs": 2}), output_dir=tmp_path)
+    trainer = build_trainer(tiny(**{"objective.name": name, "run.epochs": 1, "batch.inner_epochs": 2}),
+                            output_dir=tmp_path)  # fmt: skip
     before = [p.detach().clone() for p in trainer.params]
     summary = trainer.train()
     assert summary["epochs"] == 1
@@ -76,30 +68,31 @@ def test_every_objective_trains_one_epoch(name, tmp_path):
 @pytest.mark.parametrize("path", sorted(Path("configs/llm").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_llm_config_trains_one_short_epoch(path, tmp_path):
     overrides = ["run.epochs=1", "run.log_with=[]", "eval.every=0", "eval.max_prompts=8",
-                 "prompts.prompts_per_epoch=4", "run.save_every=0", "run.images_every=0"]  # fmt: skip
+                 "prompts.prompts_per_epoch=4", "run.save_every=0", "run.samples_every=0"]  # fmt: skip
     summary = build_trainer(load_config(path, overrides), output_dir=tmp_path).train()
     assert summary["epochs"] == 1
 
 
 def test_dr_grpo_normalises_by_the_completion_budget(tmp_path):
     trainer = build_trainer(tiny(**{"objective.name": "dr_grpo"}), output_dir=tmp_path)
-    assert trainer.objective_hparams["norm_len"] == 4.0  # generation.max_new_tokens
+    assert trainer.algorithm.objective_hparams["norm_len"] == 4.0  # generation.max_new_tokens
 
 
 def test_exact_resume_with_controller_state(tmp_path):
-    overrides = {"objective.name": "r2vpo", "run.epochs": 4, "run.save_every": 2, "inner_epochs": 2}
+    overrides = {"objective.name": "r2vpo", "run.epochs": 4, "run.save_every": 2, "batch.inner_epochs": 2}
     full = build_trainer(tiny(**overrides), output_dir=tmp_path / "full")
     full.train()
     part = build_trainer(tiny(**{**overrides, "run.epochs": 2}), output_dir=tmp_path / "part")
     part.train()
     resumed = build_trainer(tiny(**overrides), output_dir=tmp_path / "part")
     resumed.train(resume=True)
-    assert resumed.objective_state["lambda"] == pytest.approx(full.objective_state["lambda"], abs=0, rel=0)
-    assert full.objective_state["lambda"] > 0  # the controller moved, so the comparison means something
+    state = full.algorithm.objective_state
+    assert resumed.algorithm.objective_state["lambda"] == pytest.approx(state["lambda"], abs=0, rel=0)
+    assert state["lambda"] > 0  # the controller moved, so the comparison means something
     for a, b in zip(full.params, resumed.params):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     saved = json.loads((tmp_path / "part" / "checkpoints" / "epoch_4" / "trainer_state.json").read_text())
-    assert saved["objective_state"]["lambda"] == full.objective_state["lambda"]
+    assert saved["objective_state"]["lambda"] == state["lambda"]
 
 
 def test_exact_resume_with_dcpo_smooth_advantage_state(tmp_path):
@@ -116,9 +109,9 @@ def test_exact_resume_with_dcpo_smooth_advantage_state(tmp_path):
     part.train()
     resumed = build_trainer(tiny(**overrides), output_dir=tmp_path / "part")
     resumed.train(resume=True)
-    pools = full.advantages.tracker.prompts
+    pools = full.algorithm.estimator.tracker.prompts
     assert [visits for visits, _, _ in pools.values()] == [4] * 4  # every prompt revisited: the history mattered
-    assert resumed.advantages.tracker.prompts == pools
+    assert resumed.algorithm.estimator.tracker.prompts == pools
     for a, b in zip(full.params, resumed.params):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     saved = json.loads((tmp_path / "part" / "checkpoints" / "epoch_4" / "trainer_state.json").read_text())
@@ -128,7 +121,7 @@ def test_exact_resume_with_dcpo_smooth_advantage_state(tmp_path):
 @pytest.mark.slow
 def test_grpo_raises_test_accuracy(tmp_path):
     config = load_config("configs/llm/arith_grpo.yaml", ["run.log_with=[]", "eval.every=0", "run.save_every=0",
-                                                         "run.images_every=0"])  # fmt: skip
+                                                         "run.samples_every=0"])  # fmt: skip
     summary = build_trainer(config, output_dir=tmp_path).train()
     assert summary["reward_end"] > summary["reward_start"] + 0.05, summary["eval_history"]
 
@@ -136,8 +129,10 @@ def test_grpo_raises_test_accuracy(tmp_path):
 def test_config_errors_name_the_problem():
     with pytest.raises(ValueError, match="objective"):
         build_trainer(tiny(**{"objective.name": "nope"}), output_dir=None)
-    with pytest.raises(ValueError, match="sampling"):
+    with pytest.raises(ValueError, match="'sampling' does not apply to trainer 'text'"):
         tiny(**{"sampling.num_steps": 3})
+    with pytest.raises(ValueError, match="'generation.minibatch_size' was renamed: use batch.mini_batch_size"):
+        tiny(**{"generation.minibatch_size": 3})
     with pytest.raises(ValueError, match="kl.form"):
         tiny(**{"kl.beta": 0.1, "kl.form": "gaussian"})
     with pytest.raises(FileNotFoundError, match="neither 'arith' nor a local folder"):
@@ -145,6 +140,7 @@ def test_config_errors_name_the_problem():
 
 
 def test_kl_penalty_against_the_initial_model(tmp_path):
-    trainer = build_trainer(tiny(**{"kl.beta": 0.05, "inner_epochs": 2, "run.epochs": 1}), output_dir=tmp_path)
+    trainer = build_trainer(tiny(**{"kl.beta": 0.05, "batch.inner_epochs": 2, "run.epochs": 1}),
+                            output_dir=tmp_path)  # fmt: skip
     trainer.train()
     assert "kl" in trainer.log.history[-1] and trainer.log.history[-1]["kl"] >= 0

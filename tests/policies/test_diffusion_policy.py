@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flowrl.core import compute_policy_loss, ratio_norm_grpo_guard
-from flowrl.models import load_pipeline, tiny_flux, tiny_sd3, tiny_unet
+from flowrl.models import load_pipeline, tiny_sd3
 from flowrl.policies import DiffusionPolicy
 
 from ..conftest import TEXT
@@ -22,19 +22,7 @@ def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("fixture, guidance", [("sd3_pipe", 4.5), ("sd3_pipe", 1.0), ("flux_pipe", 3.5),
-                                               ("unet_pipe", 5.0)])  # fmt: skip
-def test_ode_rollout_reproduces_the_diffusers_pipeline(request, fixture, guidance):
-    pipe = request.getfixturevalue(fixture)
-    policy, text = _policy(pipe)
-    rollout = policy.rollout(PROMPTS, num_steps=4, guidance_scale=guidance, sampler="ode", generator=_gen(),
-                             height=64, width=64)  # fmt: skip
-    images = pipe(PROMPTS, height=64, width=64, num_inference_steps=4, guidance_scale=guidance, output_type="pt",
-                  generator=_gen(), **text).images  # fmt: skip
-    assert rollout.images.shape == (4, 3, 64, 64)
-    assert 0 <= rollout.images.min() and rollout.images.max() <= 1
-    torch.testing.assert_close(rollout.images, images, rtol=0, atol=1e-5)
-    assert not rollout.sde_mask.any() and torch.all(rollout.log_probs == 0)
+# every family's ODE rollout against its diffusers pipeline and its LoRA round trip: tests/models/test_families.py
 
 
 CASES = [
@@ -200,35 +188,6 @@ def test_reference_policy_is_the_base_model(sd3_pipe):
     with torch.no_grad():
         next(full.model.parameters()).add_(1.0)
     assert torch.equal(full.log_prob(rollout, 1, reference=True), ref_logp)
-
-
-@pytest.mark.parametrize("build, guidance", [(tiny_sd3, 4.5), (tiny_flux, 3.5), (tiny_unet, 5.0)])
-def test_lora_round_trip_through_diffusers_load_lora_weights(tmp_path, build, guidance):
-    pipe = build(seed=7)
-    policy, text = _policy(pipe)
-    policy.add_lora(rank=4, alpha=8)
-    assert policy.trainable_parameters() and all("lora" in n for n, p in policy.model.named_parameters()
-                                                  if p.requires_grad)  # fmt: skip
-    with torch.no_grad():  # stand-in for a trained adapter
-        for name, param in policy.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
-    trained = policy.rollout(["a cat", "a dog"], num_steps=3, guidance_scale=guidance, sampler="ode",
-                             generator=_gen(), height=64, width=64).images  # fmt: skip
-    path = policy.save_lora(tmp_path)
-    assert path.name == "pytorch_lora_weights.safetensors" and path.is_file()
-    fresh = build(seed=7)
-    fresh.set_progress_bar_config(disable=True)
-    kwargs = dict(height=64, width=64, num_inference_steps=3, guidance_scale=guidance, output_type="pt", **text)
-    base = fresh(["a cat", "a dog"], generator=_gen(), **kwargs).images
-    fresh.load_lora_weights(tmp_path)
-    loaded = fresh(["a cat", "a dog"], generator=_gen(), **kwargs).images
-    torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-5)
-    assert (base - trained).abs().max() > 1e-3  # the adapter did change the outputs
-    again, _ = _policy(build(seed=7))
-    again.load_lora(tmp_path)
-    assert torch.equal(again.rollout(["a cat", "a dog"], num_steps=3, guidance_scale=guidance, sampler="ode",
-                                     generator=_gen(), height=64, width=64).images, trained)  # fmt: skip
 
 
 def test_loaders(tmp_path, sd3_pipe):

@@ -1,32 +1,15 @@
-"""Tiny trainer configs on the tiny digits world (`tests/conftest.py`)."""
+"""Trainers on the tiny digits world (`tests/conftest.py`: `tiny_world`, `tiny_config`)."""
 
 from flowrl import rewards
-from flowrl.trainers import build_trainer, load_config
-
-
-PPO_TRAINERS = ("flow_grpo", "grpo_guard", "loop")
-
-
-def tiny_config(trainer="grpo_guard", tmp_path=None, overrides=(), **top):
-    """A 2-epoch, 4-prompt x 4-sample, 4-step digits config (clip range 1e-2 for the PPO-family trainers)."""
-    data = {
-        "trainer": trainer,
-        "sampling": {"num_steps": 4, "guidance_scale": 2.0, "forward_batch_size": 8},
-        "prompts": {"prompts_per_epoch": 4, "group_size": 4},
-        "eval": {"every": 1, "samples_per_prompt": 2, "max_prompts": 4, "metrics": ["digits_gold"]},
-        "optim": {"lr": 1e-3, "gradient_accumulation": 2},
-        "run": {"epochs": 2, "save_every": 1, "images_every": 1, "log_with": [], "output_dir": str(tmp_path)},
-    }
-    if trainer in PPO_TRAINERS:
-        data["objective"] = {"clip_eps_low": 1e-2}
-    return load_config({**data, **top}, list(overrides))
+from flowrl.trainers import build_trainer
+from tests.conftest import PPO_TRAINERS, tiny_config  # noqa: F401  (re-exported for the trainer tests)
 
 
 def make_trainer(world, config, reward_fns=None, **kwargs):
     """A trainer on a fresh copy of the tiny world's model and its classifiers."""
     fns = reward_fns or {r.name: rewards.get(r.name, classifiers=world.classifiers) for r in config.rewards}
     evals = {name: rewards.get(name, classifiers=world.classifiers) for name in config.eval.metrics}
-    policy = world.policy(forward_batch_size=config.sampling.forward_batch_size)
+    policy = world.policy(forward_batch_size=config.batch.micro_batch_size)
     return build_trainer(config, policy=policy, reward_fns=fns, eval_fns=evals, **kwargs)
 
 
@@ -36,7 +19,7 @@ def train_and_resume(world, tmp_path, name, overrides=()):
     import torch
 
     def run(folder, epochs, resume=False):
-        extra = [*overrides, f"run.epochs={epochs}", "run.images_every=0"]
+        extra = [*overrides, f"run.epochs={epochs}", "run.samples_every=0"]
         trainer = make_trainer(world, tiny_config(name, tmp_path / folder, overrides=extra))
         trainer.train(resume=resume)
         return trainer
@@ -59,3 +42,46 @@ def training_rows(run_dir):
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["epoch"] == 0 and "reward/mean" not in rows[0]
     return rows[1:]
+
+
+def update_batch(rollout, advantages=None):
+    """`rollout` (one process's whole batch) as an `UpdateBatch` with `advantages` (default 0), every row trained."""
+    import torch
+
+    from flowrl.trainers.scheduler import UpdateBatch
+
+    n = len(rollout)
+    advantages = torch.zeros(n) if advantages is None else advantages
+    return UpdateBatch(data=rollout, rows=torch.arange(n), size=n, advantages=advantages,
+                       trainable=torch.ones(n, dtype=torch.bool))  # fmt: skip
+
+
+def elements(trainer, rollout, epoch=0):
+    """The `[B, k]` elements the trainer's algorithm trains of `rollout` (this process's whole batch) at `epoch`."""
+    return trainer.algorithm.elements(update_batch(rollout), epoch)[0]
+
+
+def micro_batch(trainer, rollout, advantages=None, epoch=0, index=None):
+    """All of `rollout`'s rows as one micro-batch, with the elements the algorithm trains at `epoch` (or `index`)."""
+    import dataclasses
+
+    import torch
+
+    mb = trainer.scheduler.micro_batch(update_batch(rollout, advantages), epoch=epoch)
+    if index is not None:
+        mb = dataclasses.replace(mb, index=index, valid=torch.ones(index.shape, dtype=torch.bool))
+    return mb
+
+
+def micro_loss(trainer, rollout, advantages=None, epoch=0, index=None):
+    """`(loss with its graph, metrics)` of all of `rollout`'s rows as one micro-batch (no backward)."""
+    return trainer.scheduler.loss(micro_batch(trainer, rollout, advantages, epoch, index))
+
+
+def collected(rollout):
+    """`rollout` as a collected batch that is one process's whole epoch."""
+    import torch
+
+    from flowrl.policies.rollout import Collected
+
+    return Collected(data=rollout, rows=torch.arange(len(rollout)), size=len(rollout))

@@ -11,21 +11,20 @@ from flowrl.policies.fpo import cfm_losses
 from flowrl.trainers import build_trainer, load_config
 from flowrl.trainers.acflow import critic_weights
 
-from .conftest import make_trainer, training_rows
+from .conftest import collected, make_trainer, micro_loss, training_rows
 
 
 def acflow_config(tmp_path, overrides=(), **top):
     """`tiny_config`'s world and sizes for AC-Flow, sampling with the ODE."""
     data = {
         "trainer": "acflow",
-        "sampling": {"num_steps": 4, "guidance_scale": 2.0, "forward_batch_size": 8, "sampler": "ode"},
+        "sampling": {"num_steps": 4, "guidance_scale": 2.0, "sampler": "ode"},
+        "batch": {"mini_batch_size": 16, "micro_batch_size": 8},
         "prompts": {"prompts_per_epoch": 4, "group_size": 4},
         "eval": {"every": 1, "samples_per_prompt": 2, "max_prompts": 4, "metrics": ["digits_gold"]},
-        "optim": {"lr": 1e-3, "gradient_accumulation": 2},
-        "run": {"epochs": 2, "save_every": 1, "images_every": 1, "log_with": [], "output_dir": str(tmp_path)},
-        "critic_hidden": 16,
-        "critic_steps": 2,
-        "critic_warmup_epochs": 1,
+        "optim": {"lr": 1e-3},
+        "run": {"epochs": 2, "save_every": 1, "samples_every": 1, "log_with": [], "output_dir": str(tmp_path)},
+        "critic": {"hidden": 16, "steps": 2, "warmup_epochs": 1},
         **top,
     }
     return load_config(data, list(overrides))
@@ -37,7 +36,7 @@ def _weights(module):
 
 def _constant_critic(trainer, value: float):
     """Make the critic output `value` for every input (zero last layer, bias = value)."""
-    net, _ = trainer.aux["critic"]
+    net = trainer.engine.aux_module("critic")
     with torch.no_grad():
         net.head[-1].weight.zero_()
         net.head[-1].bias.fill_(value)
@@ -64,54 +63,56 @@ def test_reward_shaping_hand_values(tiny_world, tmp_path):
     r = {"digits_alignment": torch.tensor([0.0, 1.0, 2.0, 3.0])}
     groups, prompts = torch.tensor([0, 0, 1, 1]), ["a", "a", "b", "b"]
     batch = make_trainer(tiny_world, acflow_config(tmp_path, ["advantage.estimator=batch", "advantage.clip=1.0"]))
-    shaped, _ = batch.compute_advantages(r, groups, prompts)
+    shaped, _ = batch.algorithm.estimator(r, groups, prompts)
     z = 1.5 / (math.sqrt(5 / 3) + 1e-4)  # (3 - 1.5) / unbiased std of (0, 1, 2, 3)
     assert shaped.tolist() == pytest.approx([-1.0, -0.5 / 1.5 * z, 0.5 / 1.5 * z, 1.0], abs=1e-6)
     group = make_trainer(tiny_world, acflow_config(tmp_path, ["advantage.estimator=group", "advantage.clip=null"]))
-    shaped, _ = group.compute_advantages(r, groups, prompts)
+    shaped, _ = group.algorithm.estimator(r, groups, prompts)
     g = 0.5 / (math.sqrt(0.5) + 1e-4)  # each pair: mean +- 0.5, unbiased std sqrt(0.5)
     assert shaped.tolist() == pytest.approx([-g, g, -g, g], abs=1e-6)
     raw = make_trainer(tiny_world, acflow_config(tmp_path, ["advantage.estimator=raw", "advantage.clip=2.5"]))
-    assert raw.compute_advantages(r, groups, prompts)[0].tolist() == [0.0, 1.0, 2.0, 2.5]
+    assert raw.algorithm.estimator(r, groups, prompts)[0].tolist() == [0.0, 1.0, 2.0, 2.5]
 
 
 def test_critic_targets_and_clipped_advantages(tiny_world, tmp_path):
-    trainer = make_trainer(tiny_world, acflow_config(tmp_path, ["critic_steps=1", "critic_clip=1.0", "num_draws=3"]))
+    trainer = make_trainer(tiny_world, acflow_config(tmp_path, ["critic.steps=1", "critic.clip=1.0", "num_draws=3"]))
+    algorithm = trainer.algorithm
     rollout, _, _ = trainer.collector.sample(0)
     shaped = torch.linspace(-3, 3, len(rollout))
     _constant_critic(trainer, 0.5)
     # the critic regresses the shaped reward: its (first) loss is mean((0.5 - r~)^2)
-    stats = trainer.train_critic(rollout, shaped, 0)
+    rows = torch.arange(len(rollout))
+    stats = algorithm.train_critic(rollout, rows, shaped, len(rollout), 0)
     assert stats["critic/loss"] == pytest.approx((0.5 - shaped).pow(2).mean().item(), rel=1e-6)
     _constant_critic(trainer, 0.5)
-    rows = torch.arange(len(rollout))
-    draws, _ = trainer.weigh_draws(rollout, shaped, rows, epoch=1)  # after the warm-up: the critic's advantages
-    adv = trainer.critic_advantages(rollout, shaped, draws)
+    every = torch.ones(len(rollout), dtype=torch.bool)
+    draws, _ = algorithm.weigh_draws(collected(rollout), shaped, every, epoch=1)  # after the warm-up: the critic's
+    adv = algorithm.critic_advantages(rollout, shaped, draws)
     assert adv.shape == (len(rollout), 3) and adv.abs().max() <= 1.0
     assert torch.allclose(adv, (shaped - 0.5).clamp(-1, 1)[:, None].expand(-1, 3))
     assert torch.allclose(draws.weights, critic_weights(adv, "exp_norm", 1.0))
 
 
 def test_warmup_weights_ignore_the_critic(tiny_world, tmp_path):
-    config = acflow_config(tmp_path, ["critic_warmup_epochs=2", "weight_fn=exp", "temperature=0.5"])
+    config = acflow_config(tmp_path, ["critic.warmup_epochs=2", "weight_fn=exp", "temperature=0.5"])
     trainer = make_trainer(tiny_world, config)
     rollout, _, _ = trainer.collector.sample(0)
-    shaped, rows = torch.linspace(-1, 1, len(rollout)), torch.arange(len(rollout))
+    shaped, every = torch.linspace(-1, 1, len(rollout)), torch.ones(len(rollout), dtype=torch.bool)
     for value in (0.0, 3.0):  # whatever the critic says, the warm-up weight is g(r~) = exp(beta r~)
         _constant_critic(trainer, value)
-        draws, _ = trainer.weigh_draws(rollout, shaped, rows, epoch=1)
+        draws, _ = trainer.algorithm.weigh_draws(collected(rollout), shaped, every, epoch=1)
         assert torch.allclose(draws.weights, torch.exp(0.5 * shaped)[:, None].expand(-1, 2))
 
 
 def test_frozen_warmup_leaves_the_actor_bit_identical(tiny_world, tmp_path):
-    config = acflow_config(tmp_path, ["critic_warmup_epochs=2", "warmup_actor=frozen", "run.epochs=3"])
+    config = acflow_config(tmp_path, ["critic.warmup_epochs=2", "warmup_actor=frozen", "run.epochs=3"])
     trainer = make_trainer(tiny_world, config)
-    actor, critic = _weights(trainer.policy.model), _weights(trainer.critic)
+    actor, critic = _weights(trainer.policy.model), _weights(trainer.algorithm.critic)
     for epoch in range(2):
         record = trainer.train_epoch(epoch)
         assert record["critic/warmup"] == 1.0 and "loss" not in record
         assert all(torch.equal(a, b) for a, b in zip(actor, _weights(trainer.policy.model)))
-    assert all(not torch.equal(a, b) for a, b in zip(critic, _weights(trainer.critic)))
+    assert all(not torch.equal(a, b) for a, b in zip(critic, _weights(trainer.algorithm.critic)))
     record = trainer.train_epoch(2)  # the warm-up is over: the critic-weighted actor trains
     assert record["critic/warmup"] == 0.0 and math.isfinite(record["loss"])
     assert all(not torch.equal(a, b) for a, b in zip(actor, _weights(trainer.policy.model)))
@@ -119,8 +120,8 @@ def test_frozen_warmup_leaves_the_actor_bit_identical(tiny_world, tmp_path):
 
 def test_reduction_to_orw_cfm_w2(tiny_world, tmp_path):
     """V = 0, g = exp(beta r) on raw rewards, no clipping: exactly ORW-CFM-W2's loss (markerthu/orw-cfm)."""
-    overrides = ["advantage.estimator=raw", "advantage.clip=null", "critic_clip=null", "weight_fn=exp",
-                 "temperature=0.5", "kl.beta=1.0", "critic_warmup_epochs=0", "critic_steps=0"]  # fmt: skip
+    overrides = ["advantage.estimator=raw", "advantage.clip=null", "critic.clip=null", "weight_fn=exp",
+                 "temperature=0.5", "kl.beta=1.0", "critic.warmup_epochs=0", "critic.steps=0"]  # fmt: skip
     trainer = make_trainer(tiny_world, acflow_config(tmp_path, overrides))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # move the actor off the reference so that the W2 term is not zero
@@ -129,13 +130,14 @@ def test_reduction_to_orw_cfm_w2(tiny_world, tmp_path):
     _constant_critic(trainer, 0.0)
     rollout, prompts, _ = trainer.collector.sample(0)
     raw = torch.rand(len(rollout), generator=g)
-    shaped, _ = trainer.compute_advantages({"digits_alignment": raw}, torch.zeros(len(rollout), dtype=torch.long),
-                                           [str(p) for p in prompts])  # fmt: skip
+    shaped, _ = trainer.algorithm.estimator({"digits_alignment": raw}, torch.zeros(len(rollout), dtype=torch.long),
+                                            [str(p) for p in prompts])  # fmt: skip
     assert torch.equal(shaped, raw)
-    draws, _ = trainer.weigh_draws(rollout, shaped, torch.arange(len(rollout)), epoch=0)
+    every = torch.ones(len(rollout), dtype=torch.bool)
+    draws, _ = trainer.algorithm.weigh_draws(collected(rollout), shaped, every, epoch=0)
     rollout = dataclasses.replace(rollout, draws=draws)
     second = torch.ones(len(rollout), 1, dtype=torch.long)  # the second stored draw of every sample
-    loss, metrics = trainer.minibatch_loss(rollout, second, None)
+    loss, metrics = micro_loss(trainer, rollout, index=second)
     actor = [p for p in trainer.policy.model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, actor, allow_unused=True)
 
@@ -160,15 +162,16 @@ def test_reduction_to_orw_cfm_w2(tiny_world, tmp_path):
 def test_w2_term_is_zero_at_the_reference(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, acflow_config(tmp_path, ["kl.beta=1.0"]))
     rollout, _, _ = trainer.collector.sample(0)
-    draws, _ = trainer.weigh_draws(rollout, torch.linspace(-1, 1, len(rollout)), torch.arange(len(rollout)), 0)
+    every = torch.ones(len(rollout), dtype=torch.bool)
+    draws, _ = trainer.algorithm.weigh_draws(collected(rollout), torch.linspace(-1, 1, len(rollout)), every, 0)
     rollout = dataclasses.replace(rollout, draws=draws)
     first = torch.zeros(len(rollout), 1, dtype=torch.long)
     actor = [p for p in trainer.policy.model.parameters() if p.requires_grad]
-    loss, metrics = trainer.minibatch_loss(rollout, first, None)
+    loss, metrics = micro_loss(trainer, rollout, index=first)
     assert metrics["w2_loss"].item() == 0.0
     with_w2 = torch.autograd.grad(loss, actor, allow_unused=True)
     trainer.config.kl.beta = 0.0
-    loss0, metrics0 = trainer.minibatch_loss(rollout, first, None)
+    loss0, metrics0 = micro_loss(trainer, rollout, index=first)
     assert "w2_loss" not in metrics0 and loss0.item() == loss.item()
     for a, b in zip(with_w2, torch.autograd.grad(loss0, actor, allow_unused=True)):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -179,17 +182,18 @@ def test_velocity_follows_the_policys_velocity_fn(tiny_world, tmp_path):
     rollout, _, _ = trainer.collector.sample(0)
     x, t = torch.randn(rollout.latents[:, -1].shape), torch.rand(len(rollout))
     with torch.no_grad():
-        assert torch.allclose(trainer.velocity(rollout, x, t), trainer.policy.velocity_fn(rollout, 1)(x, t), atol=1e-6)
+        velocity = trainer.algorithm.velocity
+        assert torch.allclose(velocity(rollout, x, t), trainer.policy.velocity_fn(rollout, 1)(x, t), atol=1e-6)
         # the base and the reference agree before any update
-        assert torch.equal(trainer.velocity(rollout, x, t), trainer.velocity(rollout, x, t, reference=True))
+        assert torch.equal(velocity(rollout, x, t), velocity(rollout, x, t, reference=True))
 
 
 def test_two_epoch_run_trains_actor_and_critic(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, acflow_config(tmp_path))  # epoch 1: reward-weighted warm-up; epoch 2: critic
-    actor, critic = _weights(trainer.policy.model), _weights(trainer.critic)
+    actor, critic = _weights(trainer.policy.model), _weights(trainer.algorithm.critic)
     summary = trainer.train()
     assert all(not torch.equal(a, b) for a, b in zip(actor, _weights(trainer.policy.model)))
-    assert all(not torch.equal(a, b) for a, b in zip(critic, _weights(trainer.critic)))
+    assert all(not torch.equal(a, b) for a, b in zip(critic, _weights(trainer.algorithm.critic)))
     lines = training_rows(tmp_path)
     assert [r["critic/warmup"] for r in lines] == [1.0, 0.0]
     for record in lines:
@@ -206,7 +210,7 @@ def test_resume_is_exact_including_the_critic(tiny_world, tmp_path):
     first.train()
     resumed = make_trainer(tiny_world, acflow_config(tmp_path / "b", ["run.epochs=4"]))
     resumed.train(resume=True)
-    for a, b in [(straight.policy.model, resumed.policy.model), (straight.critic, resumed.critic)]:
+    for a, b in [(straight.policy.model, resumed.policy.model), (straight.algorithm.critic, resumed.algorithm.critic)]:
         assert all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(b)))
     history = lambda path: [r["reward/mean"] for r in training_rows(path)]  # noqa: E731
     assert history(tmp_path / "a") == history(tmp_path / "b")
@@ -219,10 +223,12 @@ def test_config_and_model_checks(tiny_world, unet_pipe, tmp_path):
         acflow_config(tmp_path, ["weight_fn=identity"])
     with pytest.raises(ConfigError, match="'alpha' was renamed: use kl.beta"):
         acflow_config(tmp_path, ["alpha=0.5"])
-    with pytest.raises(ConfigError, match="'adv_clip' was renamed: use critic_clip"):
+    with pytest.raises(ConfigError, match="'adv_clip' was renamed: use critic.clip"):
         acflow_config(tmp_path, ["adv_clip=0.5"])
-    with pytest.raises(ConfigError, match="acflow does not use the objective section"):
-        acflow_config(tmp_path, ["objective.name=gspo"])
+    with pytest.raises(ConfigError, match="'critic_steps' was renamed: use critic.steps"):
+        acflow_config(tmp_path, ["critic_steps=1"])
+    with pytest.raises(ConfigError, match="'objective' does not apply to trainer 'acflow': this trainer's loss is"):
+        acflow_config(tmp_path, ["objective.name=gspo"])  # critic-weighted flow matching has no ratio objective
     config = acflow_config(tmp_path)
     fns = {"digits_alignment": rewards.get("digits_alignment", classifiers=tiny_world.classifiers)}
     with pytest.raises(ValueError, match="needs a flow-matching"):
@@ -241,11 +247,11 @@ def test_trains_with_lora_on_tiny_sd3_and_flux_pipelines(family, tmp_path):
     pipe = (tiny_sd3 if family == "sd3" else tiny_flux)(seed=1)
     policy = DiffusionPolicy.from_pipeline(pipe, forward_batch_size=2, max_sequence_length=16)
     policy.add_lora(rank=4)
-    overrides = ["sampling.num_steps=2", "sampling.forward_batch_size=2", "prompts.prompts_per_epoch=2",
-                 "prompts.group_size=2", "eval.max_prompts=1", "run.epochs=1", "rewards=[{name: brightness}]",
-                 "eval.metrics=[]", "critic_warmup_epochs=0", "optim.gradient_accumulation=1"]  # fmt: skip
+    overrides = ["sampling.num_steps=2", "batch.micro_batch_size=2", "batch.mini_batch_size=2",
+                 "prompts.prompts_per_epoch=2", "prompts.group_size=2", "eval.max_prompts=1", "run.epochs=1",
+                 "rewards=[{name: brightness}]", "eval.metrics=[]", "critic.warmup_epochs=0"]  # fmt: skip
     config = acflow_config(tmp_path, overrides, sampling={"num_steps": 2, "guidance_scale": 3.5,
-                                                          "forward_batch_size": 2, "sampler": "ode"})  # fmt: skip
+                                                          "sampler": "ode"})  # fmt: skip
     trainer = build_trainer(config, policy=policy, reward_fns={"brightness": _brightness}, eval_fns={})
     assert policy.reference_model is None  # LoRA: the reference is the base with its adapter disabled
     names = [n for n, p in policy.model.named_parameters() if p.requires_grad]

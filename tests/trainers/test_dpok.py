@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from flowrl.config import ConfigError
+from flowrl.image.steps import step_kl
 from flowrl.policies import Transitions
+from flowrl.policies.rollout import Collected
+from flowrl.runtime import seeded
 from flowrl.trainers import build_trainer, load_config
 from flowrl.trainers.dpok import ReplayBuffer
-from flowrl.trainers.image import step_kl
-from flowrl.trainers.state import seeded
-from flowrl.trainers.update import EpochStats
+from flowrl.trainers.scheduler import UpdateBatch
 
 from .conftest import make_trainer, tiny_config, training_rows
 
@@ -24,14 +25,23 @@ def dpok_config(tmp_path, overrides=(), clip=1e-2, kl=0.1, **top):
     output, so only weight decay moves it. `clip` is the clamp's half-width, `kl` the KL's beta (or a dict).
     """
     tiny = {"objective": {"clip_eps_low": clip}, "kl": kl if isinstance(kl, dict) else {"beta": kl},
-            "buffer_size": 48, "policy_steps": 2, "policy_batch_size": 8, "value_batch_size": 16, "value_steps": 2,
-            "value_hidden": 16, "optim": {"lr": 1e-3, "gradient_accumulation": 2, "weight_decay": 1e-4}}  # fmt: skip
+            "buffer_size": 48, "policy_steps": 2, "batch": {"mini_batch_size": 16, "micro_batch_size": 8},
+            "critic": {"mini_batch_size": 32, "hidden": 16}, "optim": {"lr": 1e-3, "weight_decay": 1e-4}}  # fmt: skip
     return tiny_config("dpok", tmp_path, overrides, **{**tiny, **top})
 
 
 def step_loss(trainer, batch, adv):
     """DPOK's loss of buffer transitions `batch` with advantages `adv` (alpha applied) and its metrics."""
-    return trainer.minibatch_loss(batch, batch.steps[:, None], trainer.config.reward_weight * adv)
+    n = len(batch)
+    update = UpdateBatch(data=batch, rows=None, size=n, advantages=trainer.config.reward_weight * adv,
+                         trainable=torch.ones(n, dtype=torch.bool))  # fmt: skip
+    return trainer.scheduler.loss(trainer.scheduler.micro_batch(update))
+
+
+def transitions(trainer, rollout, rewards, keep, epoch=0):
+    """The buffer transitions of a rollout that is one process's whole epoch."""
+    collected = Collected(data=rollout, rows=torch.arange(len(rollout)), size=len(rollout))
+    return trainer.algorithm.transitions(collected, rewards, keep, epoch)
 
 
 def _rows(values):
@@ -52,9 +62,9 @@ def _consistent(t):
 def _fresh_batch(trainer, n=11, seed=0):
     """`n` random transitions of one fresh epoch-0 rollout (the trainer's settings set as in `update`)."""
     rollout, _, _ = trainer.collector.sample(0)
-    trainer.settings = rollout
+    trainer.algorithm.settings = rollout
     rewards = torch.linspace(0, 1, len(rollout))
-    fresh = trainer.transitions(rollout, rewards, torch.ones(len(rollout), dtype=torch.bool))
+    fresh = transitions(trainer, rollout, rewards, torch.ones(len(rollout), dtype=torch.bool))
     return fresh.select(torch.randperm(len(fresh), generator=torch.Generator().manual_seed(seed))[:n])
 
 
@@ -111,14 +121,15 @@ def test_transitions_are_every_stochastic_step_of_the_kept_samples(tiny_world, t
     rewards = torch.arange(16.0) / 16
     keep = torch.ones(16, dtype=torch.bool)
     keep[3] = False  # e.g. a NaN reward
-    t = trainer.transitions(rollout, rewards, keep)
+    t = transitions(trainer, rollout, rewards, keep)
     rows = torch.tensor([i for i in range(16) if i != 3]).repeat_interleave(4)
     steps = torch.arange(4).repeat(15)  # trajectory by trajectory: a full buffer drops whole trajectories
     assert len(t) == 60 and torch.equal(t.steps, steps)
     assert torch.equal(t.states, rollout.latents[rows, steps])
     assert torch.equal(t.next_states, rollout.latents[rows, steps + 1])
     assert torch.equal(t.log_probs, rollout.log_probs[rows, steps]) and torch.equal(t.rewards, rewards[rows])
-    assert [trainer.prompt_table[i] for i in t.prompts.tolist()] == [rollout.prompts[i] for i in rows.tolist()]
+    table = trainer.algorithm.prompt_table
+    assert [table[i] for i in t.prompts.tolist()] == [rollout.prompts[i] for i in rows.tolist()]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,21 +150,21 @@ def test_fresh_transitions_rescore_exactly_and_the_kl_starts_at_zero(tiny_world,
 
 
 def test_value_net_regresses_the_stored_final_rewards(tiny_world, tmp_path):
-    trainer = make_trainer(tiny_world, dpok_config(tmp_path, value_lr=1e-2, value_steps=1, value_batch_size=32))
+    critic = {"lr": 1e-2, "steps": 1, "mini_batch_size": 32, "hidden": 16}
+    trainer = make_trainer(tiny_world, dpok_config(tmp_path, critic=critic))
+    algorithm = trainer.algorithm
     rollout, _, _ = trainer.collector.sample(0)
-    trainer.settings = rollout
-    trainer.buffer.push(trainer.transitions(rollout, torch.full((16,), 0.7), torch.ones(16, dtype=torch.bool)))
+    algorithm.settings = rollout
+    algorithm.buffer.push(transitions(trainer, rollout, torch.full((16,), 0.7), torch.ones(16, dtype=torch.bool)))
     # the logged value loss is the MSE of V(x_t, sigma_t, c) to the stored rewards of the sampled transitions
-    batch = trainer.buffer.sample(32, seeded(5))
+    batch = algorithm.buffer.sample(32, seeded(5))
     with torch.no_grad():
-        expected = ((trainer.value(batch) - 0.7) ** 2).mean().item()
-    stats = EpochStats()
-    trainer.update_value(seeded(5), stats)
-    assert stats.summary()["value_loss"] == pytest.approx(expected, rel=1e-5)
+        expected = ((algorithm.value(batch) - 0.7) ** 2).mean().item()
+    assert algorithm.fit_value(seeded(5)) == pytest.approx(expected, rel=1e-5)
     for i in range(60):
-        trainer.update_value(seeded(6, i), EpochStats())
+        algorithm.fit_value(seeded(6, i))
     with torch.no_grad():
-        values = trainer.value(trainer.buffer.data)
+        values = algorithm.value(algorithm.buffer.data)
     assert expected > 0.01 and (values - 0.7).abs().max() < 0.05
 
 
@@ -175,8 +186,8 @@ def test_clamp_gates_the_gradient_outside_the_band_for_both_signs(tiny_world, tm
     # at rho = 1 the gradient is REINFORCE with the reward weight: -alpha mean(A grad log p)
     adv = torch.linspace(-1, 1, 8)
     loss, _ = step_loss(trainer, batch, adv)
-    out = trainer.policy.score_transitions(trainer.settings, batch.states, batch.next_states, batch.steps,
-                                           trainer.conditioning(batch.prompts))  # fmt: skip
+    out = trainer.policy.score_transitions(trainer.algorithm.settings, batch.states, batch.next_states, batch.steps,
+                                           trainer.algorithm.conditioning(batch.prompts))  # fmt: skip
     reinforce = -alpha * (adv * out.log_prob).mean()
     for g, r in zip(_grads(trainer, loss), _grads(trainer, reinforce)):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-7)
@@ -190,8 +201,8 @@ def test_gaussian_kl_matches_torch_distributions_and_warms_up(tiny_world, tmp_pa
         for p in trainer.params:
             p.add_(0.02 * torch.randn(p.shape, generator=g))
     batch = _fresh_batch(trainer, n=8)
-    cond = trainer.conditioning(batch.prompts)
-    args = (trainer.settings, batch.states, batch.next_states, batch.steps, cond)
+    cond = trainer.algorithm.conditioning(batch.prompts)
+    args = (trainer.algorithm.settings, batch.states, batch.next_states, batch.steps, cond)
     out = trainer.policy.score_transitions(*args)
     ref = trainer.policy.score_transitions(*args, reference=True)
     kl = step_kl("gaussian", out, ref)
@@ -205,14 +216,14 @@ def test_gaussian_kl_matches_torch_distributions_and_warms_up(tiny_world, tmp_pa
     far = batch.select(slice(None))
     far.log_probs = batch.log_probs - 1.0  # every ratio far outside the clamp: only the KL can have a gradient
     adv = torch.ones(8)
-    trainer.state.epoch = 0
+    trainer.algorithm.epoch = 0
     loss0, metrics0 = step_loss(trainer, far, adv)
     alpha = trainer.config.reward_weight
     # far outside the clamp the value is -alpha A (1 - eps) for every row: the objective's part, nothing else
     assert metrics0["kl"] > 0 and loss0.item() == pytest.approx(metrics0["pg_loss"].item())
     assert metrics0["pg_loss"].item() == pytest.approx(-alpha * (1 + 1e-3), rel=1e-6)
     assert _norm(_grads(trainer, loss0)) == 0
-    trainer.state.epoch = 1
+    trainer.algorithm.epoch = 1
     loss1, metrics1 = step_loss(trainer, far, adv)
     assert loss1.item() == pytest.approx(loss0.item() + 0.5 * metrics1["kl"].item(), rel=1e-5)
     kl_grad = _grads(trainer, 0.5 * step_kl("gaussian", trainer.policy.score_transitions(*args), ref).mean())
@@ -228,7 +239,7 @@ def test_gaussian_kl_matches_torch_distributions_and_warms_up(tiny_world, tmp_pa
 
 def test_two_epoch_run_trains_every_parameter_and_the_value_net(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, dpok_config(tmp_path, kl=0.1))
-    value = trainer.aux["value"][0]
+    value = trainer.engine.aux["value"][0]
     before = [p.detach().clone() for p in trainer.params]
     value_before = [p.detach().clone() for p in value.parameters()]
     trainer.train()
@@ -256,30 +267,36 @@ def test_resume_is_exact_including_the_value_net_and_the_buffer(tiny_world, tmp_
     resumed = run(tmp_path / "b", 4, resume=True)
     for a, b in zip(straight.params, resumed.params):
         assert torch.equal(a, b)
-    for a, b in zip(straight.aux["value"][0].parameters(), resumed.aux["value"][0].parameters()):
+    for a, b in zip(straight.engine.aux["value"][0].parameters(), resumed.engine.aux["value"][0].parameters()):
         assert torch.equal(a, b)
     for name in Transitions.per_sample_fields():
-        assert torch.equal(getattr(straight.buffer.data, name), getattr(resumed.buffer.data, name)), name
+        a, b = straight.algorithm.buffer.data, resumed.algorithm.buffer.data
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
     history = lambda path: training_rows(path)  # noqa: E731
     a, b = history(tmp_path / "a"), history(tmp_path / "b")
     assert [r["value_loss"] for r in a] == [r["value_loss"] for r in b] and len(b) == 4
 
 
 def test_without_value_the_advantage_is_the_reward(tiny_world, tmp_path):
-    trainer = make_trainer(tiny_world, dpok_config(tmp_path, overrides=["run.epochs=1"], use_value=False))
-    assert trainer.aux == {} and trainer.value_net is None
-    record = trainer.train_epoch(0)
-    # A = r exactly: the logged mean advantage of the sampled transitions is a mean of this epoch's rewards
+    trainer = make_trainer(tiny_world, dpok_config(tmp_path, overrides=["run.epochs=1", "critic.enabled=false"]))
+    assert trainer.engine.aux == {} and trainer.algorithm.value_net is None
+    batch, _, _ = trainer.prepare_epoch(0)
+    # A = alpha r exactly, for every buffer transition
+    assert torch.equal(batch.advantages, trainer.config.reward_weight * batch.data.rewards)
+    record = trainer.train_epoch(1)
+    # the logged mean advantage of the drawn transitions is a mean of the rewards (alpha 1000)
     assert "value_loss" not in record and record["advantage_mean"] == pytest.approx(
-        float(record["reward/mean"]), abs=0.2
+        1000 * float(record["reward/mean"]), abs=200
     )
-    batch = trainer.buffer.sample(8, seeded(1))
-    assert torch.equal(trainer.advantage(batch), batch.rewards)
 
 
 def test_config_checks(tmp_path):
-    with pytest.raises(ConfigError, match="inner_epochs must be 1"):
-        dpok_config(tmp_path, inner_epochs=2)
+    with pytest.raises(ConfigError, match="batch.inner_epochs must be 1"):
+        dpok_config(tmp_path, overrides=["batch.inner_epochs=2"])
+    with pytest.raises(ConfigError, match="'policy_batch_size' was renamed: use batch.mini_batch_size"):
+        dpok_config(tmp_path, policy_batch_size=8)
+    with pytest.raises(ConfigError, match="'value_lr' was renamed: use critic.lr"):
+        dpok_config(tmp_path, value_lr=1e-3)
     with pytest.raises(ConfigError, match="drop_zero_std_groups must be false"):
         dpok_config(tmp_path, drop_zero_std_groups=True)
     with pytest.raises(ConfigError, match="kl.form 'k3' is not one of dpok's: gaussian, gaussian_dt, eps_mse"):
@@ -287,12 +304,13 @@ def test_config_checks(tmp_path):
     with pytest.raises(ConfigError, match="'kl_weight' was renamed: use kl.beta"):
         dpok_config(tmp_path, kl_weight=0.1)
     defaults = load_config({"trainer": "dpok"})
-    assert (defaults.optim.lr, defaults.optim.max_grad_norm, defaults.optim.gradient_accumulation) == (1e-5, 0.1, 12)
+    assert (defaults.optim.lr, defaults.optim.max_grad_norm) == (1e-5, 0.1)
+    assert (defaults.batch.mini_batch_size, defaults.batch.micro_batch_size) == (24, 2)  # 12 minibatches of 2
     assert (defaults.reward_weight, defaults.kl.beta, defaults.objective.clip_eps_low) == (1000, 0.1, 1e-4)
     assert (defaults.objective.name, defaults.advantage.estimator) == ("clamp", "raw")
     # beta 0.1 is DPOK's value for its code's KL (the unweighted prediction MSE), so that is the default form
     assert defaults.kl.form == "eps_mse"
-    assert (defaults.buffer_size, defaults.policy_steps, defaults.value_batch_size) == (1000, 5, 256)
+    assert (defaults.buffer_size, defaults.policy_steps, defaults.critic.mini_batch_size) == (1000, 5, 1280)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,16 +330,15 @@ def test_ddim_unet_with_lora(tmp_path):
     prompts = str(tmp_path / "prompts.txt")
     config = load_config({
         "trainer": "dpok",
-        "sampling": {"num_steps": 3, "guidance_scale": 2.0, "noise_level": 1.0, "sampler": "ddim",
-                     "forward_batch_size": 2},
+        "sampling": {"num_steps": 3, "guidance_scale": 2.0, "noise_level": 1.0, "sampler": "ddim"},
+        "batch": {"mini_batch_size": 4, "micro_batch_size": 2},
         "prompts": {"train": prompts, "test": prompts, "prompts_per_epoch": 2, "group_size": 2},
         "rewards": [{"name": "brightness"}],
         "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 2},
-        "optim": {"lr": 1e-3, "gradient_accumulation": 2},
-        "run": {"epochs": 2, "save_every": 0, "images_every": 0, "log_with": [], "output_dir": str(tmp_path / "run")},
+        "optim": {"lr": 1e-3},
+        "run": {"epochs": 2, "save_every": 0, "samples_every": 0, "log_with": [], "output_dir": str(tmp_path / "run")},
         "kl": {"beta": 0.1, "form": "eps_mse"}, "objective": {"clip_eps_low": 1e-2}, "policy_steps": 2,
-        "policy_batch_size": 2, "value_batch_size": 8,
-        "value_hidden": 16,
+        "critic": {"mini_batch_size": 8, "hidden": 16},
     })  # fmt: skip
     policy = DiffusionPolicy.from_pipeline(tiny_unet(), forward_batch_size=2)
     policy.add_lora(rank=4)
@@ -337,12 +354,12 @@ def test_ddim_unet_with_lora(tmp_path):
     with torch.no_grad():
         for p in trainer.params:
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    cond = trainer.conditioning(batch.prompts)
-    args = (trainer.settings, batch.states, batch.next_states, batch.steps, cond)
+    cond = trainer.algorithm.conditioning(batch.prompts)
+    args = (trainer.algorithm.settings, batch.states, batch.next_states, batch.steps, cond)
     out, eps = trainer.policy.score_transitions(*args, return_prediction=True)
     ref, ref_eps = trainer.policy.score_transitions(*args, reference=True, return_prediction=True)
     scheduler = trainer.policy.adapter.scheduler
-    t = trainer.settings.timesteps.cpu()[batch.steps]
+    t = trainer.algorithm.settings.timesteps.cpu()[batch.steps]
     prev = t - scheduler.config.num_train_timesteps // 3
     a = scheduler.alphas_cumprod[t]
     a_prev = torch.where(prev >= 0, scheduler.alphas_cumprod[prev.clamp(min=0)], scheduler.final_alpha_cumprod)

@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 
+from flowrl.core.terms import Terms
 from flowrl.rewards import RewardError
-from flowrl.trainers.base import NonFiniteError
-from flowrl.trainers.update import Terms
+from flowrl.trainers.engine import NonFiniteError
 
 from .conftest import make_trainer, tiny_config
 
 
 def poisoned(trainer, bad_calls: set[int]):
-    """Make the `score` calls numbered in `bad_calls` (0-based) return a NaN log-probability."""
-    score, calls = trainer.score, [0]
+    """Make the algorithm's `terms` calls numbered in `bad_calls` (0-based) return a NaN log-probability."""
+    score, calls = trainer.algorithm.terms, [0]
 
     def score_with_nan(batch, index) -> Terms:
         terms = score(batch, index)
@@ -25,7 +25,7 @@ def poisoned(trainer, bad_calls: set[int]):
         calls[0] += 1
         return terms
 
-    trainer.score = score_with_nan
+    trainer.algorithm.terms = score_with_nan
 
 
 def _rows(folder):
@@ -33,25 +33,25 @@ def _rows(folder):
 
 
 def test_a_nan_loss_skips_its_step_is_counted_and_the_weights_stay_finite(tiny_world, tmp_path):
-    overrides = ["run.epochs=2", "run.images_every=0", "optim.max_nonfinite_steps=3"]
+    overrides = ["run.epochs=2", "run.samples_every=0", "optim.max_nonfinite_steps=3"]
     clean = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "clean", overrides=overrides))
     clean.train()
     trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "nan", overrides=overrides))
     before = [p.detach().clone() for p in trainer.params]
-    poisoned(trainer, bad_calls={0})  # the first minibatch of epoch 1: its window's step is skipped
+    poisoned(trainer, bad_calls={0})  # the first micro-batch of epoch 1: its mini-batch's step is skipped
     trainer.train()
     rows = _rows(tmp_path / "nan")
     assert [r["nonfinite_steps"] for r in rows[1:]] == [1, 1]
     for phase in ("rollout", "scoring", "update"):  # each phase's memory is logged (resident set on CPUs)
         assert rows[1][f"memory/{phase}_gb"] > 0.01, phase
-    assert trainer.state.optimizer_steps == clean.state.optimizer_steps - 1
+    assert trainer.engine.optimizer_steps == clean.engine.optimizer_steps - 1
     assert all(torch.isfinite(p).all() for p in trainer.params)
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.params))  # the other steps trained
 
 
 def test_too_many_nan_steps_stop_the_run_and_keep_its_last_checkpoint(tiny_world, tmp_path):
     def config(epochs):
-        return tiny_config("flow_grpo", tmp_path, overrides=[f"run.epochs={epochs}", "run.images_every=0",
+        return tiny_config("flow_grpo", tmp_path, overrides=[f"run.epochs={epochs}", "run.samples_every=0",
                                                               "optim.max_nonfinite_steps=1"])  # fmt: skip
 
     make_trainer(tiny_world, config(2)).train()
@@ -66,9 +66,9 @@ def test_too_many_nan_steps_stop_the_run_and_keep_its_last_checkpoint(tiny_world
 
 
 def test_a_reward_raising_mid_run_names_itself_and_keeps_the_last_checkpoint(tiny_world, tmp_path):
-    overrides = ["run.epochs=3", "run.images_every=0", "eval.every=0"]
+    overrides = ["run.epochs=3", "run.samples_every=0", "eval.every=0"]
     trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=overrides))
-    name, fn = next(iter(trainer.rewards.fns.items()))
+    name, fn = next(iter(trainer.modality.rewards.fns.items()))
     calls = [0]
 
     def flaky(images, prompts, **metadata):
@@ -77,7 +77,7 @@ def test_a_reward_raising_mid_run_names_itself_and_keeps_the_last_checkpoint(tin
             raise ConnectionError("reward server went away")
         return fn(images, prompts, **metadata)
 
-    trainer.rewards.fns[name] = flaky
+    trainer.modality.rewards.fns[name] = flaky
     with pytest.raises(RewardError, match=f"reward {name!r} failed: ConnectionError: reward server went away"):
         trainer.train()
     assert (tmp_path / "checkpoints" / "epoch_2").is_dir() and not (tmp_path / "checkpoints" / "epoch_3").exists()
@@ -91,15 +91,15 @@ def test_a_checkpoint_of_another_trainer_or_model_config_is_refused(tiny_world, 
     from flowrl.checkpoint import CheckpointMismatch
     from flowrl.trainers import build_trainer
 
-    overrides = ["run.epochs=2", "run.images_every=0"]
-    first = tiny_config("flow_grpo", tmp_path, overrides=["run.epochs=1", "run.images_every=0"])
+    overrides = ["run.epochs=2", "run.samples_every=0"]
+    first = tiny_config("flow_grpo", tmp_path, overrides=["run.epochs=1", "run.samples_every=0"])
     make_trainer(tiny_world, first).train()
     other = make_trainer(tiny_world, tiny_config("grpo_guard", tmp_path, overrides=overrides))
     with pytest.raises(CheckpointMismatch, match="is from trainer 'flow_grpo', not 'grpo_guard'"):
         other.train(resume=True)
 
     config = tiny_config("flow_grpo", tmp_path, overrides=overrides)
-    policy = tiny_world.policy(forward_batch_size=config.sampling.forward_batch_size)
+    policy = tiny_world.policy(forward_batch_size=config.batch.micro_batch_size)
     policy.add_lora(rank=4)  # a LoRA run resuming a full-weights checkpoint
     fns = {name: rewards.get(name, classifiers=tiny_world.classifiers) for name in ("digits_alignment", "digits_gold")}
     lora = build_trainer(config, policy=policy, reward_fns={"digits_alignment": fns["digits_alignment"]},
@@ -121,14 +121,14 @@ def test_a_lora_target_that_does_not_exist_names_the_real_layers(tiny_world):
     torch.tensor([0, 1]), torch.tensor([False, True]), [0.5, 1.0], torch.tensor([[0.5], [1.0]]),
 ])  # fmt: skip
 def test_rewards_of_any_numeric_dtype_become_fp32_on_the_cpu(scores):
-    from flowrl.trainers.scoring import call_reward
+    from flowrl.rewards.scoring import call_reward
 
     out = call_reward("r", lambda: scores, 2)
     assert out.dtype == torch.float32 and out.device.type == "cpu" and out.shape == (2,)
 
 
 def test_rewards_returning_non_numbers_or_the_wrong_count_are_named():
-    from flowrl.trainers.scoring import call_reward
+    from flowrl.rewards.scoring import call_reward
 
     with pytest.raises(RewardError, match="reward 'r' returned list, not numbers"):
         call_reward("r", lambda: ["good", "bad"], 2)
@@ -161,7 +161,7 @@ def test_a_checkpoint_with_pickled_code_is_refused_and_the_code_never_runs(tiny_
 
 
 def test_reference_offload_keeps_the_copy_on_the_cpu_between_passes_and_changes_no_number(tiny_world, tmp_path):
-    overrides = ["run.epochs=1", "kl.beta=0.1", "run.images_every=0", "eval.every=0", "optim.gradient_accumulation=1"]
+    overrides = ["run.epochs=1", "kl.beta=0.1", "run.samples_every=0", "eval.every=0", "batch.mini_batch_size=8"]
     plain = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "plain", overrides=overrides))
     offload = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "offload",
                                                    overrides=[*overrides, "kl.reference_offload=true"]))  # fmt: skip

@@ -4,24 +4,26 @@ import pytest
 import torch
 
 from flowrl.config import ConfigError
+from flowrl.policies.rollout import Collected
+from flowrl.runtime import row_generators
 from flowrl.trainers import load_config
 from flowrl.trainers.find import FINDNoisePolicy
-from flowrl.trainers.state import row_generators
 
-from .conftest import make_trainer, tiny_config, training_rows
+from .conftest import make_trainer, micro_loss, tiny_config, training_rows, update_batch
 
 
 def find_config(tmp_path, overrides=(), **top):
     """`tiny_config`'s world and sizes for FIND, sampling with the ODE."""
     data = {
         "trainer": "find",
-        "sampling": {"num_steps": 4, "guidance_scale": 2.0, "forward_batch_size": 8, "sampler": "ode"},
+        "sampling": {"num_steps": 4, "guidance_scale": 2.0, "sampler": "ode"},
+        "batch": {"mini_batch_size": 8, "micro_batch_size": 8},
         "prompts": {"prompts_per_epoch": 4, "group_size": 4},
         "eval": {"every": 1, "samples_per_prompt": 2, "max_prompts": 4, "metrics": ["digits_gold"]},
-        "optim": {"lr": 1e-2, "gradient_accumulation": 1, "weight_decay": 0.0},
-        "run": {"epochs": 2, "save_every": 1, "images_every": 1, "log_with": [], "output_dir": str(tmp_path)},
+        "optim": {"lr": 1e-2, "weight_decay": 0.0},
+        "run": {"epochs": 2, "save_every": 1, "samples_every": 1, "log_with": [], "output_dir": str(tmp_path)},
         "noise_hidden": 16,
-        "calibration_hidden": 16,
+        "critic": {"hidden": 16},
         **top,
     }
     return load_config(data, list(overrides))
@@ -47,12 +49,11 @@ def test_noise_policy_starts_at_the_prior_with_ratio_exactly_one(tiny_world, tmp
     assert torch.allclose(log_prob, expected, atol=1e-6)
     assert torch.equal(log_prob, rollout.noise.log_probs) and torch.equal(regulariser, torch.zeros(len(z)))
     adv = torch.linspace(-1, 1, len(z))
-    zeros = torch.zeros(len(z), 1, dtype=torch.long)
-    loss, metrics = trainer.minibatch_loss(rollout, zeros, adv)
+    loss, metrics = micro_loss(trainer, rollout, adv)
     assert metrics["ratio_min"] == metrics["ratio_max"] == 1 and metrics["clipfrac"] == 0
     assert loss.item() == pytest.approx(-adv.mean().item(), abs=1e-7)  # -A clamp(1) + 0.01 * 0
     minibatch = torch.randperm(len(z), generator=torch.Generator().manual_seed(0))[:5]  # any rows, any order
-    _, metrics = trainer.minibatch_loss(rollout.select(minibatch), zeros[:5], adv[minibatch])
+    _, metrics = micro_loss(trainer, rollout.select(minibatch), adv[minibatch])
     assert metrics["ratio_min"] == metrics["ratio_max"] == 1
 
 
@@ -61,13 +62,12 @@ def test_previous_policy_ratio_is_one_for_any_minibatch_after_training(tiny_worl
     """Tables are indexed, so exact; the MLP's output may differ in the last bits with the rows it runs with."""
     overrides = [f"noise_policy={variant}", "old_policy=previous", "run.epochs=1"]
     trainer = make_trainer(tiny_world, find_config(tmp_path, overrides))
-    before = _weights(trainer.noise_policy)
+    before = _weights(trainer.algorithm.noise_policy)
     trainer.train()
-    assert all(not torch.equal(a, b) for a, b in zip(before, _weights(trainer.noise_policy)))  # left the prior
+    assert all(not torch.equal(a, b) for a, b in zip(before, _weights(trainer.algorithm.noise_policy)))  # moved
     rollout, _, _ = trainer.collector.sample(1)
     for rows in (torch.arange(8), torch.tensor([13, 2, 7, 0, 9]), torch.tensor([5])):
-        zeros = torch.zeros(len(rows), 1, dtype=torch.long)
-        _, metrics = trainer.minibatch_loss(rollout.select(rows), zeros, torch.ones(len(rows)))
+        _, metrics = micro_loss(trainer, rollout.select(rows), torch.ones(len(rows)))
         low, high = metrics["ratio_min"].item(), metrics["ratio_max"].item()
         if variant == "per_prompt":
             assert low == high == 1
@@ -95,27 +95,19 @@ def test_regulariser_proxy_and_exact_kl_hand_values():
 
 
 def test_calibrated_advantages_and_calibration_targets(tiny_world, tmp_path):
-    trainer = make_trainer(tiny_world, find_config(tmp_path, ["calibration_steps=1", "noise_policy=conditioned"]))
+    trainer = make_trainer(tiny_world, find_config(tmp_path, ["critic.steps=1", "noise_policy=conditioned"]))
     rollout, _, _ = trainer.collector.sample(0)
-    net, _ = trainer.aux["calibration"]
+    net = trainer.engine.aux_module("calibration")
     with torch.no_grad():  # V = 0.25 everywhere before the calibration step
         net.net[-1].weight.zero_()
         net.net[-1].bias.fill_(0.25)
     rewards = torch.linspace(0, 1, len(rollout))
     condition, text = rollout.noise.condition, rollout.noise.text
     with torch.no_grad():
-        mean, std = trainer.noise_policy.params(condition)
-    seen = torch.full((len(rollout),), float("nan"))
-    train_minibatch = trainer.train_minibatch
-
-    def recording(batch, index, adv, *, scale):
-        # the rows of a minibatch: its z match the rollout's (each sample has its own noise)
-        rows = [int((rollout.noise.z == z).flatten(1).all(1).nonzero()) for z in batch.noise.z]
-        seen[rows] = adv
-        return train_minibatch(batch, index, adv, scale=scale)
-
-    trainer.train_minibatch = recording
-    stats = trainer.update(rollout, rewards, torch.ones(len(rollout), dtype=torch.bool), 0)
+        mean, std = trainer.algorithm.noise_policy.params(condition)
+    collected = Collected(data=rollout, rows=torch.arange(len(rollout)), size=len(rollout))
+    batch, stats = trainer.algorithm.prepare(collected, rewards, torch.ones(len(rollout), dtype=torch.bool), 0)
+    seen = batch.advantages  # what the update trains on, per sample
     # the calibration step regressed V onto the observed rewards: its loss is mean((0.25 - r)^2)
     assert stats["calibration/loss"] == pytest.approx((0.25 - rewards).pow(2).mean().item(), rel=1e-5)
     # the policy trained on A = lambda_r (r - V), V after the calibration step at the sampling parameters
@@ -127,12 +119,13 @@ def test_calibrated_advantages_and_calibration_targets(tiny_world, tmp_path):
 
 def test_sigma_is_clamped_after_every_optimizer_step(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, find_config(tmp_path, ["min_std=0.01"]))
-    policy = trainer.noise_policy
+    policy = trainer.algorithm.noise_policy
     for group in trainer.optimizer.param_groups:
         group["lr"] = 10.0  # an adversarial step: sigma 1 -> about -9
     policy.mean.grad = torch.zeros_like(policy.mean)
     policy.std.grad = torch.ones_like(policy.std)
-    trainer.optimizer_step()
+    trainer.engine.step()
+    trainer.algorithm.after_step()  # the scheduler calls it after every optimizer step
     assert torch.equal(policy.std, torch.full_like(policy.std, 0.01))
     assert torch.isfinite(policy.log_prob(torch.zeros(1, 1, 8, 8), torch.zeros(1, dtype=torch.long))).all()
 
@@ -140,10 +133,12 @@ def test_sigma_is_clamped_after_every_optimizer_step(tiny_world, tmp_path):
 @pytest.mark.parametrize("variant", ["per_prompt", "conditioned"])
 def test_two_epoch_run_trains_the_noise_policy_and_the_calibration_net_only(tiny_world, tmp_path, variant):
     trainer = make_trainer(tiny_world, find_config(tmp_path, [f"noise_policy={variant}"]))
-    noise, calib, model = _weights(trainer.noise_policy), _weights(trainer.calibration), _weights(trainer.policy.model)
+    algorithm = trainer.algorithm
+    noise, calib = _weights(algorithm.noise_policy), _weights(algorithm.calibration)
+    model = _weights(trainer.policy.model)
     summary = trainer.train()
-    assert all(not torch.equal(a, b) for a, b in zip(noise, _weights(trainer.noise_policy)))
-    assert all(not torch.equal(a, b) for a, b in zip(calib, _weights(trainer.calibration)))
+    assert all(not torch.equal(a, b) for a, b in zip(noise, _weights(algorithm.noise_policy)))
+    assert all(not torch.equal(a, b) for a, b in zip(calib, _weights(algorithm.calibration)))
     assert all(torch.equal(a, b) for a, b in zip(model, _weights(trainer.policy.model))), "the sampler trained"
     lines = training_rows(tmp_path)
     for record in lines:
@@ -169,15 +164,14 @@ def test_the_noise_mean_moves_along_the_advantage_weighted_draws(tiny_world, tmp
 
     (It replaces a check that training on image brightness drifts the mean up, which held only by chance: on
     the tiny model the drift is 1e-4 with either sign, seed by seed.)"""
-    from flowrl.trainers.base import Trainer
-
-    overrides = ["kl.beta=0", "optim.gradient_accumulation=2", "optim.max_grad_norm=null", "old_policy=prior"]
+    overrides = ["kl.beta=0", "batch.mini_batch_size=16", "optim.max_grad_norm=null", "old_policy=prior"]
     trainer = make_trainer(tiny_world, find_config(tmp_path, overrides))
     rollout, _, _ = trainer.collector.sample(0)
     advantages = torch.linspace(-1, 1, len(rollout))
-    before = trainer.noise_policy.mean.detach().clone()
-    Trainer.update(trainer, rollout, advantages, torch.ones(len(rollout), dtype=torch.bool), 0)  # one step
-    moved = trainer.noise_policy.mean.detach() - before
+    noise = trainer.algorithm.noise_policy
+    before = noise.mean.detach().clone()
+    trainer.scheduler.run(update_batch(rollout, advantages), 0)  # one step: a mini-batch of all 16
+    moved = noise.mean.detach() - before
     lr = trainer.config.optim.lr
     ids = rollout.noise.condition
     for prompt in ids.unique():
@@ -200,7 +194,7 @@ def test_resume_is_exact_including_the_calibration_net(tiny_world, tmp_path):
     resumed = make_trainer(tiny_world, find_config(tmp_path / "b", [*overrides, "run.epochs=4"]))
     resumed.train(resume=True)
     for module in ("noise_policy", "calibration"):
-        a, b = _weights(getattr(straight, module)), _weights(getattr(resumed, module))
+        a, b = _weights(getattr(straight.algorithm, module)), _weights(getattr(resumed.algorithm, module))
         assert all(torch.equal(x, y) for x, y in zip(a, b)), module
     history = lambda path: [r["reward/mean"] for r in training_rows(path)]  # noqa: E731
     assert history(tmp_path / "a") == history(tmp_path / "b")
@@ -211,8 +205,10 @@ def test_config_checks():
         find_config(None, ["model.lora_rank=4"])
     with pytest.raises(ConfigError, match="noise_policy"):
         find_config(None, ["noise_policy=table"])
-    with pytest.raises(ConfigError, match="find does not use the steps section"):
-        find_config(None, ["steps.selection=all"])
+    with pytest.raises(ConfigError, match="'steps' does not apply to trainer 'find'"):
+        find_config(None, ["steps.selection=all"])  # find trains the initial noise: it has no steps section
+    with pytest.raises(ConfigError, match="'calibration_lr' was renamed: use critic.lr"):
+        find_config(None, ["calibration_lr=1e-3"])
     with pytest.raises(ConfigError, match="kl.form 'gaussian_dt' is not one of find's: proxy, gaussian"):
         find_config(None, ["kl.form=gaussian_dt"])
 
@@ -229,12 +225,13 @@ def test_trains_on_tiny_sd3_and_flux_pipelines(family, tmp_path):
 
     pipe = (tiny_sd3 if family == "sd3" else tiny_flux)(seed=1)
     policy = DiffusionPolicy.from_pipeline(pipe, forward_batch_size=2, max_sequence_length=16)
-    overrides = ["sampling.num_steps=2", "sampling.forward_batch_size=2", "prompts.prompts_per_epoch=2",
+    overrides = ["sampling.num_steps=2", "batch.micro_batch_size=2", "batch.mini_batch_size=2",
+                 "prompts.prompts_per_epoch=2",
                  "prompts.group_size=2", "eval.max_prompts=1", "run.epochs=1", "rewards=[{name: brightness}]",
                  "eval.metrics=[]", "noise_policy=conditioned"]  # fmt: skip
     config = find_config(tmp_path, overrides)
     trainer = build_trainer(config, policy=policy, reward_fns={"brightness": _brightness}, eval_fns={})
-    before = _weights(trainer.noise_policy)
+    before = _weights(trainer.algorithm.noise_policy)
     record = trainer.train_epoch(0)
     assert math.isfinite(float(record["loss"])) and math.isfinite(record["calibration/loss"])
-    assert all(not torch.equal(a, b) for a, b in zip(before, _weights(trainer.noise_policy)))
+    assert all(not torch.equal(a, b) for a, b in zip(before, _weights(trainer.algorithm.noise_policy)))

@@ -10,7 +10,7 @@ def test_loop_advantages_are_the_leave_one_out_baseline(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, tiny_config("loop", tmp_path))
     rewards = {"digits_alignment": torch.tensor([0.1, 0.5, 0.3, 0.9, 0.2, 0.2])}
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
-    adv, _ = trainer.compute_advantages(rewards, groups, [str(g) for g in groups.tolist()])
+    adv, _ = trainer.algorithm.estimator(rewards, groups, [str(g) for g in groups.tolist()])
     r = rewards["digits_alignment"]
     # sample 0: 0.1 - (0.5 + 0.3) / 2 = -0.3; sample 3: 0.9 - (0.2 + 0.2) / 2 = 0.7
     assert adv[0].item() == pytest.approx(-0.3) and adv[3].item() == pytest.approx(0.7)
@@ -31,7 +31,7 @@ def test_loop_trains_with_several_inner_epochs_and_resumes_exactly(tiny_world, t
     resumed.train(resume=True)
     assert all(torch.equal(a, b) for a, b in zip(straight.params, resumed.params))
     record = training_rows(tmp_path / "a")[0]
-    # 2 inner epochs over 16 samples in minibatches of 8, 2 minibatches per optimizer step: 2 steps per epoch,
+    # 2 inner epochs over 16 samples in mini-batches of 16 (micro-batches of 8): 2 steps per epoch,
     # and the second pass sees ratios the first step moved
     assert record["trained_samples"] == 16 and record["ratio_std/step_0"] > 0
 
@@ -48,7 +48,7 @@ def test_loop_uses_the_advantage_settings(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, tiny_config("loop", tmp_path, overrides=["advantage.std=group",
                                                                                 "advantage.clip=1.0"]))  # fmt: skip
     r = torch.tensor([0.0, 1.0, 3.0])
-    adv, _ = trainer.compute_advantages({"digits_alignment": r}, torch.zeros(3, dtype=torch.long), ["a"] * 3)
+    adv, _ = trainer.algorithm.estimator({"digits_alignment": r}, torch.zeros(3, dtype=torch.long), ["a"] * 3)
     std = r.std().item()  # unbiased, sqrt(7/3)
     expected = [max(-1.0, min(1.0, 1.5 * (x - 4 / 3) / (std + 1e-4))) for x in r.tolist()]
     assert adv.tolist() == pytest.approx(expected, abs=1e-6) and adv.max() == 1.0

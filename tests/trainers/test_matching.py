@@ -10,7 +10,7 @@ from flowrl.trainers.awm import awm_weight
 from flowrl.trainers.matching import draw_times
 from flowrl.trainers.nft import implicit_velocities, nft_loss, optimality
 
-from .conftest import make_trainer, tiny_config, train_and_resume
+from .conftest import collected, elements, make_trainer, micro_batch, micro_loss, tiny_config, train_and_resume
 
 
 TINY = {
@@ -49,8 +49,10 @@ def test_draw_counts_are_checked_against_the_grid():
         load_config({"trainer": "diffusion_nft", "num_draws": 11})
     with pytest.raises(ValueError, match="strata"):
         load_config({"trainer": "awm", "num_draws": 9})
-    with pytest.raises(ValueError, match="does not use the kl section"):
-        load_config({"trainer": "image_fpo", "kl": {"beta": 0.1}})
+    with pytest.raises(ValueError, match="'kl' does not apply to trainer 'image_fpo': this trainer has no regul"):
+        load_config({"trainer": "image_fpo", "kl": {"beta": 0.1}})  # FPO has no KL term
+    with pytest.raises(ValueError, match="'beta' was renamed: use guidance_strength"):
+        load_config({"trainer": "diffusion_nft", "beta": 0.1})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,23 +109,24 @@ def test_nft_gradient_at_the_old_policy_is_the_clipped_advantage_weighted_matchi
 
 def test_nft_samples_with_the_old_policy_which_copies_theta_after_the_first_epoch(tiny_world, tmp_path):
     trainer = trainer_for(tiny_world, tmp_path, "diffusion_nft", ["run.epochs=1", "old_decay_rate=0.1"])
-    assert trainer.old_decay() == 0.0
+    algorithm = trainer.algorithm
+    assert algorithm.old_decay() == 0.0
     params = trainer.policy.trainable_parameters()
     with torch.no_grad():  # an old policy that differs from theta: its rollouts are the trainer's
-        for shadow in trainer.old.shadow:
+        for shadow in algorithm.old.shadow:
             shadow.mul_(0.5)
-    texts = [str(p) for p in trainer.train_prompts[:4]]
-    rollout = trainer.sample_part(texts, torch.Generator().manual_seed(0))
-    with trainer.old.swapped():
+    texts = [str(p) for p in trainer.modality.train_prompts[:4]]
+    rollout = trainer.collector.sampler(texts, torch.Generator().manual_seed(0), range(4), 0)
+    with algorithm.old.swapped():
         expected = trainer.policy.rollout(texts, num_steps=4, guidance_scale=2.0, sampler="ode",
                                           generator=torch.Generator().manual_seed(0))  # fmt: skip
     assert torch.equal(rollout.latents, expected.latents)
     before = [p.detach().clone() for p in params]
     trainer.train()
     # eta(step 0) = 0: the old policy is theta after the update
-    assert all(torch.equal(s, p) for s, p in zip(trainer.old.shadow, params))
+    assert all(torch.equal(s, p) for s, p in zip(algorithm.old.shadow, params))
     assert not all(torch.equal(a, b) for a, b in zip(before, params))
-    assert [trainer.old_decay(s) for s in (0, 1, 3, 5, 10**6)] == [0.0, 0.1, 0.30000000000000004, 0.5, 0.5]
+    assert [algorithm.old_decay(s) for s in (0, 1, 3, 5, 10**6)] == [0.0, 0.1, 0.30000000000000004, 0.5, 0.5]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,38 +149,41 @@ def test_awm_weightings_by_hand():
 def _prepared(trainer, epoch=0):
     """An epoch's rollout with the trainer's draws and behaviour statistics, as `update` prepares them."""
     rollout, _, _ = trainer.collector.sample(epoch)
-    draws = trainer.prepare_draws(rollout, torch.linspace(-1, 1, len(rollout)), epoch)
+    draws = trainer.algorithm.prepare_draws(collected(rollout), torch.linspace(-1, 1, len(rollout)), epoch)
     return dataclasses.replace(rollout, draws=draws)
 
 
 def test_awm_ratio_is_one_with_the_stored_draws_and_its_gradient_is_advantage_weighted_matching(tiny_world, tmp_path):
     trainer = trainer_for(tiny_world, tmp_path, "awm")
     rollout = _prepared(trainer)
-    b = trainer.config.sampling.forward_batch_size
+    b = trainer.config.batch.micro_batch_size
     batch = rollout.select(torch.arange(b))
-    index = trainer.train_elements(batch, 0)
     adv = torch.linspace(-1, 1, b)
     params = [p for p in trainer.policy.model.parameters() if p.requires_grad]
-    loss, metrics = trainer.minibatch_loss(batch, index, adv)
+    loss, metrics = micro_loss(trainer, batch, adv)
     # 1 up to float rounding: the stored losses come from a no-grad pass, these from a pass with autograd
     assert abs(metrics["ratio_mean"].item() - 1.0) < 1e-6 and metrics["ratio_std"].item() < 1e-6
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     # at rho = 1 PPO-clip's gradient is that of mean(A^ W(l_theta, t)) over the [b, K] draws
-    terms = trainer.score(batch, index)
+    mb = micro_batch(trainer, batch, adv)
+    terms = trainer.algorithm.terms(mb, mb.index)
     expected = torch.autograd.grad((-adv[:, None] * terms.logp).mean(), params, allow_unused=True)
     for g, e in zip(grads, expected):
         assert (g is None and e is None) or torch.allclose(g, e, atol=1e-6, rtol=1e-4)
     # a fresh eps in the training pass (the common bug) moves the ratio off 1 at the same weights
     fresh = dataclasses.replace(batch, draws=dataclasses.replace(batch.draws, noises=torch.randn_like(
         batch.draws.noises)))  # fmt: skip
-    _, bad = trainer.minibatch_loss(fresh, index, adv)
+    _, bad = micro_loss(trainer, fresh, adv)
     assert bad["ratio_std"].item() > 0
 
 
 def test_awm_scales_clipped_advantages_to_advantage_max(tiny_world, tmp_path):
     trainer = trainer_for(tiny_world, tmp_path, "awm", ["advantage.std=none", "advantage.clip=2.0"])
     rewards = {"digits_alignment": torch.tensor([0.0, 1.0, 4.0, 10.0])}
-    adv, _ = trainer.compute_advantages(rewards, torch.zeros(4, dtype=torch.long), ["a"] * 4)
+    valid = torch.ones(4, dtype=torch.bool)
+    epoch = collected(torch.zeros(4))
+    epoch.prompts, epoch.rewards, epoch.group_ids = ["a"] * 4, rewards, torch.zeros(4, dtype=torch.long)
+    adv, _ = trainer.algorithm.advantages(epoch, valid)  # the algorithm's hook: AWM rescales the estimator's
     assert torch.allclose(adv, torch.tensor([-2.0, -2.0, 0.25, 2.0]) / 2.0)  # clip(r - 3.75, -2, 2) / 2
 
 
@@ -190,17 +196,16 @@ def test_awm_scales_clipped_advantages_to_advantage_max(tiny_world, tmp_path):
 def test_image_fpo_ratio_is_exactly_one_before_an_update(tiny_world, tmp_path, ratio):
     trainer = trainer_for(tiny_world, tmp_path, "image_fpo", [f"ratio={ratio}"])
     rollout = _prepared(trainer)
-    b = trainer.config.sampling.forward_batch_size
+    b = trainer.config.batch.micro_batch_size
     batch = rollout.select(torch.arange(b))
-    index = trainer.train_elements(batch, 0)
-    assert index.shape == (b, 1 if ratio == "mean" else 3)
+    assert elements(trainer, batch).shape == (b, 1 if ratio == "mean" else 3)
     adv = torch.linspace(-1, 1, b)
-    loss, metrics = trainer.minibatch_loss(batch, index, adv)
+    loss, metrics = micro_loss(trainer, batch, adv)
     assert metrics["ratio_mean"].item() == 1.0 and metrics["ratio_std"].item() == 0.0
     params = [p for p in trainer.policy.model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     # at r = 1: the advantage-weighted flow-matching gradient A grad mean_i l_theta_i
-    losses = trainer.losses(batch)  # [b, N]
+    losses = trainer.algorithm.losses(batch)  # [b, N]
     target = (adv[:, None] * losses).mean() if ratio == "per_draw" else (adv * losses.mean(-1)).mean()
     for g, e in zip(grads, torch.autograd.grad(target, params, allow_unused=True)):
         assert (g is None and e is None) or torch.allclose(g, e, atol=1e-6, rtol=1e-4)
@@ -216,4 +221,4 @@ def test_two_epochs_train_and_resume_exactly(tiny_world, tmp_path, name):
     straight, resumed, rows = train_and_resume(tiny_world, tmp_path, name, TINY[name])
     assert all(r["grad_norm"] > 0 for r in rows)
     if name == "diffusion_nft":
-        assert all(torch.equal(s, t) for s, t in zip(straight.old.shadow, resumed.old.shadow))
+        assert all(torch.equal(s, t) for s, t in zip(straight.algorithm.old.shadow, resumed.algorithm.old.shadow))

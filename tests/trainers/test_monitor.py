@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from flowrl.config import EvalConfig
+from flowrl.sections import EvalConfig
 
 from .conftest import make_trainer, tiny_config
 
@@ -21,7 +21,7 @@ def scripted(trainer, golds, proxies):
 
 
 def test_gold_falling_stops_the_run_and_the_best_checkpoint_is_restored(tiny_world, tmp_path):
-    overrides = ["run.epochs=6", "run.save_every=0", "run.images_every=0", "eval.best_metric=digits_gold",
+    overrides = ["run.epochs=6", "run.save_every=0", "run.samples_every=0", "eval.best_metric=digits_gold",
                  "eval.stop_on_drop=0.15", "eval.restore_best=true"]  # fmt: skip
     trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=overrides))
     # epochs 0..4: gold peaks at epoch 2 while the proxy keeps rising; at epoch 4 it is 0.2 below its best
@@ -40,7 +40,7 @@ def test_gold_falling_stops_the_run_and_the_best_checkpoint_is_restored(tiny_wor
 
 
 def test_without_stop_on_drop_the_run_goes_on_and_lower_is_better_metrics_count_down(tiny_world, tmp_path):
-    overrides = ["run.epochs=3", "run.save_every=0", "run.images_every=0", "eval.best_metric=-digits_gold"]
+    overrides = ["run.epochs=3", "run.save_every=0", "run.samples_every=0", "eval.best_metric=-digits_gold"]
     trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=overrides))
     scripted(trainer, golds=[1.5, 1.2, 1.4, 1.6], proxies=[0.1, 0.2, 0.3, 0.4])
     summary = trainer.train()

@@ -6,8 +6,8 @@ import torch
 
 from flowrl import rewards
 from flowrl.checkpoint import CheckpointError
-from flowrl.trainers.base import informative_groups
-from flowrl.trainers.evaluate import group_diversity
+from flowrl.image.evaluate import group_diversity
+from flowrl.trainers.driver import informative_groups
 
 from .conftest import make_trainer, tiny_config, training_rows
 
@@ -18,7 +18,7 @@ def _weights(trainer):
 
 @pytest.mark.parametrize("name", ["flow_grpo", "grpo_guard"])
 def test_two_epoch_run_trains_every_parameter_and_writes_the_run_folder(tiny_world, tmp_path, name):
-    config = tiny_config(name, tmp_path, run={"epochs": 2, "save_every": 1, "images_every": 1,
+    config = tiny_config(name, tmp_path, run={"epochs": 2, "save_every": 1, "samples_every": 1,
                                               "log_with": ["tensorboard"], "output_dir": str(tmp_path)})  # fmt: skip
     trainer = make_trainer(tiny_world, config)
     before = _weights(trainer)
@@ -121,10 +121,10 @@ def test_step_selections_and_sde_window(tiny_world, tmp_path):
     config = tiny_config("flow_grpo", tmp_path, overrides=["steps.selection=random", "steps.k=2",
                                                            "sampling.sde_window=[1, 3]"])  # fmt: skip
     trainer = make_trainer(tiny_world, config)
-    rollout, _, _ = trainer.collector.sample(0)
-    steps = trainer.train_elements(rollout, 0)
-    assert steps.shape == (len(rollout), 2) and set(steps.flatten().tolist()) <= {1, 2}
-    assert torch.equal(steps, trainer.train_elements(rollout, 0))  # seeded by the epoch
+    batch, _, _ = trainer.prepare_epoch(0)
+    steps, _ = trainer.algorithm.elements(batch, 0)
+    assert steps.shape == (len(batch.data), 2) and set(steps.flatten().tolist()) <= {1, 2}
+    assert torch.equal(steps, trainer.algorithm.elements(batch, 0)[0])  # seeded by the epoch
 
 
 def test_helpers():
@@ -156,18 +156,19 @@ def test_rewards_are_scored_on_threads_while_later_parts_sample(tiny_world, tmp_
     reward = Recording(tiny_world)
     trainer = make_trainer(tiny_world, config, reward_fns={"digits_alignment": reward})
     batch = trainer.collector.collect(0)
-    rollout, prompts, local, scores = batch.rollout, batch.prompts, batch.local, batch.rewards
+    rollout, prompts, local, scores = batch.data, batch.prompts, batch.rows, batch.rewards
     assert len(rollout) == 16 and [n for n, _ in reward.calls] == [5, 5, 6]
     assert all(thread.startswith("flowrl-reward") for _, thread in reward.calls)
     assert {k for k in batch.times if k.startswith("time/")} == {"time/sample_s", "time/reward_s"}
     assert "memory/rollout_and_scoring_gb" in batch.times  # overlapped: one memory reading for both phases
-    direct = trainer.rewards.score(rollout.images, prompts[local], {"digits_alignment": reward.inner})
+    direct = trainer.modality.rewards.score(rollout.images, [prompts[i] for i in local],
+                                            {"digits_alignment": reward.inner})  # fmt: skip
     # the same scores as one call on the whole batch (up to the classifier's batch-size rounding)
     torch.testing.assert_close(scores["digits_alignment"], direct["digits_alignment"], rtol=1e-5, atol=1e-6)
     if name == "flow_grpo":  # the parts concatenate into one rollout that re-scores exactly
         steps = rollout.sde_steps
         assert torch.equal(trainer.policy.log_prob(rollout, steps.expand(16, -1)), rollout.log_probs[:, steps])
-    assert torch.equal(trainer.collector.collect(0).rollout.latents, rollout.latents)  # seeded per part
+    assert torch.equal(trainer.collector.collect(0).data.latents, rollout.latents)  # seeded per part
     record = trainer.train_epoch(0)
     assert math.isfinite(float(record["loss"] if "loss" in record else record["reward/mean"]))
 
@@ -225,13 +226,13 @@ def test_run_threads_sets_and_records_the_thread_count(tiny_world, tmp_path, mon
     try:
         config = tiny_config("flow_grpo", tmp_path, ["run.epochs=1", f"run.threads={setting}"])
         trainer = make_trainer(tiny_world, config)
-        trainer.threads.min_interval_s = 0.0  # judge the load over however long the model took to build
+        trainer.engine.threads.min_interval_s = 0.0  # judge the load over however long the model took to build
         trainer.train()
         row = training_rows(tmp_path)[0]
         assert row["threads"] == torch.get_num_threads()
         if setting == 1:
-            assert row["threads"] == 1 and not trainer.threads.active
+            assert row["threads"] == 1 and not trainer.engine.threads.active
         else:
-            assert 1 <= row["threads"] <= trainer.threads.max_threads
+            assert 1 <= row["threads"] <= trainer.engine.threads.max_threads
     finally:
         torch.set_num_threads(before)

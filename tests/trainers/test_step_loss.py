@@ -13,7 +13,7 @@ import torch
 
 from flowrl.core import get_objective, list_objectives
 
-from .conftest import make_trainer, tiny_config
+from .conftest import elements, make_trainer, micro_batch, micro_loss, tiny_config, update_batch
 
 
 def _perturb(params, seed=0, scale=2e-2):
@@ -53,14 +53,14 @@ def test_step_loss_matches_a_direct_implementation(tiny_world, tmp_path, trainer
     rollout, _, _ = trainer.collector.sample(0)
     batch = rollout.select(torch.arange(8))
     _perturb(trainer.params)
-    index = trainer.train_elements(batch, 0)  # [8, 4]: every step
+    assert elements(trainer, batch).shape == (8, 4)  # every step
     adv = torch.linspace(-1.5, 1.5, 8)
-    loss, metrics = trainer.minibatch_loss(batch, index, adv)
+    loss, metrics = micro_loss(trainer, batch, adv)
     grads = torch.autograd.grad(loss, trainer.params, allow_unused=True)
 
     sig, a, T = batch.sigmas.tolist(), batch.noise_level, batch.num_steps
     cond = {k: v[batch.prompt_ids] for k, v in batch.cond.items()}
-    clip = trainer.objective_hparams["clip_eps_low"]
+    clip = trainer.algorithm.objective_hparams["clip_eps_low"]
     per_step, kls = [], []
     for t in range(T):
         x, x_next = batch.latents[:, t], batch.latents[:, t + 1]
@@ -91,24 +91,26 @@ def test_step_loss_matches_a_direct_implementation(tiny_world, tmp_path, trainer
 def test_a_chosen_objective_runs_with_its_own_presets(tiny_world, tmp_path):
     # Flow-GRPO's clip range belongs to ppo: objective.name=gspo trains with GSPO's (image-scale) presets
     trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, objective={"name": "gspo"}))
-    assert trainer.objective_hparams == get_objective("gspo").image_hparams == {"clip_eps_low": 3e-5,
-                                                                                 "clip_eps_high": 4e-5}  # fmt: skip
+    assert trainer.algorithm.objective_hparams == get_objective("gspo").image_hparams == {
+        "clip_eps_low": 3e-5, "clip_eps_high": 4e-5}  # fmt: skip
     user = make_trainer(
         tiny_world, tiny_config("flow_grpo", tmp_path, objective={"name": "dapo", "clip_eps_low": 1e-3})
     )
-    assert user.objective_hparams == {"clip_eps_low": 1e-3, "clip_eps_high": pytest.approx(1.4e-4)}
+    assert user.algorithm.objective_hparams == {"clip_eps_low": 1e-3, "clip_eps_high": pytest.approx(1.4e-4)}
 
 
-def _binding(trainer, rollout, index, adv, hparams):
+def _binding(trainer, rollout, adv, hparams):
     """What fraction of elements the objective's trust region acts on, with these hyper-parameters."""
-    terms = trainer.score(rollout, index)
-    old_objective_hparams = trainer.objective_hparams
-    trainer.objective_hparams = hparams
+    algorithm = trainer.algorithm
+    mb = micro_batch(trainer, rollout, adv)
+    terms = algorithm.terms(mb, mb.index)
+    old_objective_hparams = algorithm.objective_hparams
+    algorithm.objective_hparams = hparams
     try:
-        _, metrics = trainer.minibatch_loss(rollout, index, adv)
+        _, metrics = micro_loss(trainer, rollout, adv)
     finally:
-        trainer.objective_hparams = old_objective_hparams
-    if trainer.objective != "sapo":
+        algorithm.objective_hparams = old_objective_hparams
+    if algorithm.objective != "sapo":
         return float(metrics["clipfrac"])
     # SAPO's soft gate: dl/dlog r = -A 4 sigma (1 - sigma) r; it acts where the gate weight falls below 1/2
     hp = {**get_objective("sapo").hparams, **hparams}
@@ -128,15 +130,14 @@ def test_image_scale_trust_regions_bind_on_a_digits_batch(tiny_world, tmp_path, 
     config = tiny_config(trainer_name, tmp_path, objective={"name": name}, steps={"selection": "all"})
     trainer = make_trainer(tiny_world, config)
     objective = get_objective(name)
-    assert trainer.objective_hparams == objective.image_hparams  # no user setting: the image-scale defaults
+    assert trainer.algorithm.objective_hparams == objective.image_hparams  # no user setting: image-scale defaults
     rollout, _, _ = trainer.collector.sample(0)
     adv = torch.linspace(-1, 1, len(rollout))
-    trainer.update(rollout, adv, torch.ones(len(rollout), dtype=torch.bool), 0)  # two optimizer steps
-    index = trainer.train_elements(rollout, 0)
-    image = _binding(trainer, rollout, index, adv, dict(objective.image_hparams))
+    trainer.scheduler.run(update_batch(rollout, adv), 0)  # one optimizer step (a mini-batch of 16)
+    image = _binding(trainer, rollout, adv, dict(objective.image_hparams))
     assert image > 0, name
     if name in TEXT_SCALE_NEVER_BINDS:  # the text-scale defaults leave the same batch unconstrained (the bug)
-        text = _binding(trainer, rollout, index, adv, {})
+        text = _binding(trainer, rollout, adv, {})
         assert text == 0, (name, text, image)
 
 
@@ -147,8 +148,7 @@ def test_cps_final_step_is_deterministic_and_grpo_guard_trains_every_other_step(
     rollout, _, _ = trainer.collector.sample(0)
     assert rollout.sde_mask.tolist() == [True, True, True, False]  # sigma' = 0: std 0, no density
     assert rollout.stds[-1] == 0 and torch.all(rollout.log_probs[:, -1] == 0)
-    index = trainer.train_elements(rollout, 0)
-    assert index.tolist() == [[0, 1, 2]] * len(rollout)
+    assert elements(trainer, rollout).tolist() == [[0, 1, 2]] * len(rollout)
     record = trainer.train_epoch(0)
     assert math.isfinite(float(record["loss"])) and "ratio_mean/step_3" not in record
     with pytest.raises(ValueError, match="sampled deterministically"):

@@ -8,7 +8,7 @@ import torch
 from flowrl.core import step_weights
 from flowrl.trainers import load_config
 
-from .conftest import make_trainer, tiny_config
+from .conftest import elements, make_trainer, tiny_config
 
 
 BRANCHING = ["seeds_per_prompt=2", "branches=2", "prompts.group_size=12", "objective.clip_eps_low=1e-2"]
@@ -36,13 +36,13 @@ def test_group_size_must_be_seeds_times_branches_times_steps():
 
 def test_branches_leave_their_seeds_trunk_at_one_step(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, tiny_config("tempflow_grpo", tmp_path, overrides=BRANCHING))
-    assert trainer.branch_steps == [0, 1, 2]  # 99% of 4 steps
+    assert trainer.algorithm.branch_steps == [0, 1, 2]  # 99% of 4 steps
     rollout, prompts, _ = trainer.collector.sample(0)
     g = 12
     for group in range(len(rollout) // g):
         rows = torch.arange(group * g, (group + 1) * g)
         for i in rows.tolist():
-            n, j, k = trainer.branch_of(i)
+            n, j, k = trainer.algorithm.branch_of(i)
             assert rollout.stochastic_step[i].item() == j and rollout.mask[i].nonzero().flatten().tolist() == [j]
             assert (rollout.log_probs[i] != 0).nonzero().flatten().tolist() == [j]
             sibling = group * g + n * 6 + (i % 6 // 2) * 2 + (1 - k)  # same seed and step, the other branch
@@ -58,17 +58,17 @@ def test_branches_leave_their_seeds_trunk_at_one_step(tiny_world, tmp_path):
             for b in seed.tolist():
                 m = min(rollout.stochastic_step[a].item(), rollout.stochastic_step[b].item())
                 assert torch.allclose(rollout.latents[a, : m + 1], rollout.latents[b, : m + 1], atol=1e-5)
-    assert torch.equal(trainer.train_elements(rollout, 0), rollout.stochastic_step[:, None])
+    assert torch.equal(elements(trainer, rollout, 0), rollout.stochastic_step[:, None])
 
 
 def test_each_branch_step_is_its_own_baseline_group(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, tiny_config("tempflow_grpo", tmp_path, overrides=BRANCHING))
     texts = [str(p) for p in trainer.collector.epoch_prompts(0)]
-    keys = trainer.group_keys(texts)
+    keys = trainer.algorithm.group_keys(texts)
     assert len(set(keys)) == 4 * 3  # 4 prompts x 3 branch steps, 4 samples each (2 seeds x 2 branches)
     ids = torch.tensor([sorted(set(keys)).index(k) for k in keys])
     rewards = {"digits_alignment": torch.rand(len(texts), generator=torch.Generator().manual_seed(0))}
-    adv, _ = trainer.compute_advantages(rewards, ids, texts)
+    adv, _ = trainer.algorithm.estimator(rewards, ids, texts)
     for g in ids.unique():
         assert abs(adv[ids == g].mean().item()) < 1e-6 and (ids == g).sum() == 4
 
@@ -76,7 +76,7 @@ def test_each_branch_step_is_its_own_baseline_group(tiny_world, tmp_path):
 def test_weights_are_noise_aware_normalised_over_the_branch_steps(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, tiny_config("tempflow_grpo", tmp_path, overrides=BRANCHING))
     sigmas = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
-    w = trainer.step_weight(SimpleNamespace(sigmas=sigmas), torch.tensor([0, 1, 2]))
+    w = trainer.algorithm.step_terms.weight(SimpleNamespace(sigmas=sigmas), torch.tensor([0, 1, 2]))
     raw = step_weights("noise_aware", sigmas)[:3]
     assert torch.allclose(w, raw / raw.mean()) and abs(w.mean().item() - 1) < 1e-6
 

@@ -4,7 +4,7 @@ import pytest
 
 from flowrl.trainers import TRAINERS, load_config
 
-from .conftest import make_trainer, tiny_config, train_and_resume
+from .conftest import elements, make_trainer, tiny_config, train_and_resume
 
 
 PRESETS = {
@@ -41,11 +41,10 @@ def test_presets_keep_the_papers_settings():
 def test_mix_grpo_rollouts_are_stochastic_only_inside_the_moving_window(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, tiny_config("mix_grpo", tmp_path, overrides=PRESETS["mix_grpo"]))
     for epoch, window in enumerate([(0, 2), (1, 3), (2, 3), (0, 2)]):  # span [0, 3): starts 0, 1, 2, then wrap
-        assert trainer.sde_window(epoch) == window
-        trainer.state.epoch = epoch
+        assert trainer.collector.sampler.window(epoch) == window
         rollout, _, _ = trainer.collector.sample(epoch)
         assert rollout.sde_steps.tolist() == list(range(*window))
-        assert trainer.train_elements(rollout, epoch)[0].tolist() == list(range(*window))
+        assert elements(trainer, rollout, epoch)[0].tolist() == list(range(*window))
         # outside the window the step is the deterministic Euler step x' = x + dt v: it has no log-prob
         assert rollout.sde_mask.tolist() == [window[0] <= t < window[1] for t in range(4)]
 
@@ -55,19 +54,18 @@ def test_mix_grpo_flash_samples_fewer_steps_after_the_window(tiny_world, tmp_pat
     # max(int((4 - s) * 0.5), 2) - 1 = 1 DPM-Solver++(2M) step to sigma 0; only the window step is trained
     trainer = make_trainer(tiny_world, tiny_config("mix_grpo_flash", tmp_path, overrides=PRESETS["mix_grpo_flash"]))
     for epoch, start in enumerate([0, 1, 2]):
-        trainer.state.epoch = epoch
         rollout, _, _ = trainer.collector.sample(epoch)
         assert rollout.num_steps == start + 2 and rollout.sigmas[-1] == 0
         assert rollout.sde_mask.tolist() == [t == start for t in range(start + 2)]
-        assert trainer.train_elements(rollout, epoch)[0].tolist() == [start]
+        assert elements(trainer, rollout, epoch)[0].tolist() == [start]
 
 
 def test_flow_grpo_fast_draws_its_window_per_epoch_the_same_on_resume(tiny_world, tmp_path):
     config = tiny_config("flow_grpo_fast", tmp_path, overrides=PRESETS["flow_grpo_fast"])
     trainer = make_trainer(tiny_world, config)
-    windows = [trainer.sde_window(e) for e in range(12)]
+    windows = [trainer.collector.sampler.window(e) for e in range(12)]
     assert {w for w in windows} <= {(0, 2), (1, 3)} and len(set(windows)) == 2
-    assert windows == [make_trainer(tiny_world, config).sde_window(e) for e in range(12)]
+    assert windows == [make_trainer(tiny_world, config).collector.sampler.window(e) for e in range(12)]
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

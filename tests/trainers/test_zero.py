@@ -11,6 +11,7 @@ import pytest
 
 
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.distributed
 
 WORKER = textwrap.dedent(
     """

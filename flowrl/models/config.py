@@ -1,0 +1,37 @@
+"""The `model` section of image and video runs: which network, its dtype, LoRA and the family's own options."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    name: str = "digits"
+    """`digits` (the embedded offline world), or a diffusers hub id / local folder of a registered family
+    (`flowrl list model_families`)."""
+    family: str | None = None
+    """Model family for hub ids (`sd3`, `flux`, `unet`, ...: `flowrl list model_families`); detected from
+    `model_index.json` for folders."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Weights dtype (bf16 for SD3.5/Flux on GPU; log-prob math is fp32 regardless)."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The family's own options (its `Options` dataclass, `docs/policies.md`): `max_sequence_length` (text tokens
+    for T5: SD3 256, Flux 512 by default), ..."""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains every weight (full fine-tuning)."""
+    lora_alpha: float | None = None
+    """LoRA alpha (defaults to the rank; Flow-GRPO uses rank 32, alpha 64)."""
+    lora_targets: list[str] | None = None
+    """LoRA target modules (defaults: the attention projections of the family)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, more time)."""
+    digits_pretrain_steps: int = 220
+    """Digits world only: pretraining steps of the base model (few, so RL has headroom)."""
+
+    def __post_init__(self):
+        if self.family is not None:
+            from flowrl.models.families import family_options
+
+            family_options(self.family, self.options)  # an unknown family or option fails naming the valid ones

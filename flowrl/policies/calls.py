@@ -1,0 +1,111 @@
+"""The network calls of a `DiffusionPolicy`: text conditioning cached per prompt, and every forward and step kernel
+on chunks of exactly `forward_batch_size` rows (padded), so a rollout's log-probs re-score bit for bit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flowrl.policies.sde import StepOutput, ddim_step, sde_step
+
+
+@dataclass
+class _Chunk:
+    rows: torch.Tensor | None
+    """Row indices (padded to the chunk size), or `None` when the chunk is the whole batch in order."""
+    real: int
+    """How many of the rows are real (the rest is padding)."""
+    cond: dict
+    """The chunk's conditioning, with the unconditional branch prepended under CFG."""
+
+
+class ChunkedCalls:
+    """The calls part of `DiffusionPolicy` (a mixin: it reads the policy's `adapter`, `reduce`, `text_batch_size` and
+    keeps `_text_cache`)."""
+
+    # ------------------------------------------------------------------------------------------
+    # conditioning
+    # ------------------------------------------------------------------------------------------
+
+    def encode(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Conditioning `[len(prompts), ...]`, each distinct prompt encoded once and cached.
+
+        Missing prompts are encoded in batches of exactly `text_batch_size` (the last one padded), so a prompt's
+        embedding never depends on what it was batched with (resumed runs re-encode the same bits).
+        """
+        missing = list(dict.fromkeys(p for p in prompts if p not in self._text_cache))
+        with torch.no_grad():
+            size = self.text_batch_size
+            for start in range(0, len(missing), size):
+                batch = missing[start : start + size]
+                out = self.adapter.encode(batch + [batch[0]] * (size - len(batch)))
+                for i, prompt in enumerate(batch):
+                    self._text_cache[prompt] = {k: v[i] for k, v in out.items()}
+        return {k: torch.stack([self._text_cache[p][k] for p in prompts]) for k in self._text_cache[prompts[0]]}
+
+    def clear_text_cache(self) -> None:
+        self._text_cache.clear()
+
+    # ------------------------------------------------------------------------------------------
+    # the network call and the step kernel, on fixed-size chunks
+    # ------------------------------------------------------------------------------------------
+
+    def _plan(self, n: int, size: int, cond: dict, null_cond: dict | None) -> list[_Chunk]:
+        """Split `n` rows into chunks of exactly `size` rows (the last one padded with copies of its first row),
+        with each chunk's conditioning gathered and, under CFG, the unconditional branch prepended once."""
+        plan = []
+        for start in range(0, n, size):
+            rows = torch.arange(start, min(start + size, n))
+            real = len(rows)
+            if real < size:
+                rows = torch.cat([rows, rows[:1].expand(size - real)])
+            whole = real == n == size  # one full chunk: use the tensors as they are, no gathers
+            chunk_cond = cond if whole else {k: v[rows.to(v.device)] for k, v in cond.items()}
+            if null_cond is not None:
+                chunk_cond = {k: torch.cat([null_cond[k].expand(size, *v.shape[1:]), v])
+                              for k, v in chunk_cond.items()}  # fmt: skip
+            plan.append(_Chunk(None if whole else rows, real, chunk_cond))
+        return plan
+
+    def _predict(self, model, latents, timesteps, chunk_cond, cfg: bool, guidance_scale: float, static: dict):
+        """One chunk-sized network call; under CFG both branches go through it as one batch."""
+        if not cfg:
+            return self.adapter.forward(latents, timesteps, chunk_cond, guidance_scale, model=model, static=static)
+        out = self.adapter.forward(torch.cat([latents, latents]), torch.cat([timesteps, timesteps]), chunk_cond,
+                                   guidance_scale, model=model, static=static)  # fmt: skip
+        uncond, text = out.chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+
+    def _kernel(self, kind, output, step, sigmas, timesteps, sample, *, prev_sample, noise, noise_level):
+        """The step kernel for `sample [n, ...]` at step indices `step [n]`."""
+        if self.adapter.time_kind == "ddim":
+            eta = noise_level if kind == "ddim" else 0.0
+            return ddim_step(self.adapter.scheduler, output, timesteps[step], sample, eta=eta,
+                             prev_sample=prev_sample, noise=noise, reduce=self.reduce)  # fmt: skip
+        return sde_step(kind, output, sigmas[step], sigmas[step + 1], sample, prev_sample=prev_sample,
+                        noise=noise, noise_level=noise_level, reduce=self.reduce, sigma_max=sigmas[1])  # fmt: skip
+
+    def _run(self, model, kind, states, step, plan, *, cfg, static, sigmas, timesteps, guidance_scale,
+             noise_level, prev_sample=None, noise=None, predictions: list | None = None) -> StepOutput:  # fmt: skip
+        """Network call + step kernel for every row of `states` (`step [n]` step indices), chunk by chunk.
+
+        `predictions`, when a list, receives each chunk's (CFG-combined) network output for its real rows.
+        """
+        outs = []
+        for chunk in plan:
+            rows = slice(None) if chunk.rows is None else chunk.rows.to(states.device)
+            chunk_step = step if chunk.rows is None else step[chunk.rows]
+            x = states[rows]
+            output = self._predict(model, x, timesteps[chunk_step].to(x.device), chunk.cond, cfg, guidance_scale,
+                                   static)  # fmt: skip
+            if predictions is not None:
+                predictions.append(output[: chunk.real])
+            out = self._kernel(kind, output, chunk_step, sigmas, timesteps, x, noise_level=noise_level,
+                               prev_sample=None if prev_sample is None else prev_sample[rows],
+                               noise=None if noise is None else noise[rows])  # fmt: skip
+            outs.append(out if chunk.rows is None else StepOutput(*(t[: chunk.real] for t in out)))
+        if len(outs) == 1:
+            return outs[0]
+        return StepOutput(*(torch.cat(parts) for parts in zip(*outs)))

@@ -1,0 +1,480 @@
+"""The config sections every modality shares, and the base every trainer config builds on.
+
+`BaseConfig` holds what any run has: `run` (folder, epochs, seeds, logging, checkpoints, precision, sharding),
+`optim` (the optimizer and its gradient handling), `batch` (the batch contract: samples per optimizer step over
+every process, rows per network call on each process, inner epochs) and `eval` (cadence and the best / early-stop
+watch). A modality adds its own sections (`flowrl.image.config.ImageConfig`, `flowrl.control.config.ControlConfig`,
+`flowrl.llm.config.TextConfig`), and an algorithm adds the pieces it uses: `HasObjective` (the core's ratio
+objective), `HasKL` (the regulariser to a reference). No config carries a section its trainer ignores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Any, ClassVar, Literal
+
+from flowrl.config import run_checks
+from flowrl.registry import unknown_name_error
+
+
+@dataclasses.dataclass
+class RunConfig:
+    output_dir: str = "runs/{trainer}-{time}"
+    """Run folder; `{trainer}` and `{time}` are filled in."""
+    seed: int = 0
+    """Seeds prompt sampling, rollout noise and minibatch order (per epoch, so resumed runs are identical)."""
+    epochs: int = 50
+    """Training epochs (one rollout batch each)."""
+    save_every: int = 10
+    """Checkpoint every this many epochs (and at the end); 0: only at the end."""
+    keep_checkpoints: int = 2
+    """How many checkpoints to keep (older ones are deleted)."""
+    samples_every: int = 10
+    """Save the latest epoch's samples every this many epochs (0: never): an image grid with prompts and rewards
+    (`images/`), completions (`samples/`), the bimodal task's action field."""
+    log_with: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
+    """accelerate trackers (`tensorboard`, `wandb`); metrics.jsonl and PNG plots are always written."""
+    max_bad_reward_frac: float = 0.1
+    """Abort when more than this fraction of an epoch's rewards is NaN/inf (they are dropped and counted)."""
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """accelerate mixed precision (GPU)."""
+    cpu: bool = False
+    """Force the CPU even when a GPU is present."""
+    shard: Literal["none", "fsdp2", "zero2", "zero3"] = "none"
+    """With several processes: `none` keeps a full model, gradients and optimizer state on each (DDP); `fsdp2`
+    shards the trained model's parameters, gradients and AdamW state over the processes (`fully_shard`); `zero2`
+    (DeepSpeed ZeRO-2) shards the gradients and optimizer state, `zero3` the parameters too (`pip install
+    'flowrl[deepspeed]'`). GPUs or CPUs; image trainers on the shared update (`docs/distributed.md`). Ignored on
+    one process."""
+    threads: Literal["auto", "torch"] | int = "auto"
+    """CPU threads of torch's kernels: `auto` uses the cores other processes leave free, re-measured every epoch
+    (fast alone, graceful beside a second run or a reward server); an integer fixes the count; `torch` leaves
+    torch's default (`flowrl.threads`; `OMP_NUM_THREADS` or `FLOWRL_THREADING=torch` in the environment win)."""
+
+    def __post_init__(self):
+        from flowrl.threads import check_setting
+
+        check_setting(self.threads)
+        run_checks([
+            (self.epochs >= 1, "run.epochs must be >= 1"),
+            (0 <= self.max_bad_reward_frac <= 1, "run.max_bad_reward_frac must lie in [0, 1]"),
+        ])  # fmt: skip
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float | None = 1.0
+    """Gradient-norm clipping (None: off)."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule over the run's epochs: constant, or a cosine / linear decay from `lr` at the first
+    epoch to `lr * final_lr_ratio` at the last (set per epoch, so a resumed run continues on the same curve)."""
+    final_lr_ratio: float = 0.1
+    """The last epoch's learning rate as a fraction of `lr` (`cosine` and `linear` schedules)."""
+    optimizer: Literal["adamw", "rmsprop"] = "adamw"
+    """`adamw` (weight decay 0 is Adam), or `rmsprop` (alpha 0.99, `eps`, no weight decay: SB3's A2C optimizer,
+    for the "A2C is a special case of PPO" settings)."""
+    max_nonfinite_steps: int = 10
+    """A step whose gradient is NaN or infinite is skipped (no update, counted in `nonfinite_steps`); the run
+    stops with an error once this many were skipped (0: at the first), keeping its last checkpoint."""
+    step_grad_norms_every: int = 0
+    """Every this many epochs (0: never), log each denoising step's gradient norm (`grad_norm/step_t`, the mean
+    over the epoch's micro-batches of the norm of that step's share of the gradient): those epochs run the
+    `per_step` backward (the same gradient up to float rounding) and copy the gradient once per step. For
+    element-wise objectives; a diagnostic for `flowrl ablate`'s per-step plots."""
+
+    def lr_at(self, epoch: int, epochs: int) -> float:
+        """The learning rate of epoch `epoch` (0-based) of a run of `epochs`."""
+        if self.schedule == "constant" or epochs <= 1:
+            return self.lr
+        progress = epoch / (epochs - 1)  # 0 at the first epoch, 1 at the last
+        if self.schedule == "cosine":
+            factor = 0.5 * (1 + math.cos(math.pi * progress))
+        else:
+            factor = 1 - progress
+        return self.lr * (self.final_lr_ratio + (1 - self.final_lr_ratio) * factor)
+
+    def __post_init__(self):
+        run_checks([
+            (self.lr > 0 and 0 <= self.final_lr_ratio <= 1, "optim.lr must be > 0 and optim.final_lr_ratio in [0, 1]"),
+            (self.max_nonfinite_steps >= 0,
+             f"optim.max_nonfinite_steps must be >= 0, got {self.max_nonfinite_steps}"),
+        ])  # fmt: skip
+
+
+@dataclasses.dataclass
+class BatchConfig:
+    """The batch contract: the algorithm in global terms, memory per process (verl's global mini-batch and per-GPU
+    micro-batch). The same config gives the same optimizer steps and results on any number of processes and for
+    any `micro_batch_size`, up to floating-point reduction order (`docs/distributed.md`)."""
+
+    mini_batch_size: int | None = 32
+    """Samples one optimizer step consumes, counted over every process (images and text: samples; control:
+    transitions; DPOK: buffer transitions). Each inner epoch shuffles the trainable samples and cuts them into
+    mini-batches of this many; the last one holds the remainder. None: the whole batch in one step."""
+    micro_batch_size: int = 32
+    """Rows per network call on each process: rollouts, re-scoring and each forward and backward of the update
+    (a process's rows of a mini-batch are cut into micro-batches of this many and their gradients accumulated).
+    Memory only: it never changes what one optimizer step computes."""
+    inner_epochs: int = 1
+    """Passes over each epoch's samples (PPO epochs)."""
+    backward: Literal["whole", "per_step"] = "whole"
+    """`whole`: one backward per micro-batch over all its trained elements `[b, k]`. `per_step`: one backward per
+    element column (denoising step), so only one step's activations are in memory (large models); the gradient
+    is the same up to float rounding."""
+
+    def __post_init__(self):
+        run_checks([
+            (self.micro_batch_size >= 1, f"batch.micro_batch_size must be >= 1, got {self.micro_batch_size}"),
+            (self.mini_batch_size is None or self.mini_batch_size >= 1,
+             f"batch.mini_batch_size must be >= 1 (or null: the whole batch), got {self.mini_batch_size}"),
+            (self.inner_epochs >= 1, f"batch.inner_epochs must be >= 1, got {self.inner_epochs}"),
+        ])  # fmt: skip
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Evaluation cadence and what is watched (a modality adds what it samples)."""
+
+    every: int = 5
+    """Evaluate every this many epochs (and always before the first and after the last); 0: start and end only."""
+    seed: int = 1234
+    """Noise seed of evaluation: the same noise at every evaluation, so curves compare like with like."""
+    best_metric: str | None = None
+    """Keep `checkpoints/best`, the evaluation with the highest value of this metric (`reward`, `digits_gold`,
+    any `eval/*` name; a leading `-` keeps the lowest, e.g. `-digits_realism`); None: no best checkpoint."""
+    restore_best: bool = False
+    """At the end of the run, restore the best checkpoint's weights (early stopping on a held-out metric): the
+    final checkpoint, `eval_end` in `summary.json`, `flowrl eval` and `flowrl export` then use them."""
+    stop_on_drop: float | None = None
+    """Stop the run when `best_metric` falls this far below its best evaluation (in its own units, e.g. 0.05
+    of gold accuracy): the over-optimisation brake. The run ends there as if it had reached `run.epochs`
+    (final checkpoint, `restore_best`); None: never stop early."""
+
+    def __post_init__(self):
+        if self.restore_best and not self.best_metric:
+            raise ValueError("eval.restore_best needs eval.best_metric (which evaluation is the best)")
+        if self.stop_on_drop is not None and (not self.best_metric or self.stop_on_drop <= 0):
+            raise ValueError("eval.stop_on_drop needs eval.best_metric (what to watch) and a positive amount, got "
+                             f"best_metric={self.best_metric!r}, stop_on_drop={self.stop_on_drop}")  # fmt: skip
+
+    def best_key(self) -> tuple[str, float] | None:
+        """`("eval/<metric>", sign)` of `best_metric` (sign -1: lower is better), or None."""
+        if not self.best_metric:
+            return None
+        name, sign = (self.best_metric[1:], -1.0) if self.best_metric.startswith("-") else (self.best_metric, 1.0)
+        return (name if name.startswith("eval/") else f"eval/{name}"), sign
+
+    def gold_metrics(self) -> list[str]:
+        """Metrics that are never optimised (the first is the run's gold metric in `summary.json`)."""
+        return list(getattr(self, "metrics", []))
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    name: str = "digits_alignment"
+    """A registered reward (`flowrl list rewards`) or `package.module:attribute`."""
+    weight: float = 1.0
+    """Weight in the combined reward."""
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Constructor arguments of the reward (weights paths, device, batch_size, ...)."""
+
+
+@dataclasses.dataclass
+class PromptConfig:
+    train: str = "digits/train"
+    """Training prompt set: a shipped name (`flowrl.prompts`) or a .txt / .jsonl path."""
+    test: str = "digits/test"
+    """Evaluation prompt set."""
+    prompts_per_epoch: int = 16
+    """Distinct prompts m sampled per epoch (the rollout: m x k samples over every process)."""
+    group_size: int = 8
+    """Samples k per prompt (the group of group-relative advantages)."""
+
+    def __post_init__(self):
+        run_checks([
+            (self.prompts_per_epoch >= 1, "prompts.prompts_per_epoch must be >= 1"),
+            (self.group_size >= 1, "prompts.group_size must be >= 1"),
+        ])  # fmt: skip
+
+
+@dataclasses.dataclass
+class ObjectiveConfig:
+    """The policy objective of the shared core (`flowrl.core.compute_policy_loss`)."""
+
+    selector: ClassVar[str] = "name"
+    name: str = "ppo"
+    """A registered objective (`flowrl list objectives`): ppo, grpo, dapo, gspo, sapo, cispo, clamp, ..."""
+    clip_eps_low: float | None = None
+    """Lower clip range; None keeps the objective's own default (`docs/objectives.md`). Image log-probs are
+    means over latent elements, so image clip ranges are tiny (Flow-GRPO: 1e-4 at SD3.5's 512 px)."""
+    clip_eps_high: float | None = None
+    """Upper clip range; None keeps the objective's own default (for most: equal to the lower one)."""
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Other hyper-parameters of the objective (`dual_clip_c`, sapo's `tau_pos`, ...)."""
+    agg: str | None = None
+    """Aggregation over the `[B, K]` elements (`token_mean`, `seq_mean_token_mean`, ...); None: the objective's."""
+    target_kl: float | None = None
+    """Stop the epoch's update once a mini-batch's approximate KL exceeds `1.5 * target_kl`, before its optimizer
+    step (SB3's early stop); None: never."""
+
+    def __post_init__(self):
+        from flowrl.core import AGGREGATIONS, get_objective
+        from flowrl.core.objectives import RENAMED_HPARAMS
+
+        objective = get_objective(self.name)
+        params = [*objective.hparams, *objective.required]
+        for key in ("clip_eps_low", "clip_eps_high"):
+            if getattr(self, key) is not None and key not in params:
+                raise ValueError(f"objective {self.name!r} has no {key}; its hyper-parameters are "
+                                 f"{', '.join(params) or 'none'} (set them in objective.kwargs)")  # fmt: skip
+        for key in self.kwargs:
+            if key in ("clip_eps_low", "clip_eps_high", "agg"):
+                raise ValueError(f"set {key} as objective.{key}, not in objective.kwargs")
+            if key in RENAMED_HPARAMS and key not in params:
+                now = RENAMED_HPARAMS[key].split()[0]
+                place = f"objective.{now}" if now.startswith("clip_eps") else f"objective.kwargs.{now}"
+                raise ValueError(f"objective.kwargs.{key} was renamed: use {place}")
+            if key not in params:
+                raise unknown_name_error("hyper-parameter", key, params, where=f"for objective {self.name!r}")
+        if self.agg is not None and self.agg not in AGGREGATIONS:
+            raise unknown_name_error("aggregation", self.agg, list(AGGREGATIONS))
+        if self.target_kl is not None and self.target_kl <= 0:
+            raise ValueError(f"objective.target_kl must be > 0 (or null), got {self.target_kl}")
+
+    def hparams(self) -> dict[str, Any]:
+        """The hyper-parameters set here (the objective's own defaults fill in the rest)."""
+        out = {k: getattr(self, k) for k in ("clip_eps_low", "clip_eps_high", "agg") if getattr(self, k) is not None}
+        return {**out, **self.kwargs}
+
+
+@dataclasses.dataclass
+class AdvantageConfig:
+    """How a sample's advantage comes from its rewards: an estimator of the core's registry (`flowrl list
+    advantage_estimators`) and its options; each estimator reads the options it takes."""
+
+    selector: ClassVar[str] = "estimator"
+    estimators: ClassVar[tuple[str, ...]] = ("group", "batch", "leave_one_out", "per_prompt", "sas", "raw")
+    """The registered estimators of prompt groups (a modality lists its own)."""
+    estimator: str = "group"
+    """`group`: z-score within each prompt's group (GRPO, Flow-GRPO); `batch`: over the whole batch;
+    `leave_one_out`: the mean of the group's other samples as baseline (RLOO, LOOP); `per_prompt`: DDPO's
+    running per-prompt statistics (saved in checkpoints); `sas`: DCPO's smooth advantage standardisation, this
+    step's group z-score blended with the prompt's pooled history (saved in checkpoints); `raw`: the reward
+    itself (a learned baseline is subtracted later: DPOK's value network, FIND's calibration network); or your own
+    `package.module:function` with the `(rewards [N], group_ids [N], **options)` signature of `group`."""
+    std: Literal["group", "global", "none"] = "group"
+    """Scale: the group's std, one std over the epoch (Flow-GRPO's `global_std`), or none (Dr.GRPO). For
+    `leave_one_out`, `group` divides by the group's std and `global` is not available."""
+    eps: float | None = None
+    """Added to the std; None: the estimator's own (1e-4 as Flow-GRPO and trl; `per_prompt` 1e-6 as DDPO's
+    tracker)."""
+    clip: float | None = None
+    """Clip advantages to `[-clip, clip]` (Flow-GRPO, DDPO: 5)."""
+    unbiased: bool = True
+    """Sample (unbiased) std; Flow-GRPO and DDPO use numpy's population std."""
+    buffer_size: int = 16
+    """`per_prompt`: rewards remembered per prompt (DDPO: 16)."""
+    min_count: int = 16
+    """`per_prompt`: rewards a prompt needs before its own statistics replace the batch's (DDPO: 16)."""
+
+    def __post_init__(self):
+        if ":" not in self.estimator and self.estimator not in self.estimators:
+            from flowrl.core import ADVANTAGES
+
+            ADVANTAGES.get(self.estimator)  # an unknown name lists the registered ones
+            raise ValueError(f"advantage.estimator {self.estimator!r} does not apply here; choose from "
+                             f"{', '.join(self.estimators)}")  # fmt: skip
+        if self.estimator == "leave_one_out" and self.std == "global":
+            raise ValueError("advantage.std=global does not apply to leave_one_out; use group or none")
+        if self.estimator == "per_prompt" and not 1 <= self.min_count <= self.buffer_size:
+            raise ValueError("advantage.per_prompt needs 1 <= min_count <= buffer_size, "
+                             f"got min_count={self.min_count}, buffer_size={self.buffer_size}")  # fmt: skip
+        if self.clip is not None and self.clip <= 0:
+            raise ValueError("advantage.clip must be > 0 (or null)")
+
+    def options(self, fn) -> dict[str, Any]:
+        """The options `fn` (an estimator function or class) takes, by its signature; `eps` only when set."""
+        params = inspect.signature(fn).parameters
+        values = {
+            "std": self.std,
+            "eps": self.eps,
+            "clip": self.clip,
+            "unbiased": self.unbiased,
+            "buffer_size": self.buffer_size,
+            "min_count": self.min_count,
+            "normalize_std": self.std == "group",
+        }  # leave-one-out: divide by the group's std or not
+        return {k: v for k, v in values.items() if k in params and not (k == "eps" and v is None)}
+
+
+@dataclasses.dataclass
+class KLConfig:
+    """The regulariser that keeps the policy near its reference (the pre-trained model, or FIND's prior)."""
+
+    beta: float = 0.0
+    """Its weight in the loss (0: off; Flow-GRPO: 0.04 GenEval/OCR, 0.01 PickScore; DPOK: 0.1)."""
+    form: str = "gaussian"
+    """How it is measured; each trainer lists its forms. Denoising steps: `gaussian` (the exact KL of the two
+    step kernels), `gaussian_dt` (Flow-GRPO's code: that KL times |dt|), `eps_mse` (DPOK's code: the squared
+    difference of the guided predictions); FIND: `proxy` (its released `mean(mu^2 + (sigma - 1)^2)`) or
+    `gaussian` (the exact KL of the noise policy to N(0, I)); flow matching: `w2` (the velocity MSE bound); text:
+    `k1`, `k2`, `k3` per token."""
+    warmup_epochs: int = 0
+    """Epochs trained without it before it applies (DPOK's `kl_warmup`)."""
+    reference_offload: bool = False
+    """Full fine-tuning with a KL: keep the frozen reference copy in CPU memory and bring it to the device only
+    while it scores (one model copy less on the GPU, one transfer each way per reference pass). LoRA runs need
+    no copy: their reference is the network with the adapter disabled."""
+
+    def __post_init__(self):
+        if self.beta < 0 or self.warmup_epochs < 0:
+            raise ValueError("kl.beta and kl.warmup_epochs must be >= 0")
+
+    def coef(self, epoch: int) -> float:
+        """beta from epoch `warmup_epochs` on, 0 before."""
+        return self.beta if epoch >= self.warmup_epochs else 0.0
+
+
+RENAMED = {
+    "sampling.train_batch_size": "batch.micro_batch_size",
+    "sampling.forward_batch_size": "batch.micro_batch_size (rows per network call on each process)",
+    "optim.gradient_accumulation": "batch.mini_batch_size (samples per optimizer step over every process; it was "
+    "forward_batch_size x gradient_accumulation x processes)",
+    "optim.backward": "batch.backward",
+    "inner_epochs": "batch.inner_epochs",
+    "run.images_every": "run.samples_every",
+    "clip_eps_low": "objective.clip_eps_low",
+    "clip_eps_high": "objective.clip_eps_high",
+    "clip_eps": "objective.clip_eps_low",
+    "objective_kwargs": "objective.kwargs",
+    "target_kl": "objective.target_kl",
+    "kl_beta": "kl.beta",
+    "kl_weight": "kl.beta",
+    "kl_form": "kl.form",
+    "kl_warmup": "kl.warmup_epochs",
+    "adv_std": "advantage.std",
+    "adv_eps": "advantage.eps",
+    "adv_clip": "advantage.clip",
+    "adv_unbiased": "advantage.unbiased",
+    "adv_normalize_std": "advantage.std (group: divide by the group's std; none: do not)",
+    "tracker_buffer": "advantage.buffer_size",
+    "tracker_min_count": "advantage.min_count",
+}
+"""Keys of earlier flowrl versions and where each went (every trainer; configs add their own)."""
+
+
+@dataclasses.dataclass
+class BaseConfig:
+    """What every trainer's config has. A modality adds its sections, an algorithm its pieces and fields."""
+
+    renamed: ClassVar[dict[str, str]] = RENAMED
+    absent: ClassVar[dict[str, str]] = {}
+    """Keys other trainers have that this one does not, and why (the message when one is set)."""
+    registered_name: ClassVar[str] = ""
+    """The name the trainer registry gave this config class's trainer (the `trainer` key's default)."""
+
+    trainer: str = ""
+    """Registered trainer name (`flowrl list trainers`)."""
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    """Run folder, epochs, seeds, logging, checkpoints."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """The optimizer and gradient handling."""
+    batch: BatchConfig = dataclasses.field(default_factory=BatchConfig)
+    """The batch contract: samples per optimizer step (over every process), rows per call (per process)."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Evaluation cadence and the best / early-stop watch."""
+    ema_decay: float | None = None
+    """EMA of the trained weights for evaluation (Flow-GRPO: 0.9); None: off."""
+    ema_every: int = 8
+    """Optimizer steps between EMA updates (Flow-GRPO: 8)."""
+
+    def __post_init__(self):
+        if not self.trainer:  # the trainer registry names each config class once (`registered_name`)
+            self.trainer = getattr(type(self), "registered_name", "")
+        run_checks(self.checks())
+
+    def checks(self) -> list[tuple[bool, str]]:
+        """`(condition, message)` pairs the config must satisfy; sections and algorithms add theirs."""
+        return [(self.ema_decay is None or 0 < self.ema_decay < 1, "ema_decay must lie in (0, 1)")]
+
+    @classmethod
+    def renamed_keys(cls) -> dict[str, str]:
+        """Old config keys -> their new place (old keys fail with a message naming the new one)."""
+        merged = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(getattr(klass, "renamed", {}) or {})
+        return merged
+
+    @classmethod
+    def absent_keys(cls) -> dict[str, str]:
+        """Sections and keys this trainer has no use for -> why (`absent` of the class and its bases)."""
+        merged = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(getattr(klass, "absent", {}) or {})
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return {k: v for k, v in merged.items() if k not in fields}
+
+
+@dataclasses.dataclass
+class HasObjective:
+    """An algorithm whose policy loss is a ratio objective of the core."""
+
+    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
+    """The policy objective and its trust region."""
+
+
+@dataclasses.dataclass
+class HasKL:
+    """An algorithm with a regulariser to a reference; `kl_forms` are the forms it implements."""
+
+    kl_forms: ClassVar[tuple[str, ...]] = ("gaussian",)
+    kl: KLConfig = dataclasses.field(default_factory=KLConfig)
+    """The regulariser to the reference."""
+
+    def checks(self):
+        name = self.trainer or "this trainer"
+        return [*super().checks(),
+                (self.kl.form in self.kl_forms, f"kl.form {self.kl.form!r} is not one of {name}'s: "
+                 f"{', '.join(self.kl_forms)}")]  # fmt: skip
+
+
+@dataclasses.dataclass
+class PromptedConfig(BaseConfig):
+    """The modalities that sample groups of outputs per prompt and score them with rewards (images, text)."""
+
+    prompts: PromptConfig = dataclasses.field(default_factory=PromptConfig)
+    """Prompt sets and the m x k grouping."""
+    rewards: list[RewardConfig] = dataclasses.field(default_factory=lambda: [RewardConfig()])
+    """Rewards and their weights."""
+    reward_aggregation: Literal["sum", "gdpo"] = "sum"
+    """`sum`: advantages of the weighted reward sum (Flow-GRPO); `gdpo`: each reward's advantages, weighted."""
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    """The advantage estimator."""
+    drop_zero_std_groups: bool = True
+    """Skip training on groups whose advantages are all 0 (equal rewards under a group baseline: no signal)."""
+
+    def checks(self) -> list[tuple[bool, str]]:
+        p, a = self.prompts, self.advantage
+        return [
+            *super().checks(),
+            (len(self.rewards) >= 1, "rewards needs at least one reward"),
+            (a.estimator not in ("per_prompt", "sas") or self.reward_aggregation == "sum",
+             f"advantage.estimator={a.estimator} tracks the weighted reward sum; reward_aggregation must be 'sum'"),
+            (a.estimator != "sas" or p.group_size >= 2,
+             "advantage.estimator=sas needs prompts.group_size >= 2 (each step's group std)"),
+            (a.estimator != "leave_one_out" or p.group_size >= 2,
+             "the leave_one_out baseline needs prompts.group_size >= 2 (the k - 1 others of each sample)"),
+            (a.estimator != "group" or p.group_size >= 2,
+             "group-relative advantages need prompts.group_size >= 2: a group of one sample has advantage 0, so "
+             "nothing would ever train (or choose advantage.estimator: batch, per_prompt or raw)"),
+        ]  # fmt: skip

@@ -1,0 +1,109 @@
+"""Imports point down only: core <- policies/models <- modalities <- trainers <- commands (docs/architecture.md).
+
+Every `import` in the package, at module level or inside a function, is read from the source; a module may import
+its own layer or a lower one. A new module outside the layers below fails here until it is placed in one.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS = [
+    ("base", ["flowrl", "flowrl.registry", "flowrl.runtime", "flowrl.config", "flowrl.tracking", "flowrl.threads",
+              "flowrl.checkpoint"]),
+    ("core", ["flowrl.core"]),
+    ("policies and models", ["flowrl.policies", "flowrl.models", "flowrl.sections"]),
+    ("modalities", ["flowrl.image", "flowrl.control", "flowrl.llm", "flowrl.digits", "flowrl.rewards",
+                    "flowrl.prompts"]),
+    ("trainers", ["flowrl.trainers"]),
+    ("commands", ["flowrl.cli", "flowrl.__main__", "flowrl.sample", "flowrl.export", "flowrl.ablate"]),
+]  # fmt: skip
+"""Each layer's modules (a package stands for all of its modules), lowest first."""
+
+
+def _layer(module: str) -> int | None:
+    """The layer of `module`: the longest prefix listed in `LAYERS`."""
+    best, found = -1, None
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), rank
+    return found
+
+
+def _modules():
+    """`(module name, path)` of every module of the package (`rewards/` and `prompts/` are `flowrl.rewards` and
+    `flowrl.prompts`)."""
+    roots = {"flowrl": ROOT / "flowrl", "flowrl.rewards": ROOT / "rewards", "flowrl.prompts": ROOT / "prompts"}
+    for package, folder in roots.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            yield ".".join([package, *parts]), path
+
+
+def _imports(module: str, path: Path):
+    """`(line, imported module)` of every flowrl import in the file (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                names = [f"{base}.{node.module}" if node.module else base]
+            else:
+                names = [node.module]
+        else:
+            continue
+        for name in names:
+            if name == "flowrl" or name.startswith("flowrl."):
+                yield node.lineno, name
+
+
+def test_every_module_has_a_layer():
+    missing = [module for module, _ in _modules() if _layer(module) is None]
+    assert not missing, f"place these modules in a layer of tests/test_imports.py: {missing}"
+
+
+def test_imports_point_down_only():
+    upward = []
+    for module, path in _modules():
+        own = _layer(module)
+        for line, name in _imports(module, path):
+            target = _layer(name)
+            if target is not None and target > own:
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({LAYERS[own][0]}) imports {name} "
+                              f"({LAYERS[target][0]})")  # fmt: skip
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_the_core_imports_torch_and_nothing_of_flowrl_above_it():
+    for module, path in _modules():
+        if _layer(module) == 1:
+            for line, name in _imports(module, path):
+                assert _layer(name) in (0, 1), f"{path}:{line} imports {name}"
+
+
+@pytest.mark.parametrize("bad", ["flowrl.trainers.driver", "flowrl.cli"])
+def test_the_check_can_fail(bad, tmp_path):
+    """An upward import written into a core module is caught (the test is not vacuous)."""
+    path = tmp_path / "objectives.py"
+    path.write_text(f"def f():\n    import {bad}\n")
+    ((_, name),) = list(_imports("flowrl.core.objectives", path))
+    assert _layer(name) > _layer("flowrl.core.objectives")
+
+
+def test_the_package_list_names_every_package():
+    """pyproject's `packages` (a non-editable install ships only those) lists every package of the source."""
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", text, flags=re.S | re.M).group(1)))
+    found = {module for module, path in _modules() if path.name == "__init__.py"}
+    assert found == listed, f"missing: {sorted(found - listed)}; stale: {sorted(listed - found)}"

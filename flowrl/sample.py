@@ -113,13 +113,20 @@ def sample(
         exported = write(run, out / "lora")
         pipeline = type(policy.adapter.pipeline).__name__
         record["diffusers"] = [
-            f"pipe = {pipeline}.from_pretrained({config.model.name!r})",
+            f"pipe = {pipeline}.from_pretrained({base_location(config.model.name)!r})",
             f"pipe.load_lora_weights({str(out / 'lora')!r})",
             f"image = pipe({texts[0]!r}, num_inference_steps={steps}).images[0]",
         ]
         record["lora"] = exported["written"]
     (out / "sample.json").write_text(json.dumps(record, indent=2))
     return record
+
+
+def base_location(name: str) -> str:
+    """Where diffusers loads the base model `name` from (a `tiny:` model: its cached folder)."""
+    from flowrl.models.loaders import TINY_PREFIX, tiny_folder
+
+    return str(tiny_folder(name)) if name.startswith(TINY_PREFIX) else name
 
 
 def _save_png(image: torch.Tensor, path: Path) -> None:

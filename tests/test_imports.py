@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
     ("base", ["flowrl", "flowrl.registry", "flowrl.runtime", "flowrl.config", "flowrl.tracking", "flowrl.threads",
-              "flowrl.checkpoint"]),
+              "flowrl.checkpoint", "flowrl.cache"]),
     ("core", ["flowrl.core"]),
     ("policies and models", ["flowrl.policies", "flowrl.models", "flowrl.sections"]),
     ("modalities", ["flowrl.image", "flowrl.control", "flowrl.llm", "flowrl.digits", "flowrl.rewards",

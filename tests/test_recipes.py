@@ -18,8 +18,10 @@ from tests.rewards.tiny_models import imagereward_official_state, save_tiny_clip
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-RECIPES = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("digits", "control", "llm", "accelerate"))
-"""The image recipes (control configs: tests/control/test_control.py; text configs: tests/llm/test_text.py)."""
+SKIP = ("digits", "control", "llm", "accelerate")
+RECIPES = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in SKIP and p.name != "tiny.yaml")
+"""The image recipes (control configs: tests/control/test_control.py; text configs: tests/llm/test_text.py; the
+tiny-model configs: tests/models/test_tiny_configs.py)."""
 SHRINK = {
     "diffusion_nft": ["num_draws=2"],
     "awm": ["num_draws=1"],

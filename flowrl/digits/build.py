@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from flowrl.cache import build_once as _build_once
+from flowrl.cache import cache_lock, cache_root  # noqa: F401 (re-exported)
+from flowrl.cache import write_atomic as _write_atomic
 from flowrl.digits.data import digit_of, read_prompts, real_digits, split
 from flowrl.digits.nets import DigitCNN, DigitMLP, MiniLMEncoder, TransformerConfig, accuracy, train_classifier
 
@@ -66,61 +65,12 @@ def _hash(fields: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def cache_root() -> Path:
-    """`$FLOWRL_CACHE` or `~/.cache/flowrl`."""
-    return Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl")).expanduser()
-
-
 def model_dir(config: BuildConfig) -> Path:
     return cache_root() / "digits" / f"model-{config.model_key()}"
 
 
 def classifier_dir(config: BuildConfig) -> Path:
     return cache_root() / "digits" / f"classifiers-{config.classifier_key()}"
-
-
-@contextmanager
-def cache_lock(target: Path):
-    """Hold an exclusive lock on `target` while building it: a second process (a rank of the same run, or another
-    run) building the same folder waits, then finds it built. POSIX `flock`; elsewhere only the atomic rename."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # Windows: no flock; `_write_atomic` still never exposes a half-written folder
-        yield
-        return
-    with open(target.parent / f".{target.name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _build_once(target: Path, force: bool, build) -> Path:
-    """`build(target)` unless `target` is built (`meta.json`, written last), under `cache_lock`: a process that
-    waited for the lock finds the other's build and returns it."""
-    if (target / "meta.json").is_file() and not force:
-        return target
-    with cache_lock(target):
-        if force or not (target / "meta.json").is_file():
-            build(target)
-    return target
-
-
-def _write_atomic(target: Path, write) -> Path:
-    """Run `write(tmp_folder)`, then rename the folder to `target` (never a half-written `target`)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        write(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
 
 
 def pretrain(transformer, encoder: MiniLMEncoder, config: BuildConfig, log=print) -> list[float]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.digits.build import _write_atomic, cache_root
+from flowrl.cache import cache_root, write_atomic
 from flowrl.llm.arith import ALPHABET, BOS, EOS, MAX_OPERAND, PAD, UNK, all_problems, arith_reward, make_problems
 
 
@@ -222,7 +222,7 @@ def _build(config: BuildConfig, target: Path, log) -> None:
         }
         (tmp / "build.json").write_text(json.dumps(meta, indent=2))
 
-    _write_atomic(target, write)
+    write_atomic(target, write)
     if log:
         log(f"arithmetic base model built in {time.time() - start:.0f} s: test accuracy {sampled:.2f} sampled, "
             f"{greedy:.2f} greedy")  # fmt: skip

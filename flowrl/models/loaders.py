@@ -24,6 +24,34 @@ def _family_of(pipeline_class: str) -> str | None:
     return {cls: name for name, cls in families().items()}.get(pipeline_class)
 
 
+TINY_PREFIX = "tiny:"
+"""`model.name: tiny:<family>` (or `tiny:<family>@<seed>`): the family's tiny random pipeline, built offline once into
+the cache and loaded from there like any folder (configs/<family>/tiny.yaml; runs with no hub and no weights)."""
+
+
+def tiny_folder(name: str) -> Path:
+    """The cached folder of the tiny pipeline `tiny:<family>[@<seed>]`, built (once, under a lock) if missing."""
+    from flowrl.cache import build_once, cache_root, write_atomic
+    from flowrl.models.families import MODEL_FAMILIES
+
+    spec = name[len(TINY_PREFIX) :]
+    family, _, seed = spec.partition("@")
+    cls = MODEL_FAMILIES.get(family)  # an unknown family fails naming the registered ones
+    if seed and not seed.isdigit():
+        raise ValueError(f"model.name {name!r}: the seed after '@' must be a non-negative integer")
+    seed = int(seed or 0)
+    target = cache_root() / "tiny" / f"{family}-seed{seed}"
+
+    def build(folder: Path) -> None:
+        def write(tmp: Path) -> None:
+            cls.tiny(seed=seed).save_pretrained(tmp)
+            (tmp / "meta.json").write_text(json.dumps({"family": family, "seed": seed}))
+
+        write_atomic(folder, write)
+
+    return build_once(target, False, build)
+
+
 def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") != 1
 
@@ -54,7 +82,8 @@ def load_pipeline(
 
     Args:
         name_or_path: a hub id (`stabilityai/stable-diffusion-3.5-medium`, `black-forest-labs/FLUX.1-dev`,
-            `stable-diffusion-v1-5/stable-diffusion-v1-5`) or a folder written by `save_pretrained`.
+            `stable-diffusion-v1-5/stable-diffusion-v1-5`), a folder written by `save_pretrained`, or
+            `tiny:<family>[@<seed>]` (the family's tiny random pipeline, built offline into the cache).
         family (`str`, *optional*): `sd3`, `flux`, `unet` (or another registered family); detected from
             `model_index.json` when omitted.
         dtype (`torch.dtype`, defaults to fp32): the components' dtype (bf16 on GPU for the large models).
@@ -64,6 +93,8 @@ def load_pipeline(
     import diffusers
 
     name = str(name_or_path)
+    if name.startswith(TINY_PREFIX):
+        name = str(tiny_folder(name))
     local = _looks_local(name)
     if local:
         path = Path(name).expanduser()

@@ -60,6 +60,36 @@ def tiny_t5_tokenizer():
     return T5TokenizerFast(vocab=pieces, extra_ids=0)
 
 
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+    "<|video_pad|>", "<think>", "</think>",
+)  # fmt: skip
+"""The Qwen2/Qwen3 special tokens the families' prompt templates use (chat turns, vision placeholders, thinking)."""
+
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""A ChatML template (what Qwen tokenizers ship; Z-Image calls `apply_chat_template`)."""
+
+
+def tiny_qwen2_tokenizer(extra_special: tuple[str, ...] = ()):
+    """A byte-level BPE `Qwen2Tokenizer` (every string tokenizes) with the Qwen special tokens and a ChatML chat
+    template, built in memory: what Qwen-Image, Z-Image, FLUX.2 klein and HunyuanVideo 1.5 tokenize with."""
+    from transformers import Qwen2Tokenizer
+
+    chars = _bytes_to_unicode()
+    vocab = {c: i for i, c in enumerate(chars)}
+    merges = [("Ġ", "a"), ("c", "a"), ("ca", "t"), ("d", "o"), ("do", "g")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS + tuple(extra_special))})
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
 def _clip_text_encoder(tokenizer, hidden: int = 32, projection: int = 32, with_projection: bool = True):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 

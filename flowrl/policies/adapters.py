@@ -100,9 +100,19 @@ class ModelAdapter(ABC):
         """Whether `guidance_scale` is applied as classifier-free guidance (two branches per forward)."""
         return guidance_scale > 1.0
 
+    def combine_cfg(self, uncond: torch.Tensor, text: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """The guided prediction from the two branches (`uncond + s (text - uncond)`; a family that renormalises,
+        as Qwen-Image does, overrides this)."""
+        return uncond + guidance_scale * (text - uncond)
+
     @abstractmethod
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Conditioning tensors, each batched over `prompts` (`[P, ...]`)."""
+        """Conditioning tensors, each batched over `prompts` (`[P, ...]`).
+
+        A prompt's tensors must not depend on the prompts batched with it (the policy caches them per prompt and
+        stacks them): a family whose text encoder pads to the longest prompt pads to a fixed length instead and
+        returns the attention mask with the embeddings.
+        """
 
     def static_inputs(self, height: int, width: int) -> dict:
         """Inputs that depend only on the image size, computed once per rollout (Flux's image ids)."""

@@ -76,7 +76,7 @@ class ChunkedCalls:
         out = self.adapter.forward(torch.cat([latents, latents]), torch.cat([timesteps, timesteps]), chunk_cond,
                                    guidance_scale, model=model, static=static)  # fmt: skip
         uncond, text = out.chunk(2)
-        return uncond + guidance_scale * (text - uncond)
+        return self.adapter.combine_cfg(uncond, text, guidance_scale)
 
     def _kernel(self, kind, output, step, sigmas, timesteps, sample, *, prev_sample, noise, noise_level):
         """The step kernel for `sample [n, ...]` at step indices `step [n]`."""

@@ -1,0 +1,60 @@
+"""flowrl's cache folder (`$FLOWRL_CACHE`, default `~/.cache/flowrl`) and building into it once: a folder is written
+to a temporary name and renamed (never half-written), under a lock, so processes that build the same folder at once
+share one build (the digits world, the text world, tiny model pipelines)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """`$FLOWRL_CACHE` or `~/.cache/flowrl`."""
+    return Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl")).expanduser()
+
+
+@contextmanager
+def cache_lock(target: Path):
+    """Hold an exclusive lock on `target` while building it: a second process (a rank of the same run, or another
+    run) building the same folder waits, then finds it built. POSIX `flock`; elsewhere only the atomic rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; `write_atomic` still never exposes a half-written folder
+        yield
+        return
+    with open(target.parent / f".{target.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_once(target: Path, force: bool, build) -> Path:
+    """`build(target)` unless `target` is built (`meta.json`, written last), under `cache_lock`: a process that
+    waited for the lock finds the other's build and returns it."""
+    if (target / "meta.json").is_file() and not force:
+        return target
+    with cache_lock(target):
+        if force or not (target / "meta.json").is_file():
+            build(target)
+    return target
+
+
+def write_atomic(target: Path, write) -> Path:
+    """Run `write(tmp_folder)`, then rename the folder to `target` (never a half-written `target`)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

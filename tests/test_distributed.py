@@ -3,6 +3,7 @@ config trains on two processes as on one, the same optimizer steps, per-step sta
 (the batch contract, docs/distributed.md). The `distributed` tier: `python -m pytest -m distributed`."""
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -215,6 +216,27 @@ def test_two_sharded_processes_equal_one(tmp_path, cache, trainer, shard):
     again, straight = _sharded_weights(resumed, 2), _sharded_weights(tmp_path / "two", 2)
     for name in straight:
         torch.testing.assert_close(again[name], straight[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("shard", ["fsdp2", "zero2", pytest.param("zero3", marks=pytest.mark.slow)])
+def test_sharded_bf16_rescoring_gives_ratio_one_before_the_first_update(tmp_path, cache, shard):
+    # bf16 under sharding: the rollout and the update both forward the sharded model under autocast (FSDP2 also
+    # gathers bf16 parameters), so before the first step the re-scored log-probs are the rollout's: ratio exactly 1
+    losses = []
+    for precision in ("no", "bf16"):
+        path = _config(tmp_path, "grpo_guard", 2, shard=shard)
+        data = yaml.safe_load(path.read_text())
+        data["run"] = {**data["run"], "epochs": 1, "mixed_precision": precision}
+        data["batch"] = {"mini_batch_size": 16, "micro_batch_size": 4, "inner_epochs": 1}  # one step: old weights
+        path.write_text(yaml.safe_dump(data))
+        out = tmp_path / f"run-{precision}"
+        summary = _train(path, out, cache, processes=2)
+        assert summary["shard"] == shard
+        row = [r for r in _rows(out) if r.get("optimizer_steps")][0]
+        assert row["optimizer_steps"] == 1 and row["ratio_mean"] == 1.0 and row["clipfrac"] == 0.0, (precision, row)
+        assert math.isfinite(row["loss"]) and row["grad_norm"] > 0
+        losses.append(row["loss"])
+    assert losses[0] != losses[1]  # bf16 did act (the same seeds, other rounding)
 
 
 CONTROL = {

@@ -49,6 +49,7 @@ class Engine:
         check_launch()
         self.run, self.optim = run, optim
         shard = launch_shard(run.shard)  # before accelerate reads its launcher's DeepSpeed/FSDP settings
+        run.mixed_precision = launch_precision(run.mixed_precision)  # the accelerate config's, unless the run's
         check_trackers(run.log_with)
         # without a GPU, the CPU explicitly: accelerate then forms a gloo group of the processes `torchrun`
         # starts (asked for the default device, it would leave each one a separate single-process run)
@@ -112,8 +113,9 @@ class Engine:
             reasons.append("ema_decay keeps a full copy of the parameters")
         if self.optim.step_grad_norms_every:
             reasons.append("optim.step_grad_norms_every measures full per-step gradients")
-        if self.run.mixed_precision != "no":
-            reasons.append("mixed precision under sharding is not wired (use run.mixed_precision: no)")
+        if self.run.mixed_precision == "fp16":
+            reasons.append("fp16 needs a loss scaler over the shards, which flowrl does not keep (use "
+                           "run.mixed_precision: bf16)")  # fmt: skip
         if self.shard in sharding.ZERO_STAGES and self.optim.optimizer != "adamw":
             reasons.append("ZeRO runs keep AdamW's state (use optim.optimizer: adamw)")
         if reasons:
@@ -129,7 +131,7 @@ class Engine:
         if self.sharded:
             self.check_shardable(list(refusals))
         if self.shard == "fsdp2":
-            sharding.shard(module, self.processes.world, self.device)
+            sharding.shard(module, self.processes.world, self.device, bf16=self.run.mixed_precision == "bf16")
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"the trained {type(module).__name__} has no trainable parameters")
@@ -308,6 +310,22 @@ def launch_shard(shard: str, environ=None) -> str:
     if shard not in ("none", asked):
         raise LaunchError(f"the accelerate config launches {asked} but run.shard is {shard!r}: drop one of them")
     env["ACCELERATE_USE_DEEPSPEED"] = env["ACCELERATE_USE_FSDP"] = "false"
+    return asked
+
+
+def launch_precision(precision: str, environ=None) -> str:
+    """`run.mixed_precision` under an accelerate config's `mixed_precision` (`accelerate launch` exports it as
+    `ACCELERATE_MIXED_PRECISION`): the config's when the run leaves the default `no`; a run that names another
+    precision than the config is refused (one of them would be silently ignored)."""
+    env = os.environ if environ is None else environ
+    asked = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if asked in ("no", precision):
+        return precision
+    if asked not in ("bf16", "fp16"):
+        raise LaunchError(f"the accelerate config asks for mixed_precision {asked!r}; flowrl runs no, bf16, fp16")
+    if precision != "no":
+        raise LaunchError(f"the accelerate config asks for mixed_precision {asked} but run.mixed_precision is "
+                          f"{precision}: drop one of them")  # fmt: skip
     return asked
 
 

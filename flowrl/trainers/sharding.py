@@ -39,17 +39,23 @@ def shard_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
-def shard(module: torch.nn.Module, world: int, device: torch.device) -> int:
+def shard(module: torch.nn.Module, world: int, device: torch.device, bf16: bool = False) -> int:
     """Shard `module` in place over the `world` processes of the default group; gradients are summed over the
-    processes, not averaged. Returns the number of blocks sharded on their own."""
+    processes, not averaged. Returns the number of blocks sharded on their own.
+
+    With `bf16` (`run.mixed_precision: bf16`) the gathered parameters are bf16 (half the all-gather traffic and
+    memory) while the shards, the optimizer state and the gradient reduction stay fp32; the forwards also run under
+    autocast, in the rollout as in the update, so the old and new log-probs are computed alike (ratio exactly 1)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mp_policy": policy} if policy is not None else {}
     units = shard_blocks(module)
     for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+        fully_shard(unit, mesh=mesh, **kwargs)
+    fully_shard(module, mesh=mesh, **kwargs)
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)  # each process's loss is its share: the sum is the gradient

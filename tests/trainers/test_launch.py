@@ -26,7 +26,7 @@ def test_shipped_accelerate_configs_launch(name, shard):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    from flowrl.trainers.engine import launch_shard
+    from flowrl.trainers.engine import launch_precision, launch_shard
 
     path = Path(__file__).resolve().parents[2] / "configs" / "accelerate" / name
     args = launch_command_parser().parse_args(["--config_file", str(path), "-m", "flowrl", "train", "run.yaml"])
@@ -39,7 +39,17 @@ def test_shipped_accelerate_configs_launch(name, shard):
         env = dict(prepare_multi_gpu_env(args))
     assert launch_shard("none", env) == shard
     assert env.get("ACCELERATE_USE_DEEPSPEED", "false") == env.get("ACCELERATE_USE_FSDP", "false") == "false"
-    assert env["ACCELERATE_MIXED_PRECISION"] == ("bf16" if shard == "none" else "no")  # sharding runs in fp32
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and launch_precision("no", env) == "bf16"  # read, not ignored
+
+
+def test_launch_precision():
+    from flowrl.trainers.engine import LaunchError, launch_precision
+
+    assert launch_precision("no", {}) == "no" and launch_precision("bf16", {}) == "bf16"
+    assert launch_precision("no", {"ACCELERATE_MIXED_PRECISION": "bf16"}) == "bf16"
+    assert launch_precision("bf16", {"ACCELERATE_MIXED_PRECISION": "no"}) == "bf16"
+    with pytest.raises(LaunchError, match="asks for mixed_precision fp16 but run.mixed_precision is bf16"):
+        launch_precision("bf16", {"ACCELERATE_MIXED_PRECISION": "fp16"})
 
 
 def test_launch_shard_refusals():

@@ -20,10 +20,30 @@ def _catalog() -> dict[str, dict[str, str]]:
         "step selections": core.STEP_SELECTIONS.describe(),
         "step weightings": core.STEP_WEIGHTINGS.describe(),
         "samplers": SAMPLERS.describe(),
-        "model families": MODEL_FAMILIES.describe(),
+        "model families": {name: _family_line(name) for name in MODEL_FAMILIES.names()},
         "rewards": rewards.REWARDS.describe(),
         "trainers": TRAINERS.describe(),
     }
+
+
+def _family_line(name: str) -> str:
+    """A model family: what it is, the diffusers pipeline it wraps, its published models with their parameter
+    counts, and the image trainers that train its time convention."""
+    from flowrl.models.families import MODEL_FAMILIES
+    from flowrl.trainers import TRAINERS
+    from flowrl.trainers.image import ImageAlgorithm
+
+    cls = MODEL_FAMILIES.get(name)
+    fits = lambda t: cls.time_kind in t.time_kinds and (t.video or not cls.video)  # noqa: E731
+    trainers = [n for n in TRAINERS.names() if issubclass(TRAINERS.get(n), ImageAlgorithm) and fits(TRAINERS.get(n))]
+    real = "; ".join(cls.real_models) or "none listed"
+    return (
+        f"{MODEL_FAMILIES.describe()[name]} Pipeline: {cls.pipeline_class}. Real models: {real}. "
+        f"Trainers: {', '.join(trainers)}."
+    )
+
+
+SECTION_ALIASES = {"models": "model_families", "families": "model_families"}
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -32,6 +52,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.section:
         wanted = {k.lower().replace(" ", "_"): k for k in catalog}
         key = args.section.lower().replace(" ", "_")
+        key = SECTION_ALIASES.get(key, key)
         if key not in wanted:
             print(f"unknown section {args.section!r}; choose from {', '.join(wanted)}", file=sys.stderr)
             return 2
@@ -157,7 +178,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     record = sample(args.target, args.prompts, n=args.n, seed=args.seed, sampler=args.sampler,
                     noise_level=args.noise_level, num_steps=args.num_steps, guidance_scale=args.guidance_scale,
-                    checkpoint=args.checkpoint, ema=args.ema, out=args.out)  # fmt: skip
+                    checkpoint=args.checkpoint, ema=args.ema, out=args.out, image=args.image)  # fmt: skip
     print(f"{len(record['files'])} images of {record['checkpoint']} (epoch {record['epoch']}"
           f"{', EMA' if record['ema'] else ''}, sampler {record['sampler']}, seed {record['seed']}) in "
           f"{record['out']}; grid: {record['out']}/grid.png")  # fmt: skip
@@ -288,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_sample.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
                           help="use the EMA weights (default: when the run kept them)")  # fmt: skip
     p_sample.add_argument("--out", help="output folder (default: RUN/samples/<checkpoint>)")
+    p_sample.add_argument("--image", action="append", metavar="PATH",
+                          help="editing models: a source image every prompt edits (repeat for several; default: an "
+                               "editing prompt set's own, e.g. edit_shapes/test)")  # fmt: skip
     p_sample.set_defaults(func=cmd_sample)
     p_eval = sub.add_parser("eval", help="evaluate a run folder's checkpoint, or a config's base model")
     p_eval.add_argument("target", help="a run folder (with config.yaml and checkpoints/) or a YAML config")

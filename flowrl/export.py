@@ -53,6 +53,8 @@ def write(run, out: str | Path) -> dict:
         written = policy.save_lora(out)
         pipeline = type(policy.adapter.pipeline).__name__
         load = f"{pipeline}.from_pretrained(BASE).load_lora_weights({str(out)!r})"
+        if getattr(policy.adapter, "lora_loader", None) is not None:  # a pipeline without a LoRA loader mixin
+            load = f"pipe = {pipeline}.from_pretrained(BASE); " + policy.adapter.lora_load_line(out)
     elif policy.adapter.pipeline is not None:
         policy.adapter.pipeline.save_pretrained(out)
         written = out / "model_index.json"

@@ -7,6 +7,8 @@ images. It writes
 
 - `OUT/<prompt index>-<prompt>_<sample index>.png` at the model's resolution (e.g. `000-the-number-7_0.png`),
 - `OUT/grid.png`: one row per prompt, captioned,
+- for a video model (Wan), `OUT/<prompt index>-<prompt>_<sample index>.mp4` instead of the PNGs, and the grid
+  shows each video's frames side by side (`flowrl.video`; needs the `video` extra),
 - `OUT/sample.json`: the run, checkpoint, epoch, sampler, seed and which file holds which prompt;
 
 and for LoRA runs on a diffusers pipeline it exports the adapter (`flowrl export`) into `OUT/lora` and returns the
@@ -33,6 +35,24 @@ def read_prompts(prompts: str | list[str]) -> list[str]:
     return [prompts]
 
 
+def read_sources(prompts: str | list[str], image, count: int) -> list[tuple] | None:
+    """Each prompt's source images (editing): `image` (a path or a list of paths) for every prompt, else an editing
+    prompt set's own (`Prompt.images`), else None (text-to-image)."""
+    from flowrl import prompts as prompt_sets
+    from flowrl.prompts import source_images
+
+    if image is not None:
+        images = tuple([image] if isinstance(image, (str, Path)) else image)
+        missing = [str(i) for i in images if not Path(i).is_file()]
+        if missing:
+            raise ValueError(f"--image: no such file {', '.join(missing)}")
+        return [images] * count
+    if not isinstance(prompts, (list, tuple)) and (Path(prompts).suffix in (".txt", ".jsonl")
+                                                   or prompts in prompt_sets.list_sets()):  # fmt: skip
+        return source_images(prompt_sets.load(prompts))
+    return None
+
+
 def file_name(index: int, prompt: str, sample: int) -> str:
     """`<prompt index>-<prompt as a slug, at most 40 characters>_<sample index>.png`."""
     slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40].rstrip("-") or "prompt"
@@ -52,6 +72,7 @@ def sample(
     checkpoint: str = "latest",
     ema: bool | None = None,
     out: str | Path | None = None,
+    image: str | Path | list | None = None,
 ) -> dict:
     """Sample `n` images per prompt from a run's checkpoint and write them to `out`; returns the record.
 
@@ -66,19 +87,24 @@ def sample(
         checkpoint (`str`, defaults to `"latest"`): `latest`, `best` or a checkpoint folder.
         ema (`bool`, *optional*): use the EMA weights (default: when the run kept them).
         out (`str` or `Path`, *optional*): default `RUN/samples/<checkpoint name>`.
+        image (`str`, `Path` or a list of them, *optional*): editing models: the source image(s) every prompt edits
+            (default: an editing prompt set's own, e.g. `edit_shapes/test`; none: text-to-image).
     """
     from flowrl.export import write
     from flowrl.image import ImageModality
+    from flowrl.policies.sources import source_key
     from flowrl.tracking import image_grid
     from flowrl.trainers import TRAINERS, load_config
     from flowrl.trainers.inference import load_run, resolve
     from flowrl.trainers.run_folder import writable
+    from flowrl.video import write_mp4
 
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     texts = read_prompts(prompts)
     if not texts:
         raise ValueError("no prompts to sample")
+    sources = read_sources(prompts, image, len(texts))  # before any model loads: a missing image fails at once
     run_dir, path = resolve(target, checkpoint)
     config = load_config(run_dir / "config.yaml", ["run.log_with=[]"])
     if TRAINERS.get(config.trainer).modality_class is not ImageModality:
@@ -97,29 +123,49 @@ def sample(
     with torch.no_grad():
         # FIND: its trained noise policy draws the starting noise
         latents = latents_of(rows, generator, s.height, s.width) if latents_of is not None else None
+        edits = None if sources is None else [x for x in sources for _ in range(n)]  # editing: each row's source
         rollout = policy.rollout(rows, num_steps=steps, guidance_scale=guidance, sampler=sampler,
                                  noise_level=s.noise_level if noise_level is None else noise_level,
-                                 generator=generator, height=s.height, width=s.width, latents=latents)  # fmt: skip
+                                 generator=generator, height=s.height, width=s.width, latents=latents,
+                                 source_images=edits)  # fmt: skip
     files = []
     for i, image in enumerate(rollout.images):
         name = file_name(i // n, rows[i], i % n)
-        _save_png(image, out / name)
+        if image.ndim == 4:  # a video [3, F, H, W]: an .mp4 (grid.png shows its frames)
+            name = name.removesuffix(".png") + ".mp4"
+            write_mp4(image, out / name)
+        else:
+            _save_png(image, out / name)
         files.append({"file": name, "prompt": rows[i]})
     image_grid(rollout.images, [f"{r['prompt']} #{i % n}" for i, r in enumerate(files)], out / "grid.png",
                columns=n, title=f"{run_dir.name} {path.name}{' EMA' if run.ema else ''} seed {seed}")  # fmt: skip
     record = {"run": str(run_dir), "checkpoint": str(path), "epoch": run.epoch, "ema": run.ema,
               "sampler": sampler, "seed": seed, "n": n, "out": str(out), "files": files}  # fmt: skip
+    if sources is not None:  # editing: which source image(s) each prompt edited (in-memory ones by their key)
+        record["images"] = [[str(x) if isinstance(x, (str, Path)) else source_key(x) for x in entry]
+                            for entry in sources]  # fmt: skip
     if policy.has_lora and policy.adapter.pipeline is not None:
         exported = write(run, out / "lora")
         pipeline = type(policy.adapter.pipeline).__name__
+        call = f"pipe({texts[0]!r}, num_inference_steps={steps})"
+        if rollout.images.ndim == 5:  # videos: the frames the run samples
+            call = f"{call[:-1]}, num_frames={policy.adapter.options.num_frames})"
+        if sources is not None and isinstance(sources[0][0], (str, Path)):  # editing: the source image
+            call = f"pipe(image=load_image({str(sources[0][0])!r}), prompt={call[5:]}"
         record["diffusers"] = [
             f"pipe = {pipeline}.from_pretrained({base_location(config.model.name)!r})",
-            f"pipe.load_lora_weights({str(out / 'lora')!r})",
-            f"image = pipe({texts[0]!r}, num_inference_steps={steps}).images[0]",
+            policy.adapter.lora_load_line(out / "lora", lora_kwargs(policy.adapter)),  # or its `lora_loader`'s
+            f"image = {call}.images[0]" if rollout.images.ndim == 4 else f"video = {call}.frames[0]",
         ]
         record["lora"] = exported["written"]
     (out / "sample.json").write_text(json.dumps(record, indent=2))
     return record
+
+
+def lora_kwargs(adapter) -> str:
+    """The extra `load_lora_weights` arguments the adapter's LoRA needs (Wan 2.2's low-noise expert:
+    `load_into_transformer_2=True`), as source text."""
+    return "".join(f", {k}={v!r}" for k, v in getattr(adapter, "lora_load_kwargs", {}).items())
 
 
 def base_location(name: str) -> str:

@@ -80,11 +80,20 @@ def image_grid(images: torch.Tensor, captions: list[str], path: str | Path, colu
     """Save a PNG grid of `images [N, 3, H, W]` in [0, 1] with a caption under each; returns the path.
 
     Captions are wrapped (not cut) to the image's width, and each row is as tall as its longest caption, so a
-    caption never hides under the next row.
+    caption never hides under the next row. Videos `[N, 3, F, H, W]` show as frame strips (`flowrl.video`).
     """
     import textwrap
 
     import matplotlib
+
+    from flowrl.video import frame_strips, is_video
+
+    cell_w = cell_h = 2.0  # inches per image
+    if is_video(images):  # a strip of frames side by side, 1.25 in tall, as many strips per row as fit in 16 in
+        images = frame_strips(images)
+        cell_h = 1.25
+        cell_w = cell_h * images.shape[-1] / images.shape[-2]
+        columns = max(1, min(columns, int(16 // cell_w)))
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -92,11 +101,12 @@ def image_grid(images: torch.Tensor, captions: list[str], path: str | Path, colu
     n = len(images)
     columns = min(columns, n)
     rows = math.ceil(n / columns)
-    wrapped = ["\n".join(textwrap.wrap(c.replace("\n", " | "), width=26)) or " " for c in captions]
+    width = int(13 * cell_w)  # caption characters per line
+    wrapped = ["\n".join(textwrap.wrap(c.replace("\n", " | "), width=width)) or " " for c in captions]
     lines = max(w.count("\n") + 1 for w in wrapped)
     caption_h = 0.13 * lines  # inches of caption text under each image
-    fig, axes = plt.subplots(rows, columns, figsize=(2.0 * columns, (2.0 + caption_h) * rows + (0.4 if title else 0)),
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(rows, columns, figsize=(cell_w * columns, (cell_h + caption_h) * rows
+                                                     + (0.4 if title else 0)), squeeze=False)  # fmt: skip
     for ax in axes.flat:
         ax.axis("off")
     for ax, image, caption in zip(axes.flat, images, wrapped):
@@ -108,6 +118,18 @@ def image_grid(images: torch.Tensor, captions: list[str], path: str | Path, colu
     fig.savefig(path, dpi=100, bbox_inches="tight")  # the last row's captions lie below its axes
     plt.close(fig)
     return path
+
+
+def add_samples(writer, tag: str, images: torch.Tensor, step: int) -> None:
+    """Samples to a TensorBoard `writer`: images `[N, 3, H, W]` (small ones upscaled); videos `[N, 3, F, H, W]` as
+    videos where TensorBoard can encode them (moviepy < 2 installed), else as frame strips."""
+    from flowrl.video import FPS, frame_strips, is_video, tensorboard_videos
+
+    images = images.detach().float().clamp(0, 1).cpu()
+    if is_video(images) and tensorboard_videos():
+        writer.add_video(tag, images.transpose(1, 2), step, fps=FPS)  # add_video takes [N, F, 3, H, W]
+        return
+    writer.add_images(tag, upscale(frame_strips(images)), step)
 
 
 def upscale(images: torch.Tensor, min_size: int = 128) -> torch.Tensor:

@@ -34,6 +34,9 @@ class Prompt:
 
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: tuple = ()
+    """Editing: the source images the prompt edits (paths or PIL images; a jsonl row's `image`, a path or a list of
+    paths relative to the file). Empty: text-to-image."""
 
     def __str__(self) -> str:
         return self.text
@@ -45,6 +48,31 @@ def quoted_text(prompt: str) -> str | None:
     return match.group(1) if match else None
 
 
+BUILT_SETS = {
+    "edit_shapes/train": "flowrl.prompts.edit_shapes:train",
+    "edit_shapes/test": "flowrl.prompts.edit_shapes:test",
+}
+"""Shipped sets built in code (name -> `module:function` returning `list[Prompt]`): the editing set's source images
+are drawn with PIL, so no image files ship."""
+
+
+def group_key(prompt) -> str:
+    """What a prompt's samples are grouped by: its text, or for an editing prompt its (text, source images) pair
+    (`flowrl.policies.sources.edit_key`)."""
+    images = getattr(prompt, "images", ())
+    if not images:
+        return str(prompt)
+    from flowrl.policies.sources import edit_key
+
+    return edit_key(str(prompt), images)
+
+
+def source_images(prompts: list) -> list | None:
+    """Each prompt's source images (`Prompt.images`), or None when no prompt has any (text-to-image)."""
+    images = [tuple(getattr(p, "images", ())) for p in prompts]
+    return images if any(images) else None
+
+
 def list_sets() -> list[str]:
     """Names of the shipped prompt sets (paths under the package without the extension), sorted."""
     names = {
@@ -53,7 +81,7 @@ def list_sets() -> list[str]:
         for path in ROOT.rglob(f"*{suffix}")
         if "__pycache__" not in path.parts
     }
-    return sorted(names)
+    return sorted(names | set(BUILT_SETS))
 
 
 def resolve(name_or_path: str | os.PathLike) -> Path:
@@ -97,12 +125,21 @@ def _read_jsonl(path: Path) -> list[Prompt]:
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise ValueError(f"{path}:{number}: each line must be a JSON object with a string 'prompt'")
         text = record.pop("prompt").strip()
-        out.append(Prompt(text, _with_quoted(text, record)))
+        images = record.pop("image", None)  # editing: source image path(s), relative to the file
+        images = [] if images is None else [images] if isinstance(images, str) else images
+        if not all(isinstance(i, str) for i in images):
+            raise ValueError(f"{path}:{number}: 'image' must be a path or a list of paths")
+        images = tuple(str((path.parent / i).resolve()) for i in images)
+        out.append(Prompt(text, _with_quoted(text, record), images))
     return out
 
 
 def load(name_or_path: str | os.PathLike) -> list[Prompt]:
     """The prompts of a shipped set (`"simple_animals"`, `"compositional/train"`, ...) or of a `.txt`/`.jsonl` file."""
+    if str(name_or_path) in BUILT_SETS and not Path(name_or_path).is_file():
+        from flowrl.registry import import_path
+
+        return import_path(BUILT_SETS[str(name_or_path)], "prompt set")()
     path = resolve(name_or_path)
     try:
         prompts = _read_jsonl(path) if path.suffix == ".jsonl" else _read_txt(path)

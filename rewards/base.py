@@ -39,6 +39,12 @@ class Reward(ABC):
 
     name: str = "reward"
     differentiable: bool = False
+    video: bool = False
+    """Scores videos `[B, 3, F, H, W]` itself (`flowrl.rewards.video`); an image reward given videos scores every frame
+    and averages (`flowrl.rewards.video.score_frames`)."""
+    needs_source_images: bool = False
+    """Editing: the reward is also given each sample's source images as `source_images [B, N, 3, H, W]` in [0, 1]
+    (`flowrl.rewards.edit`); rewards without it never see them."""
 
     def __init__(self, device=None, dtype: torch.dtype = torch.float32, batch_size: int = 32):
         if batch_size < 1:
@@ -52,7 +58,13 @@ class Reward(ABC):
         """Scores `[B]` of `images [B, 3, H, W]` in [0, 1] (on `self.device`) for `prompts`."""
 
     def __call__(self, images: torch.Tensor, prompts, **metadata) -> torch.Tensor:
-        if images.ndim != 4 or images.shape[1] != 3:
+        if images.ndim == 5 and not self.video:  # videos [B, 3, F, H, W]: every frame scored, the mean per video
+            from flowrl.rewards.video import score_frames
+
+            return score_frames(self, images, prompts, name=self.name, **metadata)
+        if self.video and (images.ndim != 5 or images.shape[1] != 3):
+            raise ValueError(f"reward {self.name!r} needs videos [B, 3, F, H, W] in [0, 1]; got {tuple(images.shape)}")
+        if not self.video and (images.ndim != 4 or images.shape[1] != 3):
             raise ValueError(f"reward {self.name!r} needs images [B, 3, H, W] in [0, 1]; got {tuple(images.shape)}")
         prompts = list(prompts)
         if len(prompts) != images.shape[0]:

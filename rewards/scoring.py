@@ -22,6 +22,13 @@ def texts_and_metadata(prompts: list) -> tuple[list[str], dict[str, list]]:
     return texts, {k: [getattr(p, "metadata", {}).get(k) for p in prompts] for k in keys}
 
 
+def source_kwargs(fn, sources) -> dict:
+    """`{"source_images": sources}` for a reward that asks for them (`needs_source_images`), else nothing."""
+    if sources is None or not getattr(fn, "needs_source_images", False):
+        return {}
+    return {"source_images": sources}
+
+
 def call_reward(name: str, run, n: int) -> torch.Tensor:
     """The checked `[n]` scores that `run()` returns (a reward call, or a future's `result`); a failure of the
     reward is a `RewardError` that names it."""
@@ -50,10 +57,14 @@ class Rewards:
             raise ValueError(f"no reward function for {unknown}")
         self.fns, self.weights, self.processes, self.max_bad_frac = fns, weights, processes, max_bad_frac
 
-    def score(self, outputs, prompts: list, fns: dict | None = None) -> dict[str, torch.Tensor]:
-        """Each reward on this process's outputs (prompt metadata as keyword arguments), gathered: `{name: [N]}`."""
+    def score(self, outputs, prompts: list, fns: dict | None = None, sources=None) -> dict[str, torch.Tensor]:
+        """Each reward on this process's outputs (prompt metadata as keyword arguments), gathered: `{name: [N]}`.
+
+        `sources` (editing: the rollout's `source_images [B, N, 3, H, W]`) go to the rewards that ask for them.
+        """
         texts, metadata = texts_and_metadata(prompts)
-        return {name: self.processes.gather(call_reward(name, partial(fn, outputs, texts, **metadata), len(texts)))
+        return {name: self.processes.gather(call_reward(name, partial(fn, outputs, texts, **metadata,
+                                                                      **source_kwargs(fn, sources)), len(texts)))
                 for name, fn in (fns or self.fns).items()}  # fmt: skip
 
     def combined(self, rewards: dict[str, torch.Tensor]) -> torch.Tensor:

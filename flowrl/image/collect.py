@@ -15,9 +15,9 @@ import torch
 
 from flowrl.policies.diffusion import DiffusionRollout
 from flowrl.policies.rollout import Collected
-from flowrl.prompts import epoch_prompts
+from flowrl.prompts import epoch_prompts, source_images
 from flowrl.rewards import RewardExecutor, Rewards
-from flowrl.rewards.scoring import call_reward, texts_and_metadata
+from flowrl.rewards.scoring import call_reward, source_kwargs, texts_and_metadata
 from flowrl.runtime import Processes, row_generators
 
 
@@ -67,7 +67,9 @@ class ImageCollector:
             rows = slice(bounds[i], bounds[i + 1])
             positions = range(local.start + rows.start, local.start + rows.stop)
             generators = row_generators((self.seed, epoch, 2), positions)
-            part = self.sampler([str(p) for p in mine[rows]], generators, positions, epoch)
+            sources = source_images(mine[rows])  # editing: the prompts' source images (None: text-to-image)
+            extra = {} if sources is None else {"sources": sources}
+            part = self.sampler([str(p) for p in mine[rows]], generators, positions, epoch, **extra)
             if on_part is not None:
                 on_part(part, mine[rows])
             parts.append(part)
@@ -82,7 +84,7 @@ class ImageCollector:
             rollout, prompts, local = self.sample(epoch)
             sampled = time.time()
             memory = mark("rollout")
-            rewards = self.rewards.score(rollout.images, prompts[local])
+            rewards = self.rewards.score(rollout.images, prompts[local], sources=rollout.source_images)
             memory.update(mark("scoring"))
         else:  # sampling and scoring overlap: one measurement for both
             rollout, prompts, local, rewards, sampled = self._collect_overlapped(epoch)
@@ -98,7 +100,8 @@ class ImageCollector:
 
         def submit(part, part_prompts):
             texts, metadata = texts_and_metadata(part_prompts)
-            pending.append((len(texts), {name: ex.submit(part.images, texts, **metadata)
+            pending.append((len(texts), {name: ex.submit(part.images, texts, **metadata,
+                                                         **source_kwargs(self.rewards.fns[name], part.source_images))
                                          for name, ex in executors.items()}))  # fmt: skip
 
         try:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from flowrl.image.config import ImageEvalConfig, SamplingConfig
+from flowrl.prompts import source_images
 from flowrl.rewards import Rewards
 from flowrl.runtime import Processes, row_generators
 from flowrl.tracking import image_grid
@@ -56,18 +57,22 @@ class ImageEvaluator:
         generator = row_generators((e.seed,), range(local.start, local.stop))  # a sample's noise: its position
         guidance = s.guidance_scale if e.guidance_scale is None else e.guidance_scale
         texts = [str(p) for p in full_padded[local]]
+        sources = source_images(full_padded[local])  # editing: the test prompts' source images
         with self.autocast() if self.autocast else nullcontext():
             latents = self.initial_latents(texts, generator, s.height, s.width) if self.initial_latents else None
             progress = f"eval {len(full)} samples" if self.processes.is_main else None
             rollout = self.policy.rollout(texts, num_steps=e.num_steps or s.num_steps, guidance_scale=guidance,
                                           noise_level=0.0, sampler=sampler, generator=generator, height=s.height,
-                                          width=s.width, latents=latents, progress=progress)  # fmt: skip
+                                          width=s.width, latents=latents, progress=progress,
+                                          source_images=sources)  # fmt: skip
         fns = {**self.rewards.fns, **self.metrics}
-        scores = {k: v[: len(full)] for k, v in self.rewards.score(rollout.images, full_padded[local], fns).items()}
+        scored = self.rewards.score(rollout.images, full_padded[local], fns, sources=rollout.source_images)
+        scores = {k: v[: len(full)] for k, v in scored.items()}
         # diversity on (at most) 64x64 thumbnails, so gathering large images stays cheap
         thumbs = rollout.images.float()
-        if thumbs.shape[-1] > 64:
-            thumbs = torch.nn.functional.interpolate(thumbs, size=(64, 64), mode="area")
+        if thumbs.shape[-1] > 64:  # videos [B, 3, F, H, W]: frame by frame
+            size = (64, 64) if thumbs.ndim == 4 else (thumbs.shape[2], 64, 64)
+            thumbs = torch.nn.functional.interpolate(thumbs, size=size, mode="area")
         images = self.processes.gather(thumbs)[: len(full)]
         out = {f"eval/{name}": nanmean(v) for name, v in scores.items()}
         out["eval/reward"] = nanmean(self.rewards.combined(scores))

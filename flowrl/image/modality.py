@@ -21,7 +21,7 @@ from flowrl.models import ModelConfig, load_policy, prepare_training
 from flowrl.rewards import Rewards
 from flowrl.rewards.scoring import reward_summary
 from flowrl.runtime import RunContext
-from flowrl.tracking import upscale
+from flowrl.tracking import add_samples
 
 
 def build_rewards(specs) -> dict:
@@ -29,9 +29,9 @@ def build_rewards(specs) -> dict:
     return {spec.name: reward_registry.get(spec.name, **spec.kwargs) for spec in specs}
 
 
-def build_image_policy(model: ModelConfig, *, forward_batch_size: int, device="cpu", log=print):
-    """The `DiffusionPolicy` of a `model` section, set up for training (LoRA or every weight): the digits world
-    (built into the cache on first use) or a diffusers pipeline of a registered family."""
+def build_image_policy(model: ModelConfig, *, forward_batch_size: int, device="cpu", log=print, seed: int = 0):
+    """The `DiffusionPolicy` of a `model` section, set up for training (LoRA or every weight, a LoRA initialised from
+    `seed`): the digits world (built into the cache on first use) or a diffusers pipeline of a registered family."""
     if model.name == "digits":
         from flowrl.digits import BuildConfig, load_world
 
@@ -40,7 +40,7 @@ def build_image_policy(model: ModelConfig, *, forward_batch_size: int, device="c
         policy.model.to(device)
     else:
         policy = load_policy(model, forward_batch_size=forward_batch_size, device=device)
-    return prepare_training(policy, model)
+    return prepare_training(policy, model, seed=seed)
 
 
 class ImageModality:
@@ -74,7 +74,11 @@ class ImageModality:
             self.check_inputs()
         if policy is None:
             policy = build_image_policy(config.model, forward_batch_size=config.batch.micro_batch_size,
-                                        device=context.device, log=context.log)  # fmt: skip
+                                        device=context.device, log=context.log, seed=config.run.seed)  # fmt: skip
+            if config.model.offload_text_encoders:  # each prompt encoded (or read from disk) once, then off the device
+                policy.encode(list(dict.fromkeys(str(p) for p in self.train_prompts + self.test_prompts)))
+                policy.encode([policy.negative_prompt], negative=True)
+                policy.offload_text_encoders()
         self.policy = policy
 
     def check_inputs(self) -> None:
@@ -136,8 +140,8 @@ class ImageModality:
         path.parent.mkdir(parents=True, exist_ok=True)
         images = sample_grid(rollout, total, self.config.prompts.group_size, path, title=f"epoch {epoch}")
         for tracker in trackers:
-            if tracker.name == "tensorboard":  # small images (the digits' 8x8) upscaled so they can be seen
-                tracker.writer.add_images("samples", upscale(images.float().clamp(0, 1)), epoch)
+            if tracker.name == "tensorboard":  # small images (the digits' 8x8) upscaled; videos as videos
+                add_samples(tracker.writer, "samples", images, epoch)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The modality's resumable tensors (images keep none: an epoch depends only on the weights and seeds)."""

@@ -34,7 +34,8 @@ class ImageSampler:
         self.policy, self.sampling, self.seed, self.group_size = policy, sampling, seed, group_size
         self.autocast, self.store_means, self.requires_stochastic = autocast, store_means, requires_stochastic
 
-    def __call__(self, texts: list[str], generators, rows, epoch: int) -> DiffusionRollout:
+    def __call__(self, texts: list[str], generators, rows, epoch: int, sources=None) -> DiffusionRollout:
+        """Sample `texts` (editing: each with its `sources`, the prompts' source images)."""
         s = self.sampling
         latents = self.group_noise(rows, epoch) if s.init_same_noise else None
         with self.autocast():
@@ -42,7 +43,7 @@ class ImageSampler:
                                           noise_level=s.noise_level, sampler=s.sampler, sde_window=self.window(epoch),
                                           latents=latents, generator=generators, height=s.height, width=s.width,
                                           store_means=self.store_means, post_window_solver=s.post_window_solver,
-                                          post_window_ratio=s.post_window_ratio)  # fmt: skip
+                                          post_window_ratio=s.post_window_ratio, source_images=sources)  # fmt: skip
         if self.requires_stochastic and not rollout.sde_mask.any():
             raise ValueError(f"sampler {s.sampler!r} with noise_level {s.noise_level} has no stochastic step to train")
         return rollout

@@ -111,7 +111,7 @@ class StepTerms:
         steps = index.t().reshape(-1)
         r, s = rows.to(batch.latents.device), steps.to(batch.latents.device)
         states, next_states = batch.latents[r, s], batch.latents[r, s + 1]
-        cond = {k: v[batch.prompt_ids[rows].to(v.device)] for k, v in batch.cond.items()}
+        cond = batch.sample_cond(rows)  # the prompts' text conditioning (editing: and their source images')
         old_means = batch.means[r, s] if self.store_means else None
         terms = self.transition_terms(batch, states, next_states, steps, cond, batch.log_probs[rows, steps], epoch,
                                       old_means)  # fmt: skip

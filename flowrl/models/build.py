@@ -21,15 +21,38 @@ def load_policy(model: ModelConfig, *, forward_batch_size: int | None, device="c
     """
     from flowrl.policies import DiffusionPolicy
 
-    return DiffusionPolicy.from_pretrained(model.name, family=model.family, dtype=DTYPES[model.dtype], device=device,
-                                           options=model.options, forward_batch_size=forward_batch_size)  # fmt: skip
+    policy = DiffusionPolicy.from_pretrained(model.name, family=model.family, dtype=DTYPES[model.dtype], device=device,
+                                             options=model.options, forward_batch_size=forward_batch_size)  # fmt: skip
+    if model.attention_backend is not None:
+        policy.model.set_attention_backend(model.attention_backend)
+    if model.cache_text:
+        policy.store_text(text_store_folder(model, policy))
+    return policy
 
 
-def prepare_training(policy, model: ModelConfig):
+def text_store_folder(model: ModelConfig, policy):
+    """`$FLOWRL_CACHE/text/<key>`: the key hashes the model's name, family, options and dtype and the first weights of
+    each text encoder (a folder whose weights were replaced gets a new key, never another model's conditioning)."""
+    import hashlib
+    import json
+
+    from flowrl.cache import cache_root
+    from flowrl.policies.text_store import text_encoders
+
+    fingerprint = {"name": model.name, "family": policy.family, "options": model.options, "dtype": model.dtype}
+    for name, module in sorted(text_encoders(policy.adapter.pipeline).items()):
+        first = next(iter(module.parameters()), None)
+        fingerprint[name] = None if first is None else float(first.detach().float().flatten()[:4096].sum())
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return cache_root() / "text" / f"{policy.family}-{key}"
+
+
+def prepare_training(policy, model: ModelConfig, seed: int = 0):
     """Set what trains: with `lora_rank > 0` a peft LoRA adapter in fp32 over the (possibly bf16) frozen base,
-    otherwise every weight; gradient checkpointing when asked. Returns the policy."""
+    initialised from `seed` (the same on every process), otherwise every weight; gradient checkpointing when asked.
+    Returns the policy."""
     if model.lora_rank > 0:
-        policy.add_lora(rank=model.lora_rank, alpha=model.lora_alpha, target_modules=model.lora_targets)
+        policy.add_lora(rank=model.lora_rank, alpha=model.lora_alpha, target_modules=model.lora_targets, seed=seed)
         for param in policy.trainable_parameters():  # the adapter trains in fp32 over a bf16/fp16 base
             param.data = param.data.float()
     else:

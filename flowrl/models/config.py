@@ -27,10 +27,27 @@ class ModelConfig:
     """LoRA target modules (defaults: the attention projections of the family)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, more time)."""
+    cache_text: bool = False
+    """Store each prompt's conditioning on disk (`$FLOWRL_CACHE/text/<model key>`): later runs, other processes and
+    `flowrl sample` read it instead of running the text encoders (bit-identical)."""
+    offload_text_encoders: bool = False
+    """Keep the frozen text encoders in CPU memory: every prompt of the train and test sets is encoded once at the
+    start (or read from `cache_text`), and an unseen prompt moves them to the device for its encode only."""
+    attention_backend: str | None = None
+    """diffusers' attention backend for the trained network (`set_attention_backend`: `native`, `flash`, `_flash_3`,
+    `sage`, `xformers`, `flex`, ...; None: diffusers' default). The rollout and the update use the same one, so the
+    ratio stays exactly 1; the kernels other than `native`/`_native_*` need their packages and a GPU."""
     digits_pretrain_steps: int = 220
     """Digits world only: pretraining steps of the base model (few, so RL has headroom)."""
 
     def __post_init__(self):
+        if self.attention_backend is not None:
+            from diffusers.models.attention_dispatch import AttentionBackendName
+
+            valid = [b.value for b in AttentionBackendName]
+            if self.attention_backend not in valid:
+                raise ValueError(f"model.attention_backend {self.attention_backend!r} is not one of diffusers' "
+                                 f"backends: {', '.join(valid)}")  # fmt: skip
         if self.family is not None:
             from flowrl.models.families import family_options
 

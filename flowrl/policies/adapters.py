@@ -61,10 +61,20 @@ class ModelAdapter(ABC):
     """Default LoRA target modules."""
     lora_prefix: str = "transformer"
     """The network's name in diffusers' LoRA files (`transformer`, `unet`)."""
+    lora_loader: str | None = None
+    """How diffusers loads the family's LoRA file: None, the pipeline's `load_lora_weights(dir)` (its LoRA loader
+    mixin); else the pipeline component that loads it with `load_lora_adapter(dir, prefix=lora_prefix)`, for a
+    pipeline without a LoRA loader (HunyuanVideo 1.5: `"transformer"`). `load_lora_into` and `lora_load_line` follow
+    it; `policy.save_lora` writes the same file either way."""
     time_kind: str = "flow"  # "flow": sigma schedules and sde_step; "ddim": alphas and ddim_step
     default_sampler: str = "flow_sde"
     Options: type = NoOptions
     """The family's options (`model.options`): a dataclass with a docstring per field."""
+    video: bool = False
+    """Whether the family makes videos (latents `[B, C, F', h, w]`, `decode` gives `[B, 3, F, H, W]`)."""
+    real_models: tuple[str, ...] = ()
+    """The published checkpoints of the family with their trained network's parameter count, as their model cards
+    give them (`flowrl list models`): e.g. `"stabilityai/stable-diffusion-3.5-medium: 2.5B"`."""
 
     def __init__(self, pipeline, *, options=None):
         self.pipeline = pipeline
@@ -105,6 +115,49 @@ class ModelAdapter(ABC):
         as Qwen-Image does, overrides this)."""
         return uncond + guidance_scale * (text - uncond)
 
+    @classmethod
+    def pipeline_call_kwargs(cls, guidance_scale: float, batch_size: int, negative_prompt: str = "") -> dict:
+        """The diffusers pipeline's `__call__` arguments that guide as flowrl's `guidance_scale` and
+        `negative_prompt` do, for `batch_size` prompts (default `{"guidance_scale": s}`; Qwen-Image's true CFG
+        takes `true_cfg_scale` and a negative prompt per image)."""
+        return {"guidance_scale": guidance_scale}
+
+    @classmethod
+    def pipeline_size_kwargs(cls, height: int, width: int) -> dict:
+        """The diffusers pipeline's `__call__` arguments (besides `height`, `width`) that make it sample `height` x
+        `width` as flowrl does (default none; FLUX.1 Kontext rescales to `max_area` unless told the same area)."""
+        return {}
+
+    @classmethod
+    def set_pipeline_guidance(cls, pipeline, guidance_scale: float) -> None:
+        """Make a diffusers `pipeline` guide as flowrl's `guidance_scale` where a component, not a `__call__`
+        argument, holds the scale (default nothing; HunyuanVideo 1.5: its `guider`)."""
+        return None
+
+    @classmethod
+    def load_lora_into(cls, pipeline, directory) -> None:
+        """Load a LoRA that `policy.save_lora` wrote into a diffusers `pipeline` of the family (`lora_loader`)."""
+        if cls.lora_loader is None:
+            pipeline.load_lora_weights(str(directory))
+            return
+        getattr(pipeline, cls.lora_loader).load_lora_adapter(
+            str(directory), prefix=cls.lora_prefix, weight_name="pytorch_lora_weights.safetensors"
+        )
+
+    @classmethod
+    def lora_load_line(cls, directory, extra: str = "") -> str:
+        """`load_lora_into` as the diffusers line a user runs on `pipe` (`extra`: more `load_lora_weights` arguments
+        as source text, e.g. `", load_into_transformer_2=True"`)."""
+        if cls.lora_loader is None:
+            return f"pipe.load_lora_weights({str(directory)!r}{extra})"
+        return (f"pipe.{cls.lora_loader}.load_lora_adapter({str(directory)!r}, prefix={cls.lora_prefix!r}, "
+                "weight_name='pytorch_lora_weights.safetensors')")  # fmt: skip
+
+    def step_guidance(self, guidance_scale: float, timesteps: torch.Tensor):
+        """The CFG scale at each row's timestep (`timesteps [N]`): `guidance_scale` (a family whose scale changes
+        along the trajectory, as Wan 2.2's low-noise expert does, returns another float or a `[N, 1, ...]` tensor)."""
+        return guidance_scale
+
     @abstractmethod
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Conditioning tensors, each batched over `prompts` (`[P, ...]`).
@@ -113,6 +166,15 @@ class ModelAdapter(ABC):
         stacks them): a family whose text encoder pads to the longest prompt pads to a fixed length instead and
         returns the attention mask with the embeddings.
         """
+
+    negative_differs: bool = False
+    """Whether negative prompts (the unconditional branch) are encoded by `encode_negative`, not `encode`; the policy
+    then caches them apart from prompts (SANA: its pipeline encodes the negative prompt without the instruction it
+    prepends to prompts)."""
+
+    def encode_negative(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Conditioning of negative prompts, as `encode` (used when `negative_differs`)."""
+        return self.encode(prompts)
 
     def static_inputs(self, height: int, width: int) -> dict:
         """Inputs that depend only on the image size, computed once per rollout (Flux's image ids)."""
@@ -155,8 +217,8 @@ class ModelAdapter(ABC):
             raise ValueError(f"num_intervals must be >= 1, got {num_intervals}")
         config = self.scheduler.config
         mu = self.shift_mu(latent_shape)
-        if mu is None:
-            a = float(config.get("shift", 1.0))
+        if mu is None:  # FlowMatchEuler's `shift`; UniPC / DPM-Solver flow schedulers call it `flow_shift`
+            a = float(config.get("shift", None) or config.get("flow_shift", None) or 1.0)
         else:
             a = math.exp(mu) if config.get("time_shift_type", "exponential") == "exponential" else float(mu)
         t0 = sigma_start / (a - (a - 1) * sigma_start)  # the inverse of the shift
@@ -171,6 +233,24 @@ class ModelAdapter(ABC):
         sample = getattr(pipe, "default_sample_size", None) or self.model.config.sample_size
         size = sample * pipe.vae_scale_factor
         return size, size
+
+    # editing families (source images; `flowrl.policies.sources`) override these two
+
+    edits: bool = False
+    """Whether the family conditions on source images (an editing model: `prepare_sources`, `encode_sources`)."""
+
+    def prepare_sources(self, images: list) -> tuple[torch.Tensor, object]:
+        """One sample's source images (PIL images or `[3, H, W]` tensors in [0, 1]) as the pipeline prepares them:
+        `(pixels [N, 3, H', W'] in [0, 1], inputs)`: the resized images (what rewards compare with) and what
+        `encode_sources` takes (FLUX.1 Kontext: the pipeline's normalised `[1, 3, H', W']` tensors, one per image)."""
+        raise ValueError(f"model family {self.family!r} is not an editing model: it takes no source images")
+
+    def encode_sources(self, prompt: str, inputs) -> dict[str, torch.Tensor]:
+        """The conditioning of one (prompt, source images) pair from `prepare_sources`'s `inputs`, unbatched
+        (FLUX.1 Kontext: packed VAE latents `[L_c, 4C]` and their image ids `[L_c, 3]`). The policy adds these to the
+        prompt's text conditioning row by row (a key named like a text key replaces it: a family whose text encoder
+        sees the image, as Qwen-Image-Edit's does, returns its prompt embeddings here); `forward` reads them."""
+        raise ValueError(f"model family {self.family!r} is not an editing model: it takes no source images")
 
 
 def text_kwargs(options) -> dict:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.policies.sde import StepOutput, ddim_step, sde_step
+from flowrl.policies.text_store import TextStore, encoders_on, offload_encoders
 
 
 @dataclass
@@ -25,25 +26,60 @@ class ChunkedCalls:
     """The calls part of `DiffusionPolicy` (a mixin: it reads the policy's `adapter`, `reduce`, `text_batch_size` and
     keeps `_text_cache`)."""
 
+    text_store: TextStore | None = None
+    """Prompt conditioning on disk (`store_text`)."""
+    text_encoders_offloaded: bool = False
+    """Whether the text encoders live in CPU memory (`offload_text_encoders`)."""
+
     # ------------------------------------------------------------------------------------------
     # conditioning
     # ------------------------------------------------------------------------------------------
 
-    def encode(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+    def encode(self, prompts: Sequence[str], *, negative: bool = False) -> dict[str, torch.Tensor]:
         """Conditioning `[len(prompts), ...]`, each distinct prompt encoded once and cached.
 
         Missing prompts are encoded in batches of exactly `text_batch_size` (the last one padded), so a prompt's
         embedding never depends on what it was batched with (resumed runs re-encode the same bits).
+        `negative=True`: negative prompts (the unconditional branch); a family that encodes them differently
+        (`adapter.negative_differs`) has them encoded by `adapter.encode_negative` and cached apart.
         """
-        missing = list(dict.fromkeys(p for p in prompts if p not in self._text_cache))
-        with torch.no_grad():
+        apart = negative and self.adapter.negative_differs
+        encode = self.adapter.encode_negative if apart else self.adapter.encode
+        keys = [("negative", p) if apart else p for p in prompts]
+        missing = list(dict.fromkeys(p for p, key in zip(prompts, keys) if key not in self._text_cache))
+        if self.text_store is not None:  # conditioning stored on disk by an earlier run or process
+            stored = {p: self.text_store.get(("negative", p) if apart else p) for p in missing}
+            for prompt, tensors in stored.items():
+                if tensors is not None:
+                    device = self.adapter.device
+                    self._text_cache[("negative", prompt) if apart else prompt] = {
+                        k: v.to(device) for k, v in tensors.items()
+                    }
+            missing = [p for p in missing if stored[p] is None]
+        with (
+            torch.no_grad(),
+            encoders_on(self.adapter.pipeline, self.adapter.device, self.text_encoders_offloaded and bool(missing)),
+        ):
             size = self.text_batch_size
             for start in range(0, len(missing), size):
                 batch = missing[start : start + size]
-                out = self.adapter.encode(batch + [batch[0]] * (size - len(batch)))
+                out = encode(batch + [batch[0]] * (size - len(batch)))
                 for i, prompt in enumerate(batch):
-                    self._text_cache[prompt] = {k: v[i] for k, v in out.items()}
-        return {k: torch.stack([self._text_cache[p][k] for p in prompts]) for k in self._text_cache[prompts[0]]}
+                    key = ("negative", prompt) if apart else prompt
+                    self._text_cache[key] = {k: v[i] for k, v in out.items()}
+                    if self.text_store is not None:
+                        self.text_store.put(key, self._text_cache[key])
+        return {k: torch.stack([self._text_cache[key][k] for key in keys]) for k in self._text_cache[keys[0]]}
+
+    def store_text(self, folder) -> None:
+        """Keep prompt conditioning on disk in `folder` too (`flowrl.policies.text_store`; None: memory only). The
+        folder must belong to this model and its options: `flowrl.models.build` keys it by both."""
+        self.text_store = None if folder is None else TextStore(folder)
+
+    def offload_text_encoders(self) -> None:
+        """Keep the text encoders in CPU memory; they move to the device only to encode a prompt in no cache."""
+        offload_encoders(self.adapter.pipeline)
+        self.text_encoders_offloaded = True
 
     def clear_text_cache(self) -> None:
         self._text_cache.clear()
@@ -63,8 +99,8 @@ class ChunkedCalls:
                 rows = torch.cat([rows, rows[:1].expand(size - real)])
             whole = real == n == size  # one full chunk: use the tensors as they are, no gathers
             chunk_cond = cond if whole else {k: v[rows.to(v.device)] for k, v in cond.items()}
-            if null_cond is not None:
-                chunk_cond = {k: torch.cat([null_cond[k].expand(size, *v.shape[1:]), v])
+            if null_cond is not None:  # (editing: a source image's conditioning is the same in both branches)
+                chunk_cond = {k: torch.cat([null_cond[k].expand(size, *v.shape[1:]) if k in null_cond else v, v])
                               for k, v in chunk_cond.items()}  # fmt: skip
             plan.append(_Chunk(None if whole else rows, real, chunk_cond))
         return plan
@@ -76,14 +112,15 @@ class ChunkedCalls:
         out = self.adapter.forward(torch.cat([latents, latents]), torch.cat([timesteps, timesteps]), chunk_cond,
                                    guidance_scale, model=model, static=static)  # fmt: skip
         uncond, text = out.chunk(2)
-        return self.adapter.combine_cfg(uncond, text, guidance_scale)
+        return self.adapter.combine_cfg(uncond, text, self.adapter.step_guidance(guidance_scale, timesteps))
 
     def _kernel(self, kind, output, step, sigmas, timesteps, sample, *, prev_sample, noise, noise_level):
         """The step kernel for `sample [n, ...]` at step indices `step [n]`."""
         if self.adapter.time_kind == "ddim":
             eta = noise_level if kind == "ddim" else 0.0
             return ddim_step(self.adapter.scheduler, output, timesteps[step], sample, eta=eta,
-                             prev_sample=prev_sample, noise=noise, reduce=self.reduce)  # fmt: skip
+                             prev_sample=prev_sample, noise=noise, reduce=self.reduce,
+                             num_steps=len(timesteps))  # fmt: skip
         return sde_step(kind, output, sigmas[step], sigmas[step + 1], sample, prev_sample=prev_sample,
                         noise=noise, noise_level=noise_level, reduce=self.reduce, sigma_max=sigmas[1])  # fmt: skip
 

@@ -25,6 +25,7 @@ from flowrl.policies.calls import ChunkedCalls
 from flowrl.policies.diffusion_rollout import DiffusionRollout, Transitions
 from flowrl.policies.sampling import FLOW_SAMPLERS, POST_WINDOW_SOLVERS, RolloutSampling
 from flowrl.policies.sde import StepOutput
+from flowrl.policies.sources import SourceConditioning
 from flowrl.policies.weights import PolicyWeights
 
 
@@ -33,7 +34,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-class DiffusionPolicy(PolicyWeights, ChunkedCalls, RolloutSampling):
+class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSampling):
     """A text-to-image diffusion / flow model as a policy over denoising steps.
 
     Its parts: the weights (`flowrl.policies.weights`: LoRA, the reference), the chunked network calls
@@ -73,6 +74,8 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, RolloutSampling):
         self.forward_module: torch.nn.Module | None = None
         """What training forwards call (a trainer sets the accelerate/DDP-prepared module); default `model`."""
         self._text_cache: dict[str, dict[str, torch.Tensor]] = {}
+        self._source_cache: dict[str, tuple] = {}
+        """Editing: (prompt, source images) pair -> (prepared images, conditioning) (`flowrl.policies.sources`)."""
 
     @classmethod
     def from_pipeline(cls, pipeline, *, options: dict | None = None, max_sequence_length: int | None = None,
@@ -134,7 +137,7 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, RolloutSampling):
         """
         index = self._step_index(rollout, steps)
         rows = torch.arange(len(rollout), device=rollout.latents.device)
-        cond = {k: v[rollout.prompt_ids.to(v.device)] for k, v in rollout.cond.items()}
+        cond = rollout.sample_cond()  # the prompt's text conditioning (and, editing, its source images')
         columns = []
         for j in range(index.shape[1]):
             step = index[:, j]
@@ -209,9 +212,9 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, RolloutSampling):
         if guidance_scale is None:
             guidance_scale = 1.0 if self.adapter.uses_cfg(rollout.guidance_scale) else rollout.guidance_scale
         ids = rollout.prompt_ids.repeat_interleave(num_draws)
-        cond = {k: v[ids.to(v.device)] for k, v in rollout.cond.items()}
+        cond = rollout.sample_cond(repeat=num_draws)
         cfg = self.adapter.uses_cfg(guidance_scale)
-        null_cond = self.encode([self.negative_prompt]) if cfg else None
+        null_cond = self.encode([self.negative_prompt], negative=True) if cfg else None
         plan = self._plan(len(ids), rollout.forward_batch_size * num_draws, cond, null_cond)
         scale = float(self.adapter.scheduler.config.num_train_timesteps)
 

@@ -66,6 +66,15 @@ class DiffusionRollout(Record):
     stochastic_step: torch.Tensor | None = per_sample(default=None)
     """`[B]` the one stochastic step of each sample when samples branch at different steps (TempFlow-GRPO); then
     `sde_mask` is the union over the samples. None: `sde_mask` holds for every sample."""
+    edit_ids: torch.Tensor | None = per_sample(default=None)
+    """`[B]` editing: each sample's (prompt, source images) pair, its index in `edit_keys` (None: text-to-image)."""
+    edit_keys: list[str] = field(default_factory=list)
+    """Editing: the distinct (prompt, source images) pairs (`flowrl.policies.sources.edit_key`)."""
+    edit_cond: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Editing: the pairs' conditioning (`[S, ...]` each; FLUX.1 Kontext: packed source latents and image ids),
+    added to each sample's text conditioning."""
+    source_pixels: torch.Tensor | None = None
+    """Editing: `[S, N, 3, H, W]` the pairs' source images in [0, 1] as the model saw them."""
 
     @property
     def num_steps(self) -> int:
@@ -85,8 +94,26 @@ class DiffusionRollout(Record):
 
     @property
     def group_ids(self) -> torch.Tensor:
-        """`[B]` the prompt of each sample (its index in `unique_prompts`)."""
-        return self.prompt_ids
+        """`[B]` the prompt of each sample (its index in `unique_prompts`; editing: its pair's in `edit_keys`)."""
+        return self.prompt_ids if self.edit_ids is None else self.edit_ids
+
+    @property
+    def source_images(self) -> torch.Tensor | None:
+        """`[B, N, 3, H, W]` each sample's source images in [0, 1] (editing; None: text-to-image)."""
+        if self.edit_ids is None:
+            return None
+        return self.source_pixels[self.edit_ids.to(self.source_pixels.device)]
+
+    def sample_cond(self, rows: torch.Tensor | None = None, repeat: int = 1) -> dict[str, torch.Tensor]:
+        """The conditioning of the samples `rows [n]` (default: every sample, each `repeat` times; `[n, ...]`): its
+        prompt's text conditioning and, editing, its (prompt, source images) pair's."""
+        rows = torch.arange(len(self.prompt_ids)).repeat_interleave(repeat) if rows is None else rows.cpu()
+        ids = self.prompt_ids.cpu()[rows]
+        cond = {k: v[ids.to(v.device)] for k, v in self.cond.items()}
+        if self.edit_ids is not None:
+            ids = self.edit_ids.cpu()[rows]
+            cond.update({k: v[ids.to(v.device)] for k, v in self.edit_cond.items()})
+        return cond
 
     @classmethod
     def cat(cls, parts: Sequence[DiffusionRollout]) -> DiffusionRollout:
@@ -95,7 +122,8 @@ class DiffusionRollout(Record):
         Per-sample fields are concatenated; each distinct prompt keeps the conditioning of its first part.
         """
         parts = list(parts)
-        joined = super().cat(parts, shared_from_first=("unique_prompts", "cond", "prompt_ids"))
+        shared = ("unique_prompts", "cond", "prompt_ids", "edit_keys", "edit_cond", "source_pixels")
+        joined = super().cat(parts, shared_from_first=shared)
         unique = list(dict.fromkeys(joined.prompts))
         position = {p: i for i, p in enumerate(unique)}
         source = {}  # prompt -> (part, row in that part's cond)
@@ -104,7 +132,8 @@ class DiffusionRollout(Record):
                 source.setdefault(p, (part, j))
         cond = {k: torch.stack([source[p][0].cond[k][source[p][1]] for p in unique]) for k in parts[0].cond}
         ids = torch.tensor([position[p] for p in joined.prompts])
-        return replace(joined, prompt_ids=ids, unique_prompts=unique, cond=cond)
+        joined = replace(joined, prompt_ids=ids, unique_prompts=unique, cond=cond)
+        return joined if joined.edit_ids is None else _cat_edits(joined, parts)
 
     def to_transitions(self, rows: torch.Tensor, steps: torch.Tensor) -> Transitions:
         """The single steps `x_t -> x_{t+1}` of samples `rows [n]` at steps `steps [n]` (a replay buffer's view).
@@ -116,6 +145,21 @@ class DiffusionRollout(Record):
         return Transitions(states=self.latents[r, s], next_states=self.latents[r, s + 1], steps=steps.cpu(),
                            prompts=self.prompt_ids[rows.to(self.prompt_ids.device)].cpu(),
                            log_probs=self.log_probs[r, s].float().cpu(), rewards=torch.zeros(len(rows)))  # fmt: skip
+
+
+def _cat_edits(joined: DiffusionRollout, parts: list[DiffusionRollout]) -> DiffusionRollout:
+    """`joined` with its parts' (prompt, source images) pairs merged: each pair keeps its first part's tensors."""
+    keys = [part.edit_keys[i] for part in parts for i in part.edit_ids.tolist()]
+    unique = list(dict.fromkeys(keys))
+    first = {}  # pair -> (part, row in that part's pairs)
+    for part in parts:
+        for j, key in enumerate(part.edit_keys):
+            first.setdefault(key, (part, j))
+    cond = {n: torch.stack([first[k][0].edit_cond[n][first[k][1]] for k in unique]) for n in parts[0].edit_cond}
+    pixels = torch.stack([first[k][0].source_pixels[first[k][1]] for k in unique])
+    position = {k: i for i, k in enumerate(unique)}
+    ids = torch.tensor([position[k] for k in keys])
+    return replace(joined, edit_ids=ids, edit_keys=unique, edit_cond=cond, source_pixels=pixels)
 
 
 @dataclass

@@ -43,6 +43,7 @@ class RolloutSampling:
         progress: str | None = None,
         post_window_solver: str = "euler",
         post_window_ratio: float = 0.4,
+        source_images: Sequence | None = None,
     ) -> DiffusionRollout:
         """Sample one trajectory per prompt and record its per-step log-probabilities.
 
@@ -70,6 +71,9 @@ class RolloutSampling:
                 `max(int((T - end + 1) * post_window_ratio), 2) - 1` and integrated with DPM-Solver++(2M); the
                 rollout then has fewer steps, and its `sigmas`/`timesteps` are the grid it ran on).
             post_window_ratio (`float`, defaults to 0.4): the compression of `dpm_solver_2m` (Flash 0.4, Flash* 0.2).
+            source_images (`Sequence`, *optional*): editing models: one entry per prompt, each a path, PIL image or
+                `[3, H, W]` tensor in [0, 1], or a sequence of them (`flowrl.policies.sources`); the sample is
+                conditioned on its (prompt, source images) pair and the rollout keeps the pairs (`edit_ids`).
         """
         prompts = list(prompts)
         if not prompts:
@@ -91,7 +95,10 @@ class RolloutSampling:
         self.encode(unique + [self.negative_prompt] if cfg else unique)  # one pass over the text encoders
         unique_cond = self.encode(unique)
         cond = {k: v[prompt_ids.to(v.device)] for k, v in unique_cond.items()}
-        null_cond = self.encode([self.negative_prompt]) if cfg else None
+        edits = None if source_images is None else self.encode_edits(prompts, source_images)
+        if edits is not None:  # each row's (prompt, source images) conditioning beside its prompt's
+            cond.update({k: v[edits.ids.to(v.device)] for k, v in edits.cond.items()})
+        null_cond = self.encode([self.negative_prompt], negative=True) if cfg else None
         plan = self._plan(batch, chunk, cond, null_cond)
 
         default_h, default_w = self.adapter.default_size()
@@ -165,6 +172,7 @@ class RolloutSampling:
             static=static,
             images=self.adapter.decode(x, height, width) if decode else None,
             means=torch.stack(means, dim=1) if store_means else None,
+            **({} if edits is None else edits.rollout_fields()),
         )
 
     def _after_window(self, timesteps, sigmas, end: int, ratio: float, latent_shape):

@@ -219,10 +219,14 @@ def sde_step(
     )  # fmt: skip
 
 
-def _alphas(scheduler, timestep, like):
-    """`alpha_bar_t` and `alpha_bar_prev` as `[B, 1, ...]` (`final_alpha_cumprod` before timestep 0)."""
+def _alphas(scheduler, timestep, like, num_steps: int | None = None):
+    """`alpha_bar_t` and `alpha_bar_prev` as `[B, 1, ...]` (`final_alpha_cumprod` before timestep 0) for a schedule
+    of `num_steps` steps (default: the scheduler's `set_timesteps`)."""
     t = torch.as_tensor(timestep, device="cpu").long().reshape(-1)
-    prev = t - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
+    num_steps = num_steps or scheduler.num_inference_steps
+    if not num_steps:
+        raise ValueError("ddim_step needs the schedule's length: pass num_steps or call scheduler.set_timesteps")
+    prev = t - scheduler.config.num_train_timesteps // num_steps
     alphas = scheduler.alphas_cumprod.to(like.dtype)
     alpha_t = alphas[t]
     alpha_prev = torch.where(prev >= 0, alphas[prev.clamp_min(0)], torch.as_tensor(scheduler.final_alpha_cumprod))
@@ -242,6 +246,7 @@ def ddim_step(
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
     reduce: str = "mean",
+    num_steps: int | None = None,
 ) -> StepOutput:
     """A DDIM step with its log-probability (DDPO, arXiv:2305.13301; Song et al. 2021 eq. 12).
 
@@ -252,13 +257,14 @@ def ddim_step(
     `final_alpha_cumprod` (DDPO's code clamps the index to 0 instead).
 
     Args:
-        scheduler (`diffusers.DDIMScheduler`): after `set_timesteps`.
+        scheduler (`diffusers.DDIMScheduler`): after `set_timesteps`, or give `num_steps`.
         timestep (`int` or `torch.Tensor`): the current timestep (or `[B]` per sample).
+        num_steps (`int`, *optional*): the schedule's number of steps (a re-score on a fresh scheduler).
     """
     if scheduler.config.get("thresholding", False):
         raise ValueError("ddim_step does not support dynamic thresholding; set thresholding=False")
     e, x = _upcast(model_output, sample)
-    alpha_t, alpha_prev = _alphas(scheduler, timestep, x)
+    alpha_t, alpha_prev = _alphas(scheduler, timestep, x, num_steps)
     beta_t = 1 - alpha_t
     kind = scheduler.config.prediction_type
     if kind == "epsilon":

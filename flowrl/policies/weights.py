@@ -24,13 +24,15 @@ class PolicyWeights:
 
     def add_lora(
         self, rank: int = 32, alpha: float | None = None, target_modules: Sequence[str] | None = None,
-        dropout: float = 0.0, init: str | bool = "gaussian",
+        dropout: float = 0.0, init: str | bool = "gaussian", seed: int | None = 0,
     ) -> None:  # fmt: skip
         """Freeze the network and add a peft LoRA adapter (only its weights train).
 
         `target_modules` default to the family's (`ModelAdapter.lora_targets`; SD3/Flux: Flow-GRPO's attention
         projections of both streams). `alpha` defaults to `rank` (scale 1; Flow-GRPO uses rank 32, alpha 64);
-        `init="gaussian"` keeps the adapter's output zero at first, so the policy starts exactly at the base.
+        `init="gaussian"` keeps the adapter's output zero at first, so the policy starts exactly at the base; the
+        random `A` matrices are drawn from `seed` (None: the global generator), not from whatever the process drew
+        before, so every process (and a resumed run) starts from the same adapter.
         """
         from peft import LoraConfig
 
@@ -44,7 +46,12 @@ class PolicyWeights:
         config = LoraConfig(r=rank, lora_alpha=alpha or rank, lora_dropout=dropout, init_lora_weights=init,
                             target_modules=targets)  # fmt: skip
         self.model.requires_grad_(False)
-        self.model.add_adapter(config)
+        if seed is None:
+            self.model.add_adapter(config)
+            return
+        with torch.random.fork_rng(devices=[]):  # the global generator is left as it was
+            torch.manual_seed(seed)
+            self.model.add_adapter(config)
 
     def _pipeline_class(self):
         if self.adapter.pipeline is None:
@@ -61,7 +68,13 @@ class PolicyWeights:
         metadata = self.model.peft_config["default"].to_dict()
         metadata["target_modules"] = sorted(metadata["target_modules"])
         key = self.adapter.lora_prefix
-        self._pipeline_class().save_lora_weights(
+        pipeline_class = self._pipeline_class()
+        if getattr(self.adapter, "lora_loader", None) is not None:  # no LoRA loader mixin (HunyuanVideo 1.5): the
+            from diffusers.loaders.lora_base import LoraBaseMixin  # mixins' file, for `<component>.load_lora_adapter`
+
+            LoraBaseMixin._save_lora_weights(str(directory), {key: state}, {key: metadata})
+            return Path(directory) / "pytorch_lora_weights.safetensors"
+        pipeline_class.save_lora_weights(
             str(directory), **{f"{key}_lora_layers": state, f"{key}_lora_adapter_metadata": metadata}
         )
         return Path(directory) / "pytorch_lora_weights.safetensors"

@@ -128,6 +128,7 @@ class ACFlow(PerDrawAlgorithm):
     """AC-Flow; see the module docstring and `ACFlowConfig`."""
 
     config_class = ACFlowConfig
+    video = False  # the critic is a 2-D conv net over image latents
     uses_objective = False  # critic-weighted flow matching, not a ratio objective
 
     def build(self):

@@ -123,7 +123,9 @@ class Trainer:
         engine.model.eval()
         collected = self.collector.collect(epoch)
         if collected.prompts is not None:
-            keys = algorithm.group_keys([str(p) for p in collected.prompts])
+            from flowrl.prompts import group_key  # a prompt's text; editing: its (text, source images) pair
+
+            keys = algorithm.group_keys([group_key(p) for p in collected.prompts])
             unique = {key: i for i, key in enumerate(dict.fromkeys(keys))}
             collected.group_ids = torch.tensor([unique[key] for key in keys])
         valid, record = self.modality.check(collected)

@@ -27,9 +27,22 @@ class ImageAlgorithm(Algorithm):
     """Rollouts must have a stochastic step (log-ratio trainers); FIND and the flow-matching trainers train on any."""
     kl_to_reference: ClassVar[bool] = True
     """The `kl` regulariser compares with the reference policy (FIND's compares with the N(0, I) prior)."""
+    time_kinds: ClassVar[tuple[str, ...]] = ("flow", "ddim")
+    """The model time conventions it trains (`ModelAdapter.time_kind`): flow-matching (velocity) models, and DDIM
+    noise-prediction models (UNets, SDXL) where its sampler has a DDIM form."""
+    video: ClassVar[bool] = True
+    """Whether it trains video families (False: an extra network of its own, a critic, reads image latents)."""
 
     def __init__(self, config, modality, engine):
         super().__init__(config, modality, engine)
+        adapter = getattr(self.policy, "adapter", None)
+        kind = getattr(adapter, "time_kind", None)
+        if kind is not None and kind not in self.time_kinds:
+            raise ValueError(f"{config.trainer} needs a flow-matching (velocity) model; a {self.policy.family} "
+                             "model predicts noise (flowrl list models)")  # fmt: skip
+        if getattr(adapter, "video", False) and not self.video:
+            raise ValueError(f"{config.trainer} trains image models only (its critic reads image latents); "
+                             f"{self.policy.family} makes videos (flowrl list models)")  # fmt: skip
         if self.store_means and config.sampling.sampler == "cps":
             raise ValueError("grpo_guard's RatioNorm is defined on Gaussian step log-probs; with CPS use sampler "
                              "cps_gaussian (cps keeps Flow-GRPO's -mean (x' - mu)^2 log-prob)")  # fmt: skip

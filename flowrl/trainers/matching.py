@@ -115,10 +115,7 @@ class MatchingAlgorithm(ImageAlgorithm):
     requires_stochastic = False  # they train on final samples; ODE rollouts are fine
     image_scale = False  # their ratios (AWM, FPO) are not Gaussian step log-probs: no image-scale clip presets
 
-    def build(self):
-        if self.policy.adapter.time_kind != "flow":
-            family, name = self.policy.family, self.config.trainer
-            raise ValueError(f"{name} needs a flow-matching (velocity) model; a {family} model predicts noise")
+    time_kinds = ("flow",)  # velocities along the flow path
 
     def make_draws(self, rollout, rows: torch.Tensor, epoch: int) -> MatchingDraws:
         """`num_draws` pairs `(t, eps)` per sample of this process (at positions `rows`), from `(seed, epoch, 5)`."""

@@ -128,9 +128,9 @@ class OldPolicySampler:
     def __init__(self, base, old: EMA):
         self.base, self.old = base, old
 
-    def __call__(self, texts, generators, rows, epoch):
-        with self.old.swapped():
-            return self.base(texts, generators, rows, epoch)
+    def __call__(self, texts, generators, rows, epoch, **kwargs):
+        with self.old.swapped():  # (kwargs: the editing prompts' `sources`)
+            return self.base(texts, generators, rows, epoch, **kwargs)
 
 
 @register(

@@ -104,6 +104,7 @@ class MixGRPO(FlowGRPO):
     """MixGRPO; see the module docstring."""
 
     config_class = MixGRPOConfig
+    time_kinds = ("flow",)  # flow-SDE windows
 
 
 @register(
@@ -114,6 +115,7 @@ class MixGRPOFlash(FlowGRPO):
     """MixGRPO-Flash; see the module docstring."""
 
     config_class = MixGRPOFlashConfig
+    time_kinds = ("flow",)  # flow-SDE windows
 
 
 @register("flow_grpo_fast", description="Flow-GRPO-Fast: a random 3-step CPS window per epoch, ODE outside, no CFG")
@@ -121,6 +123,7 @@ class FlowGRPOFast(FlowGRPO):
     """Flow-GRPO-Fast; see the module docstring."""
 
     config_class = FlowGRPOFastConfig
+    time_kinds = ("flow",)  # flow-SDE windows
 
 
 @register("dance_grpo", description="DanceGRPO: its SDE, a random 60% of the steps per sample (arXiv:2505.07818)")
@@ -128,3 +131,4 @@ class DanceGRPO(FlowGRPO):
     """DanceGRPO; see the module docstring."""
 
     config_class = DanceGRPOConfig
+    time_kinds = ("flow",)  # flow-SDE windows

@@ -1,0 +1,113 @@
+"""Source images of editing models: what a sample is conditioned on besides its prompt.
+
+An editing sample is a pair (prompt, source images). `DiffusionPolicy.rollout(prompts, source_images=...)` takes one
+entry per prompt: a path, a PIL image, a `[3, H, W]` tensor in [0, 1], or a sequence of those (several source
+images). The policy keeps a cache of the pairs' conditioning beside its per-prompt text cache: each distinct pair is
+prepared (`ModelAdapter.prepare_sources`: resized as the pipeline resizes, `[N, 3, H, W]` in [0, 1]) and encoded
+(`ModelAdapter.encode_sources`: e.g. FLUX.1 Kontext's packed VAE latents and their image ids) once and alone, so a
+pair's tensors never depend on the batch it came in. A rollout records each sample's pair (`edit_ids`), the pairs'
+conditioning and the prepared images, so re-scoring uses the same condition and rewards read the same pixels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def as_sources(entry) -> list:
+    """One sample's source images as a list (a single image, or a sequence of them; `None`/empty: no source)."""
+    if entry is None:
+        return []
+    if isinstance(entry, (str, Path, torch.Tensor)) or hasattr(entry, "convert"):  # path, tensor or PIL image
+        return [entry]
+    return list(entry)
+
+
+def load_source(image):
+    """A path as an RGB PIL image (`diffusers.utils.load_image`: EXIF orientation applied); an image as it is."""
+    if isinstance(image, (str, Path)):
+        from diffusers.utils import load_image
+
+        return load_image(str(image))
+    return image
+
+
+def source_key(image) -> str:
+    """A key that identifies one source image: its resolved path, or a hash of its pixels."""
+    if isinstance(image, (str, Path)):
+        return f"path:{Path(image).expanduser().resolve()}"
+    if isinstance(image, torch.Tensor):
+        data = image.detach().float().cpu().contiguous()
+        return f"pt:{tuple(data.shape)}:{hashlib.sha1(data.numpy().tobytes()).hexdigest()}"
+    if hasattr(image, "tobytes"):  # PIL
+        digest = hashlib.sha1(image.tobytes()).hexdigest()
+        return f"pil:{image.mode}:{image.size[0]}x{image.size[1]}:{digest}"
+    raise TypeError(f"a source image must be a path, a PIL image or a [3, H, W] tensor, not {type(image).__name__}")
+
+
+def edit_key(prompt: str, sources: Sequence) -> str:
+    """The key of one (prompt, source images) pair: the unit a rollout's conditioning and groups are keyed on."""
+    return "\x00".join([prompt, *(source_key(s) for s in sources)])
+
+
+@dataclass
+class EditBatch:
+    """The (prompt, source images) pairs of a batch of samples."""
+
+    ids: torch.Tensor
+    """`[B]` each sample's pair: its index in `keys`."""
+    keys: list[str]
+    """Distinct pairs in order of first appearance (`edit_key`)."""
+    cond: dict[str, torch.Tensor]
+    """The pairs' conditioning, `[S, ...]` each (`ModelAdapter.encode_sources`)."""
+    pixels: torch.Tensor
+    """`[S, N, 3, H, W]` the pairs' source images in [0, 1] as the model saw them (CPU, fp32)."""
+
+    def rollout_fields(self) -> dict:
+        """The `DiffusionRollout` fields that record the pairs."""
+        return {"edit_ids": self.ids, "edit_keys": self.keys, "edit_cond": self.cond, "source_pixels": self.pixels}
+
+
+class SourceConditioning:
+    """The source-image part of `DiffusionPolicy` (a mixin: it reads the policy's `adapter` and keeps
+    `_source_cache`)."""
+
+    def encode_edits(self, prompts: Sequence[str], source_images: Sequence) -> EditBatch:
+        """The conditioning of each sample's (prompt, source images) pair, each distinct pair encoded once, alone
+        (batch of one), and cached: its tensors never depend on the batch.
+
+        Args:
+            prompts (`Sequence[str]`): `B` prompts.
+            source_images (`Sequence`): `B` entries (see the module docstring); every entry needs at least one image,
+                and all must prepare to the same shape (set the family's condition size when their sizes differ).
+        """
+        if len(source_images) != len(prompts):
+            raise ValueError(f"source_images has {len(source_images)} entries for {len(prompts)} prompts")
+        entries = [as_sources(e) for e in source_images]
+        if any(not e for e in entries):
+            raise ValueError("every sample of an editing rollout needs at least one source image")
+        keys = [edit_key(p, e) for p, e in zip(prompts, entries)]
+        unique = list(dict.fromkeys(keys))
+        with torch.no_grad():
+            for key, prompt, entry in zip(keys, prompts, entries):
+                if key not in self._source_cache:
+                    pixels, pre = self.adapter.prepare_sources([load_source(s) for s in entry])
+                    cond = self.adapter.encode_sources(prompt, pre)
+                    self._source_cache[key] = (pixels.float().cpu(), cond)
+        shapes = {tuple(self._source_cache[k][0].shape) for k in unique}
+        if len(shapes) > 1:
+            raise ValueError(f"the source images of one rollout prepare to different shapes {sorted(shapes)}; "
+                             "resize them to one size (e.g. the family's `condition_size` option)")  # fmt: skip
+        position = {k: i for i, k in enumerate(unique)}
+        names = self._source_cache[unique[0]][1]
+        cond = {n: torch.stack([self._source_cache[k][1][n] for k in unique]) for n in names}
+        pixels = torch.stack([self._source_cache[k][0] for k in unique])
+        return EditBatch(ids=torch.tensor([position[k] for k in keys]), keys=unique, cond=cond, pixels=pixels)
+
+    def clear_source_cache(self) -> None:
+        self._source_cache.clear()

@@ -9,15 +9,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _families_benchmarked() -> list[str]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.SETTINGS)
+
+
+SETTINGS = _families_benchmarked()
+
+
 def test_gpu_bench_tiny_mode_writes_its_json(tmp_path):
     out = tmp_path / "gpu_bench.json"
     args = ["--tiny", "--group", "2", "--steps", "2", "--repeats", "1", "--minibatch", "1", "--forward-batch", "2",
-            "--lora-rank", "4", "--out", str(out)]  # fmt: skip
+            "--lora-rank", "4", "--models", ",".join(SETTINGS), "--out", str(out)]  # fmt: skip
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), *args], capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [r["model"] for r in report["results"]] == ["sd35m", "flux"]
+    assert [r["model"] for r in report["results"]] == list(SETTINGS)  # every family the GPU run covers
     for row in report["results"]:
         assert row["rollout_images_per_s"] > 0 and row["train_images_per_s"] > 0
         assert row["flops_per_sample_train"] > row["flops_per_sample_rollout"] > 0  # the backward costs FLOPs too

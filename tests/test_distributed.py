@@ -239,6 +239,31 @@ def test_sharded_bf16_rescoring_gives_ratio_one_before_the_first_update(tmp_path
     assert losses[0] != losses[1]  # bf16 did act (the same seeds, other rounding)
 
 
+TINY_MODEL_CONFIGS = ["sd35m", "wan"]
+"""An image family's and a video family's tiny-model config (`configs/<folder>/tiny.yaml`), as shipped."""
+
+
+@pytest.mark.parametrize("folder", TINY_MODEL_CONFIGS)
+def test_a_tiny_model_config_trains_the_same_on_two_processes(tmp_path, cache, folder):
+    # the real diffusers classes at toy sizes (model.name tiny:<family>): text encoders, VAE, LoRA, CFG, and for
+    # video 5-D latents; rollouts split over the processes, rewards gathered, the update summed
+    # One epoch: the tiny configs' rewards (JPEG sizes) jump with the last bit of an image, so the second epoch's
+    # rewards would differ by reduction order alone; the first epoch's samples come from the same weights
+    config = Path(__file__).resolve().parents[1] / "configs" / folder / "tiny.yaml"
+    one = _train(config, tmp_path / "one", cache, processes=1, overrides=["run.epochs=1"])
+    two = _train(config, tmp_path / "two", cache, processes=2, overrides=["run.epochs=1"])
+    assert (one["processes"], two["processes"]) == (1, 2)
+    (_, a), (_, b) = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    for key in ["reward/mean", "reward/std", "trained_samples", "optimizer_steps"]:
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    _same_diagnostics(a, b)
+    w1, w2 = _weights(tmp_path / "one", 1), _weights(tmp_path / "two", 1)
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in w1.items())  # the adapter (zero at first) trained
+
+
 CONTROL = {
     "env": {"id": "flowrl/BimodalPointMass-v0", "num_envs": 4, "steps_per_env": 60, "normalize_obs": True,
             "normalize_reward": True},

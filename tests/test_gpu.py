@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flowrl.models import tiny_flux, tiny_sd3
+from flowrl.models.families import MODEL_FAMILIES
 from flowrl.policies import DiffusionPolicy
 
 from .conftest import TEXT
@@ -28,6 +29,20 @@ def test_low_precision_rollouts_rescore_exactly_on_cuda(build, guidance, dtype):
     assert torch.equal(policy.log_prob(rollout, steps.expand(3, -1)), rollout.log_probs[:, steps])
     one = rollout.select([1])
     assert torch.equal(policy.log_prob(one, steps.expand(1, -1)), one.log_probs[:, steps])
+
+
+@pytest.mark.parametrize("family", MODEL_FAMILIES.names())
+def test_every_family_rescores_exactly_in_bf16_on_cuda(family):
+    cls = MODEL_FAMILIES.get(family)
+    fields = cls.Options.__dataclass_fields__
+    options = {k: v for k, v in {"max_sequence_length": 16, "num_frames": 5}.items() if k in fields}
+    policy = DiffusionPolicy.from_pipeline(cls.tiny(seed=2).to("cuda", torch.bfloat16), options=options)
+    g = torch.Generator("cuda").manual_seed(0)
+    rollout = policy.rollout(["a cat", "a dog", "a cat"], num_steps=4, guidance_scale=3.5, generator=g, height=64,
+                             width=64, sampler=cls.default_sampler, noise_level=0.8)  # fmt: skip
+    steps = rollout.sde_steps
+    assert len(steps) >= 3 and rollout.log_probs.dtype == torch.float32
+    assert torch.equal(policy.log_prob(rollout, steps.expand(3, -1)), rollout.log_probs[:, steps])
 
 
 def test_lora_training_epoch_on_cuda(tmp_path):

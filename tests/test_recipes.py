@@ -30,8 +30,11 @@ SHRINK = {
     "mix_grpo_flash": ["sampling.window_size=1"],
     "flow_grpo_fast": ["sampling.window_size=2", "sampling.window_span=[0, 3]"],
     "dance_grpo": ["sampling.sde_window=[0, 2]", "steps.k=1"],
+    "wan": ["sampling.window_span=[1, 3]"],  # configs/wan: Flow-Factory's one SDE step drawn from steps 1..3
+    # configs/flux_kontext: the same window; source images at the shrunk target size, not 384 px
+    "flux_kontext": ["sampling.window_span=[1, 3]", "model.options.condition_size=[64, 64]"],
 }
-"""What else shrinks with 3 steps and groups of 2: draws, branches, windows."""
+"""What else shrinks with 3 steps and groups of 2: draws, branches, windows (by trainer, or by config folder)."""
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +92,7 @@ def test_recipe_trains_one_epoch_on_tiny_stand_ins(path, tiny_folders, tmp_path)
         f"run.output_dir={tmp_path}",
         "ema_every=1",
         *SHRINK.get(shipped.trainer, []),
+        *SHRINK.get(path.parent.name, []),
     ]
     # the CLIP-family rewards (PickScore, CLIP score) on a tiny CLIP folder that holds model and processor;
     # ImageReward on a tiny checkpoint in the official layout and a BERT vocabulary

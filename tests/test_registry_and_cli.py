@@ -64,6 +64,19 @@ def test_flowrl_list_prints_every_section(capsys):
     assert main(["list", "nonsense"]) == 2
 
 
+def test_flowrl_list_models_names_each_family_s_pipeline_models_and_trainers(capsys):
+    from flowrl.models.families import MODEL_FAMILIES
+
+    assert main(["list", "models"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:] if line.strip()}
+    assert set(lines) == set(MODEL_FAMILIES.names())
+    for name in MODEL_FAMILIES.names():
+        cls = MODEL_FAMILIES.get(name)
+        assert f"Pipeline: {cls.pipeline_class}." in lines[name] and cls.real_models, name
+        trainers = lines[name].split("Trainers: ")[1]
+        assert "grpo_guard" in trainers and ("awm" in trainers) == (cls.time_kind == "flow"), name
+
+
 def test_console_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "flowrl", "list", "objectives"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -21,7 +21,25 @@ GUIDANCE = 3.5
 def _options(family) -> dict:
     """Short T5 prompts where the family has that option."""
     fields = {f.name for f in dataclasses.fields(MODEL_FAMILIES.get(family).Options)}
-    return {"max_sequence_length": 16} if "max_sequence_length" in fields else {}
+    options = {"max_sequence_length": 16} if "max_sequence_length" in fields else {}
+    return {**options, "num_frames": 5} if "num_frames" in fields else options  # video families: 5 frames
+
+
+def _pixels(output) -> torch.Tensor:
+    """A pipeline's `output_type="pt"` result in flowrl's layout: images `[B, 3, H, W]`, or a video pipeline's
+    frames `[B, F, 3, H, W]` as videos `[B, 3, F, H, W]`."""
+    return output.images if hasattr(output, "images") else output.frames.transpose(1, 2)
+
+
+def _guidance(family, batch_size, pipe=None) -> dict:
+    """The pipeline's arguments for flowrl's `guidance_scale=GUIDANCE` and empty negative prompt (most pipelines:
+    `guidance_scale`; Qwen-Image: `true_cfg_scale` and a negative prompt per image), at flowrl's 64 x 64 (FLUX.1
+    Kontext: `max_area`); `pipe`, when given, is set to guide at that scale where a component holds it
+    (HunyuanVideo 1.5: its `guider`)."""
+    cls = MODEL_FAMILIES.get(family)
+    if pipe is not None:
+        cls.set_pipeline_guidance(pipe, GUIDANCE)
+    return {**cls.pipeline_call_kwargs(GUIDANCE, batch_size), **cls.pipeline_size_kwargs(64, 64)}
 
 
 def _gen(seed=0):
@@ -59,9 +77,11 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(family):
     policy = DiffusionPolicy.from_pipeline(pipe, options=_options(name))
     rollout = policy.rollout(PROMPTS, num_steps=4, guidance_scale=GUIDANCE, sampler="ode", generator=_gen(),
                              height=64, width=64)  # fmt: skip
-    images = pipe(PROMPTS, height=64, width=64, num_inference_steps=4, guidance_scale=GUIDANCE, output_type="pt",
-                  generator=_gen(), **_options(name)).images  # fmt: skip
-    assert rollout.images.shape == (4, 3, 64, 64)
+    images = pipe(prompt=list(PROMPTS), height=64, width=64, num_inference_steps=4, output_type="pt", generator=_gen(),
+                  **_guidance(name, len(PROMPTS), pipe), **_options(name))  # fmt: skip
+    images = _pixels(images)
+    assert rollout.images.shape[:2] == (4, 3) and rollout.images.shape[-2:] == (64, 64)
+    assert rollout.images.shape == images.shape
     assert 0 <= rollout.images.min() and rollout.images.max() <= 1
     torch.testing.assert_close(rollout.images, images, rtol=0, atol=1e-5)
     assert not rollout.sde_mask.any() and torch.all(rollout.log_probs == 0)
@@ -96,11 +116,11 @@ def test_lora_round_trip_through_diffusers_load_lora_weights(family, tmp_path):
     assert path.name == "pytorch_lora_weights.safetensors" and path.is_file()
     fresh = build(seed=7)
     fresh.set_progress_bar_config(disable=True)
-    kwargs = dict(height=64, width=64, num_inference_steps=3, guidance_scale=GUIDANCE, output_type="pt",
+    kwargs = dict(height=64, width=64, num_inference_steps=3, output_type="pt", **_guidance(name, 2, fresh),
                   **_options(name))  # fmt: skip
-    base = fresh(["a cat", "a dog"], generator=_gen(), **kwargs).images
-    fresh.load_lora_weights(tmp_path)
-    loaded = fresh(["a cat", "a dog"], generator=_gen(), **kwargs).images
+    base = _pixels(fresh(prompt=["a cat", "a dog"], generator=_gen(), **kwargs))
+    MODEL_FAMILIES.get(name).load_lora_into(fresh, tmp_path)  # `load_lora_weights`, or the family's `lora_loader`
+    loaded = _pixels(fresh(prompt=["a cat", "a dog"], generator=_gen(), **kwargs))
     torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-5)
     assert (base - trained).abs().max() > 1e-3  # the adapter did change the outputs
     again = DiffusionPolicy.from_pipeline(build(seed=7), options=_options(name))

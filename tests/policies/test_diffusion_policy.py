@@ -204,8 +204,8 @@ def test_loaders(tmp_path, sd3_pipe):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no model_index.json"):
         load_pipeline(tmp_path / "empty")
-    with pytest.raises(ValueError, match="unknown model family 'sdxl'"):
-        load_pipeline(tmp_path / "sd3", family="sdxl")
+    with pytest.raises(ValueError, match="unknown model family 'sd9'"):
+        load_pipeline(tmp_path / "sd3", family="sd9")
 
 
 def test_hub_id_offline_gives_a_clear_error():

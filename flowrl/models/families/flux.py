@@ -20,6 +20,7 @@ class FluxAdapter(ModelAdapter):
     family = "flux"
     Options = TextEncoderOptions
     pipeline_class = "FluxPipeline"
+    real_models = ("black-forest-labs/FLUX.1-dev: 12B", "black-forest-labs/FLUX.1-schnell: 12B")
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     @property

@@ -15,6 +15,7 @@ class SD3Adapter(ModelAdapter):
     family = "sd3"
     Options = TextEncoderOptions
     pipeline_class = "StableDiffusion3Pipeline"
+    real_models = ("stabilityai/stable-diffusion-3.5-medium: 2.5B", "stabilityai/stable-diffusion-3.5-large: 8.1B")
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     """Flow-GRPO's SD3 set: the attention projections of both streams."""
 

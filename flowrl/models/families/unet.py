@@ -14,6 +14,7 @@ class UNetAdapter(ModelAdapter):
 
     family = "unet"
     pipeline_class = "StableDiffusionPipeline"
+    real_models = ("stable-diffusion-v1-5/stable-diffusion-v1-5: 0.86B", "stabilityai/stable-diffusion-2-1: 0.87B")
     lora_prefix = "unet"
     time_kind = "ddim"
     default_sampler = "ddim"

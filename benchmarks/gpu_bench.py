@@ -1,20 +1,20 @@
-"""Rollout and training throughput of flowrl's policy on SD3.5-Medium- and Flux.1-sized transformers (GPU).
+"""Rollout and training throughput of flowrl's policy on real-sized networks of each model family (GPU).
 
-The transformers have the real models' widths and depths with random weights (no hub access needed); text
-encoders and the VAE are flowrl's tiny test components, so the numbers are the transformer's cost, which
-dominates: the transformer sees the latents of a 512 px image (16 x 64 x 64, 1024 image tokens) and the real
-context lengths (SD3: 77 CLIP + 256 T5 tokens; Flux: 512 T5 tokens); the tiny VAE decodes them to 128 px.
+The trained networks have the real models' widths and depths with random weights (no hub access needed;
+`REAL_BODIES`); text encoders and the VAE are the family's tiny test components, so the numbers are the network's
+cost, which dominates: it sees as many latent tokens as the real model at the peers' training resolution and the
+real context lengths (`SETTINGS`: e.g. SD3 256 T5 tokens at 512 px, Flux 512 at 512 px, Wan 5 frames at 256 px).
 
 - rollout: `DiffusionPolicy.rollout` of a group of `--group` samples (flow-SDE, `--steps` steps, CFG for SD3,
   Flux's guidance embedding), bf16 weights, SDPA attention;
 - training: with a LoRA adapter (rank `--lora-rank`, alpha 2r, fp32 adapter weights), `DiffusionPolicy.score`
-  of every step of every sample with gradient and one backward per minibatch of `--minibatch` samples (the
-  per-step log-prob mean as the loss), then an AdamW step;
+  of every step of every sample with gradient, one backward per step of each minibatch of `--minibatch` samples
+  (flowrl's `batch.backward: per_step`; the per-step log-prob mean as the loss), then an AdamW step;
 - images/s, peak GPU memory of each phase, and the model FLOP utilisation: FLOPs counted by
   `torch.utils.flop_counter` on one sample's forward (and forward+backward), times the calls, over the
   elapsed time and `--peak-tflops` (H100 SXM bf16 dense: 989).
 
-    python benchmarks/gpu_bench.py [--models sd35m,flux] [--group 24] [--steps 10] [--repeats 3]
+    python benchmarks/gpu_bench.py [--models sd3,flux,qwen_image,...] [--group 24] [--steps 10] [--repeats 3]
     python benchmarks/gpu_bench.py --tiny        # the tiny test models on the CPU: checks the script runs
 
 Writes `benchmarks/results/gpu_bench.json` (or `--out`) and prints a table.
@@ -23,6 +23,7 @@ Writes `benchmarks/results/gpu_bench.json` (or `--out`) and prints a table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -38,42 +39,62 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flowrl.models import tiny_flux, tiny_sd3  # noqa: E402
 from flowrl.policies import DiffusionPolicy  # noqa: E402
 
 
-SD35M = dict(num_layers=24, attention_head_dim=64, num_attention_heads=24, caption_projection_dim=1536,
-             pos_embed_max_size=384, sample_size=128, qk_norm="rms_norm",
-             dual_attention_layers=tuple(range(13)))  # fmt: skip
-"""SD3.5-Medium's transformer (2.5B parameters), apart from the text-side input widths."""
-FLUX = dict(num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
-            axes_dims_rope=(16, 56, 56))  # fmt: skip
-"""Flux.1-dev's transformer (12B parameters), apart from the text-side input widths."""
+REAL_BODIES = {
+    "sd3": dict(num_layers=24, attention_head_dim=64, num_attention_heads=24, caption_projection_dim=1536,
+                pos_embed_max_size=384, sample_size=128, qk_norm="rms_norm", dual_attention_layers=tuple(range(13))),
+    "flux": dict(num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+                 axes_dims_rope=(16, 56, 56)),
+    "qwen_image": dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, axes_dims_rope=(16, 56, 56)),
+    "z_image": dict(dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48],
+                    axes_lens=[1536, 512, 512]),
+    "sana": dict(num_layers=20, num_attention_heads=70, attention_head_dim=32, num_cross_attention_heads=20,
+                 cross_attention_head_dim=112, cross_attention_dim=2240, mlp_ratio=2.5),
+    "sdxl": dict(block_out_channels=(320, 640, 1280), layers_per_block=2,
+                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                 up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                 attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10), norm_num_groups=32),
+    "wan": dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
+}  # fmt: skip
+"""Each family's trained network at its real depth and width (SD3.5-Medium 2.2B, FLUX.1-dev 11.9B, Qwen-Image 20.4B,
+Z-Image 6.2B, SANA-1.6B, SDXL's UNet 2.2B, Wan2.1-T2V-1.3B 1.4B counted here), from the published model configs as
+recalled (not read from the hub: UNVERIFIED), with the tiny pipeline's input-side widths (latent channels, text
+widths); random weights. The FLOPs per token are the real model's; the parameter counts come out within 15%."""
+SETTINGS = {
+    "sd3": dict(guidance=4.5, text=256, size=512), "flux": dict(guidance=3.5, text=512, size=512),
+    "qwen_image": dict(guidance=4.0, text=512, size=512), "z_image": dict(guidance=5.0, text=512, size=512),
+    "sana": dict(guidance=4.5, text=300, size=1024, vae=32), "sdxl": dict(guidance=5.0, text=None, size=1024),
+    "wan": dict(guidance=5.0, text=512, size=256, frames=5),
+}  # fmt: skip
+"""Per family: CFG (or Flux's embedding), text tokens, the training resolution of the peers' recipes (the network sees
+that many latent tokens: the tiny VAE's size is scaled to the real VAE's downsampling, `vae`, default 8) and
+Wan's frames (Flow-Factory's wan21 t2v: 256 px, 5 frames)."""
 
 
-def pipeline(name: str, tiny: bool):
-    """The tiny pipeline, with its transformer replaced by a full-size one with random weights (unless tiny)."""
-    if name == "sd35m":
-        pipe = tiny_sd3()
-        if not tiny:
-            from diffusers import SD3Transformer2DModel
+def pipeline(name: str, tiny: bool, device=None, dtype=None):
+    """`(pipeline, settings, image size)`: the tiny pipeline, its network replaced by a full-size one with random
+    weights (unless tiny), built straight on `device` in `dtype` (a 20B network never exists in fp32 on the CPU)."""
+    from flowrl.models.families import MODEL_FAMILIES
 
-            small = pipe.transformer.config
-            pipe.transformer = SD3Transformer2DModel(
-                patch_size=2, in_channels=16, out_channels=16, joint_attention_dim=small.joint_attention_dim,
-                pooled_projection_dim=small.pooled_projection_dim, **SD35M,
-            )  # fmt: skip
-        return pipe, 4.5, 256
-    pipe = tiny_flux()
+    cls = MODEL_FAMILIES.get(name)
+    pipe = cls.tiny(seed=0)
+    settings = SETTINGS[name]
+    slot = cls.lora_prefix if cls.lora_prefix in pipe.components else "transformer"
     if not tiny:
-        from diffusers import FluxTransformer2DModel
-
-        small = pipe.transformer.config
-        pipe.transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=64, joint_attention_dim=small.joint_attention_dim,
-            pooled_projection_dim=small.pooled_projection_dim, guidance_embeds=True, **FLUX,
-        )  # fmt: skip
-    return pipe, 3.5, 512
+        small = pipe.components[slot]
+        config = {k: v for k, v in dict(small.config).items() if not k.startswith("_")}
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                setattr(pipe, slot, type(small)(**{**config, **REAL_BODIES[name]}))
+        finally:
+            torch.set_default_dtype(default)
+    vsf = getattr(pipe, "vae_scale_factor_spatial", None) or pipe.vae_scale_factor
+    size = 64 if tiny else settings["size"] * vsf // settings.get("vae", 8)
+    return pipe, settings, size
 
 
 def count_flops(fn) -> float:
@@ -86,18 +107,24 @@ def count_flops(fn) -> float:
 
 def bench(name: str, args, device: torch.device) -> dict:
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    pipe, guidance, seq = pipeline(name, args.tiny)
+    from flowrl.models.families import MODEL_FAMILIES
+
+    pipe, settings, side = pipeline(name, args.tiny, device, dtype)
+    guidance = settings["guidance"]
     pipe.set_progress_bar_config(disable=True)
     pipe.to(device=device, dtype=dtype)
-    policy = DiffusionPolicy.from_pipeline(pipe, max_sequence_length=16 if args.tiny else seq,
-                                           forward_batch_size=args.forward_batch)  # fmt: skip
+    fields = MODEL_FAMILIES.get(name).Options.__dataclass_fields__
+    options = {"max_sequence_length": 16 if args.tiny else settings["text"], "num_frames": settings.get("frames")}
+    options = {k: v for k, v in options.items() if k in fields and v is not None}
+    policy = DiffusionPolicy.from_pipeline(pipe, options=options, forward_batch_size=args.forward_batch)
     params = sum(p.numel() for p in policy.model.parameters())
-    size = dict(height=64, width=64) if args.tiny else dict(height=128, width=128)  # latents 16x(h/2)x(w/2)
+    size = dict(height=side, width=side)
+    sampler = MODEL_FAMILIES.get(name).default_sampler
     prompts = [f"a photo of object {i % 4}" for i in range(args.group)]
 
     def rollout(n=args.group):
-        return policy.rollout(prompts[:n], num_steps=args.steps, guidance_scale=guidance, sampler="flow_sde",
-                              generator=torch.Generator().manual_seed(0), **size)  # fmt: skip
+        return policy.rollout(prompts[:n], num_steps=args.steps, guidance_scale=guidance, sampler=sampler,
+                              noise_level=0.7, generator=torch.Generator().manual_seed(0), **size)  # fmt: skip
 
     def timed(fn):
         torch.cuda.synchronize(device) if device.type == "cuda" else None
@@ -119,7 +146,10 @@ def bench(name: str, args, device: torch.device) -> dict:
         peak_reset()
         rollout_s = statistics.median(timed(rollout)[0] for _ in range(args.repeats))
         rollout_peak = peak()
+        # one sample's FLOPs: a rollout re-scores in its own chunks, so the counted one is sampled in chunks of 1
+        policy.forward_batch_size = 1
         one = rollout(1)
+        policy.forward_batch_size = args.forward_batch
         steps = one.sde_mask.nonzero().flatten()
         fwd_flops = count_flops(lambda: policy.score(one, steps[None, :]))  # every step of one sample, CFG incl.
 
@@ -129,17 +159,22 @@ def bench(name: str, args, device: torch.device) -> dict:
     for p in trainable:
         p.data = p.data.float()
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+    # a training forward is one minibatch (flowrl: batch.micro_batch_size sets both), so no chunk is padded
+    policy.forward_batch_size = args.minibatch
     with torch.no_grad():
         batch = rollout()
+        policy.forward_batch_size = 1
+        single = rollout(1)
     steps = batch.sde_mask.nonzero().flatten()
 
-    def train():
+    def train():  # one backward per step of each minibatch (flowrl's batch.backward: per_step)
         for start in range(0, args.group, args.minibatch):
             rows = torch.arange(start, min(start + args.minibatch, args.group))
             part = batch.select(rows)
-            with torch.autocast(device.type, dtype=dtype, enabled=not args.tiny):
-                out = policy.score(part, steps.expand(len(rows), -1))
-            (-out.log_prob.float().mean()).backward()
+            for step in steps:
+                with torch.autocast(device.type, dtype=dtype, enabled=not args.tiny):
+                    out = policy.score(part, step.view(1, 1).expand(len(rows), -1))
+                (-out.log_prob.float().mean() / len(steps)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -149,8 +184,9 @@ def bench(name: str, args, device: torch.device) -> dict:
     train_peak = peak()
 
     def one_backward():
-        out = policy.score(batch.select(torch.arange(1)), steps[None, :])
-        (-out.log_prob.float().mean()).backward()
+        for step in steps:
+            out = policy.score(single, step.view(1, 1))
+            (-out.log_prob.float().mean()).backward()
 
     with torch.autocast(device.type, dtype=dtype, enabled=not args.tiny):
         train_flops = count_flops(one_backward)
@@ -158,6 +194,7 @@ def bench(name: str, args, device: torch.device) -> dict:
     peak_flops = args.peak_tflops * 1e12
     return {
         "model": name,
+        "image_size": side,
         "transformer_params_b": params / 1e9,
         "group": args.group,
         "steps": args.steps,
@@ -177,7 +214,7 @@ def bench(name: str, args, device: torch.device) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="sd35m,flux")
+    parser.add_argument("--models", default="sd3,flux", help=f"families, comma-separated: {', '.join(SETTINGS)}")
     parser.add_argument("--group", type=int, default=24, help="samples per rollout (one GRPO group)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--forward-batch", type=int, default=8, help="rows per transformer call in rollouts")
@@ -194,11 +231,23 @@ def main(argv=None) -> int:
     device = torch.device("cpu" if args.tiny else "cuda")
     if not args.tiny:
         torch.backends.cuda.matmul.allow_tf32 = True
-    rows = [bench(name, args, device) for name in args.models.split(",")]
     meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "tiny": args.tiny, "peak_tflops": args.peak_tflops}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    rows, failed = [], []
+    for name in args.models.split(","):
+        try:
+            rows.append(bench(name, args, device))
+        except Exception as err:  # one family out of memory (say) still leaves the others' numbers
+            if args.tiny:
+                raise
+            failed.append({"model": name, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+            print(f"{name}: {failed[-1]['error']}", file=sys.stderr)
+        gc.collect()  # a failed family's frames hold its model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        # written after each family: a run cut short keeps what it measured
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": rows, "failed": failed}, indent=2))
     print("| model | params (B) | rollout img/s | rollout peak GB | rollout MFU | train img/s | train peak GB | "
           "train MFU |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in rows:

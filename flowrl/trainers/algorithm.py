@@ -119,7 +119,9 @@ class Algorithm(ABC):
 
     def advantages(self, collected, valid: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """`(advantages [N], stats)` of the epoch's samples from the `advantage` section (0 where not `valid`)."""
-        texts = [str(p) for p in collected.prompts]
+        from flowrl.prompts import group_key  # per-prompt statistics: an editing prompt is its (text, source) pair
+
+        texts = [group_key(p) for p in collected.prompts]
         group_ids = collected.group_ids
         adv = torch.zeros(len(texts))
         rewards = {k: v[valid] for k, v in collected.rewards.items()}

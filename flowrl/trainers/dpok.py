@@ -177,6 +177,7 @@ class DPOK(ImageAlgorithm):
     """DPOK; see the module docstring and `DPOKConfig`."""
 
     config_class = DPOKConfig
+    edits = False  # its conditioning is the prompt text only
     video = False  # the value net is a 2-D conv net over image latents
 
     def build(self) -> None:

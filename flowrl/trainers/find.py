@@ -163,6 +163,7 @@ class FIND(ImageAlgorithm):
     """FIND; see the module docstring and `FINDConfig`."""
 
     config_class = FINDConfig
+    edits = False  # its noise sampler takes no source images
     requires_stochastic = False  # the policy is over the initial noise; the sampler may be the ODE
     shard_refusal = "FIND trains a small noise table beside a frozen model: shard nothing, run DDP (run.shard: none)"
     kl_to_reference = False  # the regulariser compares the noise policy with the N(0, I) prior

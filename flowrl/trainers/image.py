@@ -32,6 +32,9 @@ class ImageAlgorithm(Algorithm):
     noise-prediction models (UNets, SDXL) where its sampler has a DDIM form."""
     video: ClassVar[bool] = True
     """Whether it trains video families (False: an extra network of its own, a critic, reads image latents)."""
+    edits: ClassVar[bool] = True
+    """Whether it trains on editing prompt sets (prompts with source images; False: its sampler or conditioning
+    takes text only)."""
 
     def __init__(self, config, modality, engine):
         super().__init__(config, modality, engine)
@@ -43,6 +46,10 @@ class ImageAlgorithm(Algorithm):
         if getattr(adapter, "video", False) and not self.video:
             raise ValueError(f"{config.trainer} trains image models only (its critic reads image latents); "
                              f"{self.policy.family} makes videos (flowrl list models)")  # fmt: skip
+        prompts = getattr(modality, "train_prompts", None) or []
+        if not self.edits and any(getattr(p, "images", ()) for p in prompts):
+            raise ValueError(f"{config.trainer} does not train on editing prompts (rows with source images) yet; "
+                             "use grpo_guard, flow_grpo, loop, diffusion_nft, awm, ... (docs/models.md)")  # fmt: skip
         if self.store_means and config.sampling.sampler == "cps":
             raise ValueError("grpo_guard's RatioNorm is defined on Gaussian step log-probs; with CPS use sampler "
                              "cps_gaussian (cps keeps Flow-GRPO's -mean (x' - mu)^2 log-prob)")  # fmt: skip

@@ -134,6 +134,7 @@ class TempFlowGRPO(FlowGRPO):
     """TempFlow-GRPO; see the module docstring and `TempFlowGRPOConfig`."""
 
     config_class = TempFlowGRPOConfig
+    edits = False  # its branching sampler takes no source images
     time_kinds = ("flow",)  # flow-SDE branches
 
     def __init__(self, config, modality, engine):

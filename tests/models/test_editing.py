@@ -174,3 +174,39 @@ def test_grpo_guard_trains_on_source_images_and_flowrl_sample_edits_an_image(tmp
     assert record["images"] == [[str(tmp_path / "source.png")]] and "load_image" in record["diffusers"][2]
     with pytest.raises(ValueError, match="no such file"):  # before any model loads
         sample(run, "x", image=str(tmp_path / "missing.png"), out=out)
+
+
+@pytest.mark.parametrize(("trainer", "settings"), [
+    ("find", ["model.lora_rank=0"]),
+    ("tempflow_grpo", ["seeds_per_prompt=1", "branches=2", "prompts.group_size=6", "batch.mini_batch_size=24"]),
+    ("dpok", []),
+])  # fmt: skip
+def test_trainers_without_an_editing_path_refuse_editing_prompts_in_one_line(trainer, settings, tmp_path, monkeypatch):
+    from flowrl.trainers import build_trainer, load_config
+
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache"))
+    overrides = [f"trainer={trainer}", f"run.output_dir={tmp_path}", *settings]
+    config = load_config("configs/flux_kontext/tiny.yaml", overrides)
+    with pytest.raises(ValueError, match=f"{trainer} does not train on editing prompts"):
+        build_trainer(config)
+
+
+def test_per_prompt_statistics_key_an_editing_prompt_by_its_source_too():
+    from types import SimpleNamespace
+
+    from flowrl.prompts import group_key
+    from flowrl.trainers.algorithm import Algorithm
+
+    rows = prompt_sets.load("edit_shapes/train")
+    same_text = [p for p in rows if str(p) == str(rows[0])][:2]
+    assert len(same_text) == 2 and group_key(same_text[0]) != group_key(same_text[1])
+    seen = []
+
+    def estimator(rewards, group_ids, keys):
+        seen.extend(keys)
+        return torch.zeros(len(keys)), {}
+
+    collected = SimpleNamespace(prompts=same_text * 2, group_ids=torch.tensor([0, 1, 0, 1]),
+                                rewards={"r": torch.arange(4.0)})  # fmt: skip
+    Algorithm.advantages(SimpleNamespace(estimator=estimator), collected, torch.ones(4, dtype=torch.bool))
+    assert seen == [group_key(p) for p in same_text * 2]  # the per-prompt trackers see (text, source) pairs

@@ -1,0 +1,235 @@
+"""`flowrl score`: a reward's scores for image (or video) files, to check a reward before training with it.
+
+`score_files(reward, paths, prompt=..., prompts_file=..., server=..., kwargs=...)` loads each file into the reward
+convention (`[3, H, W]` floats in [0, 1] for an image, `[3, F, H, W]` for a video through `flowrl.video.read_mp4`),
+scores files of one shape together, and returns a record: each file's score (NaN kept and counted), the `multi`
+reward's per-component scores, the mean over the finite scores. `format_table` prints it; `--json` prints the record.
+
+Prompts: one `prompt` for every file, or a prompt file (`.txt` / `.jsonl` / a shipped set, `flowrl.prompts.load`)
+with one row per file whose metadata goes to the reward as keyword arguments (as a trainer passes it); neither:
+the empty prompt. With `server`, the `http` reward scores through `flowrl serve-reward` (the reward is the server's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi")
+
+
+def parse_kwargs(text: str | None) -> dict[str, Any]:
+    """The reward's constructor arguments from `--kwargs` JSON (an object); a one-line `ValueError` otherwise."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--kwargs is not valid JSON ({err}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--kwargs must be a JSON object like '{{\"quality\": 50}}', got {text!r}")
+    return value
+
+
+def load_file(path: str | Path) -> torch.Tensor:
+    """One image file as `[3, H, W]` floats in [0, 1] (any PIL mode, converted to RGB), or one video file
+    (`VIDEO_SUFFIXES`) as `[3, F, H, W]`; a one-line error naming the file if it is missing or unreadable."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder: pass image files (e.g. {path}/*.png)")
+    if not path.is_file():
+        raise FileNotFoundError(f"no such image file: {path}")
+    if path.suffix.lower() in VIDEO_SUFFIXES:
+        try:
+            from flowrl.video import read_mp4
+
+            video = read_mp4(path)
+        except ImportError:
+            raise ValueError(f"reading the video {path} needs imageio and imageio-ffmpeg: pip install "
+                             "'flowrl-toolkit[video]'") from None  # fmt: skip
+        except Exception as err:  # noqa: BLE001  (imageio/ffmpeg fail in many ways; all mean "cannot read it")
+            raise ValueError(f"cannot read the video {path}: {type(err).__name__}: {err}") from None
+        if video.ndim != 4 or video.shape[0] != 3 or video.shape[1] == 0:
+            raise ValueError(f"cannot read the video {path}: got frames of shape {tuple(video.shape)}")
+        return video
+    import numpy as np
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            array = np.asarray(image.convert("RGB"))
+    except (OSError, ValueError, Image.DecompressionBombError) as err:  # UnidentifiedImageError is an OSError
+        raise ValueError(f"cannot read the image {path}: {err}") from None
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255)  # HWC uint8 -> CHW in [0, 1]
+
+
+def file_prompts(n: int, prompt: str | None = None, prompts_file: str | None = None) -> list:
+    """`n` prompts: `prompt` for each file, or the rows of `prompts_file` (exactly `n`), or the empty prompt."""
+    from flowrl import prompts
+
+    if prompt is not None and prompts_file is not None:
+        raise ValueError("give --prompt or --prompts, not both")
+    if prompts_file is not None:
+        rows = prompts.load(prompts_file)
+        if len(rows) != n:
+            raise ValueError(f"--prompts {prompts_file} holds {len(rows)} prompts for {n} "
+                             f"{'file' if n == 1 else 'files'}: give one prompt per file, in order")  # fmt: skip
+        return rows
+    text = prompt or ""
+    quoted = prompts.quoted_text(text)
+    return [prompts.Prompt(text, {"text": quoted} if quoted is not None else {}) for _ in range(n)]
+
+
+def build_reward(name: str, kwargs: dict[str, Any], server: str | None = None):
+    """The reward to score with: `rewards.get(name, **kwargs)`, or with `server` the `http` reward at that URL (kwargs:
+    the client's), after checking that the server serves `name`."""
+    from flowrl import rewards
+
+    if server is None:
+        try:
+            return rewards.get(name, **kwargs)
+        except TypeError as err:  # a constructor argument the reward does not take
+            raise ValueError(f"reward {name!r} does not take these --kwargs {sorted(kwargs)}: {err}") from None
+    import inspect
+
+    from flowrl.rewards.http import HttpReward
+
+    allowed = [p for p in inspect.signature(HttpReward).parameters if p != "url"]
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(f"with --server the reward's own arguments are the server's (`flowrl serve-reward {name} "
+                         f"--set KEY=VALUE`); --kwargs {unknown} are not the http client's: "
+                         f"{', '.join(allowed)}")  # fmt: skip
+    client = HttpReward(server, **kwargs)
+    served = _served_name(client)
+    if served is not None and served != name:
+        raise ValueError(f"the reward server at {client.url} serves {served!r}, not {name!r}: run "
+                         f"`flowrl score {served} ... --server {server}` or start a server for {name!r}")  # fmt: skip
+    return client
+
+
+def _served_name(client) -> str | None:
+    """The reward name a `flowrl serve-reward` server gives at `GET /health`; None if it does not answer so (another
+    endpoint speaking the protocol, or down: then scoring says so)."""
+    import urllib.request
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(client.url)
+    if parts.path != "/score":
+        return None
+    health = urlunsplit((parts.scheme, parts.netloc, "/health", "", ""))
+    headers = {"Authorization": f"Bearer {client.token}"} if client.token else {}
+    try:
+        with client._open(urllib.request.Request(health, headers=headers), min(client.timeout, 10.0)) as response:
+            answer = json.loads(response.read())
+    except Exception:  # noqa: BLE001  (no /health: nothing to check)
+        return None
+    served = answer.get("reward") if isinstance(answer, dict) else None
+    return served if isinstance(served, str) else None
+
+
+def _groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of the files of each shape (files of one shape are scored as one batch), in first-seen order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        groups.setdefault(tuple(tensor.shape), []).append(i)
+    return list(groups.values())
+
+
+def score_files(reward: str, paths: list[str], prompt: str | None = None, prompts_file: str | None = None,
+                server: str | None = None, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Score image/video files with the reward `reward` (see the module doc); the record `format_table` prints.
+
+    Returns `{"reward", "server", "components": [labels of a multi reward], "weights": {label: weight}, "files":
+    [{"file", "prompt", "score", "components": {label: score}}], "count", "nan", "mean"}` (NaN scores are
+    `float("nan")`; `mean` is over the finite ones, NaN when none is).
+    """
+    from flowrl.rewards import MultiReward
+    from flowrl.rewards.scoring import call_reward, texts_and_metadata
+
+    if not paths:
+        raise ValueError("give at least one image file")
+    rows = file_prompts(len(paths), prompt, prompts_file)  # a count mismatch fails before any file is read
+    tensors = [load_file(path) for path in paths]
+    fn = build_reward(reward, dict(kwargs or {}), server)
+    multi = isinstance(fn, MultiReward)
+    labels = list(fn.rewards) if multi else []
+    totals = [math.nan] * len(paths)
+    parts: list[dict[str, float]] = [{} for _ in paths]
+    for index in _groups(tensors):
+        batch = torch.stack([tensors[i] for i in index])
+        texts, metadata = texts_and_metadata([rows[i] for i in index])
+        if multi:
+            components: dict[str, torch.Tensor] = {}
+            out = call_reward(reward, partial(_evaluate, fn, batch, texts, metadata, components), len(index))
+            for label, values in components.items():
+                for i, value in zip(index, values.tolist()):
+                    parts[i][label] = value
+        else:
+            out = call_reward(reward, partial(fn, batch, texts, **metadata), len(index))
+        for i, value in zip(index, out.tolist()):
+            totals[i] = value
+    finite = [s for s in totals if math.isfinite(s)]
+    files = [{"file": str(path), "prompt": str(row), "score": total, **({"components": part} if multi else {})}
+             for path, row, total, part in zip(paths, rows, totals, parts)]  # fmt: skip
+    return {"reward": reward, "server": server, "components": labels, "weights": dict(fn.weights) if multi else {},
+            "files": files, "count": len(files), "nan": len(files) - len(finite),
+            "mean": sum(finite) / len(finite) if finite else math.nan}  # fmt: skip
+
+
+def _evaluate(fn, batch: torch.Tensor, texts: list[str], metadata: dict, components: dict) -> torch.Tensor:
+    """A `MultiReward`'s total, its per-component scores stored in `components`."""
+    output = fn.evaluate(batch, texts, **metadata)
+    components.update(output.scores)
+    return output.total
+
+
+def _number(value: float) -> str:
+    return "NaN" if math.isnan(value) else f"{value:.4f}"
+
+
+def format_table(record: dict[str, Any], max_prompt: int = 40) -> str:
+    """The record of `score_files` as an aligned text table, one row per file, and a summary line."""
+    labels = record["components"]
+    with_prompt = any(row["prompt"] for row in record["files"])
+    header = ["file", *(["prompt"] if with_prompt else []), "score", *labels]
+    lines = []
+    for row in record["files"]:
+        text = row["prompt"] if len(row["prompt"]) <= max_prompt else row["prompt"][: max_prompt - 3] + "..."
+        parts = row.get("components", {})
+        lines.append([row["file"], *([text] if with_prompt else []), _number(row["score"]),
+                      *(_number(parts.get(label, math.nan)) for label in labels)])  # fmt: skip
+    widths = [max(len(cells[c]) for cells in [header, *lines]) for c in range(len(header))]
+    numeric = {c for c, name in enumerate(header) if name not in ("file", "prompt")}
+    out = ["  ".join(cell.rjust(w) if c in numeric else cell.ljust(w)
+                     for c, (cell, w) in enumerate(zip(cells, widths))).rstrip()
+           for cells in [header, *lines]]  # fmt: skip
+    where = f" (served at {record['server']})" if record["server"] else ""
+    count, nan = record["count"], record["nan"]
+    summary = f"{count} {'file' if count == 1 else 'files'} scored by {record['reward']!r}{where}: mean "
+    summary += f"{_number(record['mean'])}" + (" over the finite scores" if nan else "") + f"; NaN: {nan}"
+    weights = record.get("weights") or {}
+    if weights:
+        summary += "; score = " + " + ".join(f"{w:g} * {label}" for label, w in weights.items())
+    return "\n".join([*out, summary])
+
+
+def to_json(record: dict[str, Any]) -> str:
+    """The record as JSON, NaN scores as null."""
+
+    def clean(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    return json.dumps(clean(record), indent=2)

@@ -261,6 +261,16 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    """Score image/video files with a reward and print a table (or JSON): `flowrl.score`."""
+    from flowrl.score import format_table, parse_kwargs, score_files, to_json
+
+    record = score_files(args.reward, args.images, prompt=args.prompt, prompts_file=args.prompts,
+                         server=args.server, kwargs=parse_kwargs(args.kwargs))  # fmt: skip
+    print(to_json(record) if args.json else format_table(record))
+    return 0
+
+
 def cmd_digits(args: argparse.Namespace) -> int:
     from flowrl.digits.build import main as build_main
 
@@ -344,6 +354,21 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--set", action="append", metavar="KEY=VALUE",
                          help="a reward constructor argument, e.g. --set device=cuda (repeatable)")  # fmt: skip
     p_serve.set_defaults(func=cmd_serve_reward)
+    p_score = sub.add_parser("score", help="a reward's scores for image (or video) files: check it before training")
+    p_score.add_argument("reward", help="a registered reward (see `flowrl list rewards`) or package.module:attribute")
+    p_score.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...) or videos (.mp4)")
+    p_score_prompts = p_score.add_mutually_exclusive_group()
+    p_score_prompts.add_argument("--prompt", help="the prompt of every image (default: the empty prompt)")
+    p_score_prompts.add_argument("--prompts", metavar="FILE",
+                                 help="a .txt/.jsonl prompt file with one row per image, in order (jsonl keys go to "
+                                 "the reward as metadata)")  # fmt: skip
+    p_score.add_argument("--server", metavar="URL",
+                         help="score through `flowrl serve-reward REWARD` at URL (the http reward)")  # fmt: skip
+    p_score.add_argument("--kwargs", metavar="JSON",
+                         help='the reward\'s constructor arguments, e.g. \'{"device": "cuda"}\' (with --server: the '
+                         "http client's, e.g. timeout, token)")  # fmt: skip
+    p_score.add_argument("--json", action="store_true", help="print the scores as JSON (NaN as null)")
+    p_score.set_defaults(func=cmd_score)
     p_digits = sub.add_parser("digits", help="the digits world: `flowrl digits build [--force]`")
     p_digits.add_argument("action", choices=["build"])
     p_digits.add_argument("rest", nargs=argparse.REMAINDER)

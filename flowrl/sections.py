@@ -46,8 +46,8 @@ class RunConfig:
     """With several processes: `none` keeps a full model, gradients and optimizer state on each (DDP); `fsdp2`
     shards the trained model's parameters, gradients and AdamW state over the processes (`fully_shard`); `zero2`
     (DeepSpeed ZeRO-2) shards the gradients and optimizer state, `zero3` the parameters too (`pip install
-    'flowrl[deepspeed]'`). GPUs or CPUs; image trainers on the shared update (`docs/distributed.md`). Ignored on
-    one process."""
+    'flowrl-toolkit[deepspeed]'`). GPUs or CPUs; image trainers on the shared update (`docs/distributed.md`).
+    Ignored on one process."""
     threads: Literal["auto", "torch"] | int = "auto"
     """CPU threads of torch's kernels: `auto` uses the cores other processes leave free, re-measured every epoch
     (fast alone, graceful beside a second run or a reward server); an integer fixes the count; `torch` leaves

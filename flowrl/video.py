@@ -2,7 +2,7 @@
 
 `frame_strips` lays each video's frames side by side (the frame grids of `image_grid`, evaluation sheets and
 TensorBoard when it cannot show videos); `write_mp4` / `read_mp4` go through imageio's ffmpeg plugin (the `video`
-extra: `pip install flowrl[video]`).
+extra: `pip install flowrl-toolkit[video]`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def write_mp4(video: torch.Tensor, path: str | Path, fps: int = FPS) -> Path:
         import imageio.v2 as imageio
         import imageio_ffmpeg  # noqa: F401  (the ffmpeg binary imageio writes through)
     except ImportError as err:
-        raise ImportError("writing .mp4 needs imageio and imageio-ffmpeg: pip install 'flowrl[video]'") from err
+        raise ImportError(
+            "writing .mp4 needs imageio and imageio-ffmpeg: pip install 'flowrl-toolkit[video]'"
+        ) from err
     if video.ndim != 4 or video.shape[0] != 3:
         raise ValueError(f"write_mp4 needs one video [3, F, H, W]; got {tuple(video.shape)}")
     path = Path(path)

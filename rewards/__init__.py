@@ -6,7 +6,8 @@ builds the reward (a registered name, or a dotted path `package.module:attribute
 factory); `rewards.list_rewards()` lists what is registered.
 
 Built-in rewards (each in its own module, heavy imports deferred to construction): `jpeg_compressibility`,
-`jpeg_incompressibility`, `aesthetic`, `clip_score`, `pickscore`, `hpsv2`, `imagereward`, and `http` (a reward
+`jpeg_incompressibility`, `aesthetic`, `clip_score`, `pickscore`, `hpsv2`, `imagereward`, `geneval` (GenEval's
+rules over an object detector, `flowrl.rewards.geneval`), and `http` (a reward
 served by `flowrl serve-reward`, see `flowrl.rewards.server`). `MultiReward` combines several, `combine_advantages`
 turns per-reward scores into advantages (`sum` or `gdpo`), `RewardExecutor` scores in a background thread. See
 docs/rewards.md.

@@ -1,4 +1,5 @@
-"""`open_clip` models (an optional extra: `pip install flowrl[openclip]`, GPU machines) for HPSv2 and CLIP scores.
+"""`open_clip` models (an optional extra: `pip install flowrl-toolkit[openclip]`, GPU machines) for HPSv2 and CLIP
+scores.
 
 open_clip needs torchvision, and on CPU-only installs the only torchvision that matches torch is a CUDA build
 that breaks transformers; so open_clip is imported only when a reward that needs it is constructed, and its
@@ -21,8 +22,8 @@ def require_open_clip(reward: str):
     except ImportError as err:
         raise ImportError(
             f"reward {reward!r} needs open_clip, which is not installed ({err}). Install the extra with "
-            "`pip install flowrl[openclip]` on a machine with a CUDA torch (it pulls torchvision, whose only build "
-            "for CPU torch breaks transformers)."
+            "`pip install flowrl-toolkit[openclip]` on a machine with a CUDA torch (it pulls torchvision, whose only "
+            "build for CPU torch breaks transformers)."
         ) from err
     return open_clip
 

@@ -11,7 +11,7 @@ from flowrl.sections import BaseConfig, BatchConfig, EvalConfig, HasObjective, O
 
 @dataclasses.dataclass
 class EnvConfig:
-    """The Gymnasium environments (the `rl` extra: `pip install 'flowrl[rl]'`)."""
+    """The Gymnasium environments (the `rl` extra: `pip install 'flowrl-toolkit[rl]'`)."""
 
     id: str = "Pendulum-v1"
     """A registered Gymnasium id with a Box action space (`Pendulum-v1`, `HalfCheetah-v5`, `Hopper-v5`,

@@ -21,7 +21,7 @@ def _gym():
     try:
         import gymnasium
     except ImportError as err:  # the `rl` extra
-        raise ImportError("control trainers need Gymnasium: pip install 'flowrl[rl]'") from err
+        raise ImportError("control trainers need Gymnasium: pip install 'flowrl-toolkit[rl]'") from err
     return gymnasium
 
 
@@ -42,7 +42,7 @@ def make_vec_env(env_id: str, num_envs: int, kwargs: dict | None = None):
         gym.spec(env_id)
     except gym.error.Error as err:
         raise ValueError(f"unknown Gymnasium environment {env_id!r} ({err}); MuJoCo ids need "
-                         "pip install 'flowrl[rl]'") from None  # fmt: skip
+                         "pip install 'flowrl-toolkit[rl]'") from None  # fmt: skip
     kwargs = dict(kwargs or {})
     envs = SyncVectorEnv([lambda: gym.make(env_id, **kwargs) for _ in range(num_envs)],
                          autoreset_mode=AutoresetMode.SAME_STEP)  # fmt: skip

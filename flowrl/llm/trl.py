@@ -49,7 +49,7 @@ from typing import Any
 try:
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as err:  # the `trl` extra
-    raise ImportError("flowrl.llm.trl needs trl: pip install 'flowrl[trl]'") from err
+    raise ImportError("flowrl.llm.trl needs trl: pip install 'flowrl-toolkit[trl]'") from err
 
 import torch
 

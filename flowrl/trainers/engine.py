@@ -348,5 +348,5 @@ def check_trackers(log_with: list[str]) -> None:
     for name in log_with or []:
         package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(name, name)
         if importlib.util.find_spec(package) is None:
-            raise ValueError(f"run.log_with lists {name}, which is not installed: pip install 'flowrl[{name}]' "
-                             f"(or remove it from run.log_with)")  # fmt: skip
+            raise ValueError(f"run.log_with lists {name}, which is not installed: pip install "
+                             f"'flowrl-toolkit[{name}]' (or remove it from run.log_with)")  # fmt: skip

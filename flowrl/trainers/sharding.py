@@ -125,7 +125,7 @@ def zero_engine(module: torch.nn.Module, optimizer: torch.optim.Optimizer, stage
     try:
         import deepspeed
     except ImportError:
-        raise ImportError(f"run.shard: zero{stage} needs DeepSpeed: pip install 'flowrl[deepspeed]'") from None
+        raise ImportError(f"run.shard: zero{stage} needs DeepSpeed: pip install 'flowrl-toolkit[deepspeed]'") from None
     import logging
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines would drown the epoch log

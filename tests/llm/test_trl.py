@@ -14,7 +14,7 @@ import pytest
 import torch
 
 
-trl = pytest.importorskip("trl", reason="trl is an optional extra: pip install 'flowrl[trl]'")
+trl = pytest.importorskip("trl", reason="trl is an optional extra: pip install 'flowrl-toolkit[trl]'")
 
 from datasets import Dataset  # noqa: E402  (trl's dependency)
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
@@ -439,7 +439,7 @@ def test_plain_grpo_config_is_rejected(tmp_path):
 def test_missing_trl_gives_a_one_line_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", None)  # `import trl` now raises ImportError
     monkeypatch.delitem(sys.modules, "flowrl.llm.trl")
-    with pytest.raises(ImportError, match=r"pip install 'flowrl\[trl\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'flowrl-toolkit\[trl\]'"):
         import flowrl.llm.trl  # noqa: F401
 
 

@@ -253,6 +253,14 @@ class ModelAdapter(ABC):
         raise ValueError(f"model family {self.family!r} is not an editing model: it takes no source images")
 
 
+def guidance_embedding(model, guidance_scale: float, n: int, device) -> torch.Tensor | None:
+    """`[n]` fp32 guidance for a guidance-distilled transformer (Flux.1, Kontext, FLUX.2 dev: the scale goes to its
+    guidance embedding), or None when `model` has none. `model` is the bare network: a DDP wrapper has no config."""
+    if not model.config.get("guidance_embeds", False):
+        return None
+    return torch.full([1], guidance_scale, device=device, dtype=torch.float32).expand(n)
+
+
 def text_kwargs(options) -> dict:
     """`encode_prompt`'s `max_sequence_length` when the options set one."""
     length = getattr(options, "max_sequence_length", None)

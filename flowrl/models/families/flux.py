@@ -6,7 +6,14 @@ import numpy as np
 import torch
 
 from flowrl.models.tiny import _clip_text_encoder, _eval, _t5_encoder, _vae, tiny_clip_tokenizer, tiny_t5_tokenizer
-from flowrl.policies.adapters import ModelAdapter, TextEncoderOptions, decode_vae, register_family, text_kwargs
+from flowrl.policies.adapters import (
+    ModelAdapter,
+    TextEncoderOptions,
+    decode_vae,
+    guidance_embedding,
+    register_family,
+    text_kwargs,
+)
 
 
 @register_family
@@ -44,9 +51,7 @@ class FluxAdapter(ModelAdapter):
     def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
         model = model or self.model
         n = latents.shape[0]
-        guidance = None
-        if self.model.config.guidance_embeds:  # (read from the bare model: a DDP wrapper has no config)
-            guidance = torch.full([1], guidance_scale, device=latents.device, dtype=torch.float32).expand(n)
+        guidance = guidance_embedding(self.model, guidance_scale, n, latents.device)
         return model(
             hidden_states=latents,
             timestep=timesteps.to(latents.dtype) / 1000,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from flowrl.models.tiny import _bytes_to_unicode, _eval, tiny_qwen2_tokenizer
-from flowrl.policies.adapters import ModelAdapter, register_family
+from flowrl.policies.adapters import ModelAdapter, guidance_embedding, register_family
 
 
 @dataclasses.dataclass
@@ -154,7 +154,7 @@ class Flux2Adapter(_Flux2Adapter):
         return False
 
     def _guidance(self, guidance_scale, n, device):
-        return torch.full([1], guidance_scale, device=device, dtype=torch.float32).expand(n)
+        return guidance_embedding(self.model, guidance_scale, n, device)
 
     @staticmethod
     def tiny(seed: int = 0, latent_channels: int = 4):

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from flowrl.models.families.flux import FluxAdapter
-from flowrl.policies.adapters import register_family
+from flowrl.policies.adapters import guidance_embedding, register_family
 
 
 @dataclasses.dataclass
@@ -106,9 +106,7 @@ class FluxKontextAdapter(FluxAdapter):
             return super().forward(latents, timesteps, cond, guidance_scale, model=model, static=static)
         model = model or self.model
         n, tokens = latents.shape[:2]
-        guidance = None
-        if self.model.config.guidance_embeds:  # (read from the bare model: a DDP wrapper has no config)
-            guidance = torch.full([1], guidance_scale, device=latents.device, dtype=torch.float32).expand(n)
+        guidance = guidance_embedding(self.model, guidance_scale, n, latents.device)
         out = model(
             hidden_states=torch.cat([latents, cond["image_latents"].to(latents.dtype)], dim=1),
             timestep=timesteps.to(latents.dtype) / 1000,

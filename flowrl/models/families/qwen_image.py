@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from flowrl.models.tiny import QWEN_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, _bytes_to_unicode, _eval
-from flowrl.policies.adapters import ModelAdapter, register_family
+from flowrl.policies.adapters import ModelAdapter, guidance_embedding, register_family
 
 
 @dataclasses.dataclass
@@ -106,9 +106,7 @@ class QwenImageAdapter(ModelAdapter):
     def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
         model = model or self.model
         n = latents.shape[0]
-        guidance = None
-        if self.model.config.guidance_embeds:  # (read from the bare model: a DDP wrapper has no config)
-            guidance = torch.full([1], guidance_scale, device=latents.device, dtype=torch.float32).expand(n)
+        guidance = guidance_embedding(self.model, guidance_scale, n, latents.device)
         return model(
             hidden_states=latents,
             timestep=timesteps.to(latents.dtype) / 1000,

@@ -30,6 +30,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -243,6 +244,7 @@ def main(argv=None) -> int:
                 raise
             failed.append({"model": name, "error": f"{type(err).__name__}: {str(err)[:300]}"})
             print(f"{name}: {failed[-1]['error']}", file=sys.stderr)
+            traceback.print_exc()
         gc.collect()  # a failed family's frames hold its model
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -20,7 +20,8 @@ error `mean_d (v - (eps - x1))^2` (`loss: velocity`). At `theta = theta_old` the
 `clip(A, -Z, Z) grad l(v_theta)` for any beta: an advantage-weighted flow-matching step whose negatives push
 away from bad samples (tested). After each epoch the old policy moves towards the new one,
 `theta_old <- eta theta_old + (1 - eta) theta`, `eta = min(old_decay_rate * max(0, step - old_decay_flat),
-old_decay_max)` (`return_decay`, step = optimizer steps before the epoch), so the first epoch copies theta.
+old_decay_max)` (`return_decay`, step = the optimizer steps taken so far, read after the epoch's steps as
+`train_nft_sd3.py` does: epoch 1 with S steps already uses `min(old_decay_rate * S, old_decay_max)`).
 """
 
 from __future__ import annotations
@@ -169,15 +170,16 @@ class DiffusionNFT(PerDrawAlgorithm):
         return dataclasses.replace(draws, old_velocity=velocities, weights=r[:, None].expand(-1, draws.taus.shape[1]))
 
     def prepare(self, collected, advantages, trainable, epoch):
-        self._eta = self.old_decay()  # at the steps taken before this epoch: the first epoch's eta is 0 (a copy)
         batch, stats = super().prepare(collected, advantages, trainable, epoch)
         r = optimality(advantages[trainable], self.config.optimality_scale)
-        return batch, {**stats, "nft/old_decay": self._eta, "nft/r_mean": r.mean()}
+        return batch, {**stats, "nft/r_mean": r.mean()}
 
     def finish(self, batch, epoch):
-        """The old policy's soft update, after the flow-matching steps."""
-        self.old.update(self._eta)
-        return {}
+        """The old policy's soft update, after the flow-matching steps: eta at the optimizer steps taken so far,
+        this epoch's included (NVlabs reads `global_step` after the epoch's gradient steps)."""
+        eta = self.old_decay()
+        self.old.update(eta)
+        return {"nft/old_decay": eta}
 
     def draw_terms(self, batch, rows, draw, *, x1, x_t, taus, noises, v):
         """NFT's loss at the draws (`nft_loss`)."""

@@ -107,7 +107,7 @@ def test_nft_gradient_at_the_old_policy_is_the_clipped_advantage_weighted_matchi
     assert torch.allclose(plain, same)
 
 
-def test_nft_samples_with_the_old_policy_which_copies_theta_after_the_first_epoch(tiny_world, tmp_path):
+def test_nft_samples_with_the_old_policy_and_decays_it_at_the_steps_taken_after_the_epoch(tiny_world, tmp_path):
     trainer = trainer_for(tiny_world, tmp_path, "diffusion_nft", ["run.epochs=1", "old_decay_rate=0.1"])
     algorithm = trainer.algorithm
     assert algorithm.old_decay() == 0.0
@@ -122,9 +122,15 @@ def test_nft_samples_with_the_old_policy_which_copies_theta_after_the_first_epoc
                                           generator=torch.Generator().manual_seed(0))  # fmt: skip
     assert torch.equal(rollout.latents, expected.latents)
     before = [p.detach().clone() for p in params]
+    old_before = [s.detach().clone() for s in algorithm.old.shadow]
     trainer.train()
-    # eta(step 0) = 0: the old policy is theta after the update
-    assert all(torch.equal(s, p) for s, p in zip(algorithm.old.shadow, params))
+    steps = trainer.engine.optimizer_steps
+    assert steps >= 1
+    # NVlabs reads the step count after the epoch: eta = min(0.1 S, 0.5) already in epoch 1 (not 0, a copy)
+    eta = min(0.1 * steps, 0.5)
+    assert eta > 0
+    for shadow, old, p in zip(algorithm.old.shadow, old_before, params):
+        assert torch.allclose(shadow, eta * old + (1 - eta) * p.detach(), atol=1e-6)
     assert not all(torch.equal(a, b) for a, b in zip(before, params))
     assert [algorithm.old_decay(s) for s in (0, 1, 3, 5, 10**6)] == [0.0, 0.1, 0.30000000000000004, 0.5, 0.5]
 

@@ -5,7 +5,9 @@ k samples per prompt; each sample's baseline is the mean reward of the *other* k
 PPO-clip with importance sampling over several inner epochs, which a plain RLOO/REINFORCE update cannot do.
 No public code exists; the choices below (what docs/algorithms/loop.md records): no std normalisation by
 default (LOOP presents the baseline as a REINFORCE variance reduction; `advantage.std: group` turns it on),
-the mean over steps, no KL, DDPO's parity defaults for everything else.
+the mean over steps, no KL, and Flow-GRPO's defaults for everything else (`FlowGRPOConfig`: the flow-SDE kernel,
+the first 99% of the steps, clip 1e-4), with 2 inner epochs. LOOP itself ran DDPO's setting (SD1.5, DDIM):
+`sampling.sampler: ddim` on a UNet family gives that kernel.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ def test_presets_keep_the_papers_settings():
         "random", 3, (0, 5))  # fmt: skip
     assert fast.objective.clip_eps_low == 1e-5
     assert (dance.sampling.sampler, dance.sampling.noise_level, dance.sampling.num_steps) == ("dance_sde", 0.3, 16)
+    # DanceGRPO's train_grpo_flux.py (XueZeyue/DanceGRPO @ 15cc71d, l. 506-519 and 570): 16 sampling steps, the
+    # samples keep `[:, :-1]` of the 16 transitions (the last, to sigma 0, is never trained) and train
+    # int(15 * 0.6) = 9 of the 15 left in a random order: 9 of 15, not 9 of 16 with the last
     assert dance.sampling.sde_window == (0, 15) and (dance.steps.selection, dance.steps.k) == ("random", 9)
     assert all(name in TRAINERS for name in PRESETS)
 

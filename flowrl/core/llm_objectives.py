@@ -440,20 +440,25 @@ def dppo_mask(
     return Surrogate(coef * logp, coef, dropped_high, dropped_low)
 
 
-def vespo(ratio, adv, *, logp, log_ratio, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
+def vespo(ratio, adv, *, logp, log_ratio, mask, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
           lambda_neg: float = 2.0):  # fmt: skip
     """VESPO (Shen et al. 2026; trl's `vespo`): `l = -phi(w) A log pi` with `w` the sequence's product ratio
-    `exp(sum_t log r_t)` (log w clamped to `[log 1e-8, 20]`, as trl) and the detached Gamma-kernel weight
-    `phi(w) = w^k exp(lambda (1 - w))` (`phi(1) = 1`), `(k, lambda) = (2, 3)` for A >= 0 and `(3, 2)` for A < 0.
-    The gradient is `-phi A` on every token of the sequence."""
-    log_w = log_ratio.sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)  # [B, 1]; log_ratio is 0 off the mask
+    `exp(sum_t log r_t)` and the detached Gamma-kernel weight `phi(w) = w^k exp(lambda (1 - w))` (`phi(1) = 1`),
+    `(k, lambda) = (2, 3)` for A >= 0 and `(3, 2)` for A < 0. The gradient is `-phi A` on every token.
+
+    Guards as trl's `get_gamma_weights`: each token's log-ratio clamped to [-20, 20] before the sum, log w to
+    `[log 1e-8, 20]`, lambda >= 1e-4, and a non-finite phi set to 0 (the sample is then left out, not a NaN loss).
+    """
+    token = log_ratio.clamp(-20.0, 20.0) * mask  # [B, K]; one runaway token cannot overflow the sum
+    log_w = token.sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)  # [B, 1]
     w = log_w.exp()
     nonneg = adv >= 0  # [B, 1] or [B, K]
     k = torch.full_like(adv, k_neg).masked_fill_(nonneg, k_pos)
-    lam = torch.full_like(adv, lambda_neg).masked_fill_(nonneg, lambda_pos)
-    phi = torch.exp(k * log_w + lam * (1 - w))  # [B, 1] or [B, K]
+    lam = torch.full_like(adv, lambda_neg).masked_fill_(nonneg, lambda_pos).clamp_min(1e-4)
+    phi = torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [B, 1] or [B, K]
     coef = (-adv * phi).expand_as(ratio)  # [B, K]
-    weight_mean = phi.expand_as(ratio).mean()
+    fmask = mask.to(phi.dtype)
+    weight_mean = (phi.expand_as(ratio) * fmask).sum() / fmask.sum().clamp_min(1.0)  # over real tokens only
     return Surrogate(coef * logp, coef, None, None, metrics={"vespo_weight_mean": weight_mean})
 
 

@@ -206,6 +206,24 @@ def test_vespo_kernel_is_one_at_the_behaviour_policy():
     torch.testing.assert_close(grad, plain)  # phi(1) = 1: on-policy VESPO is REINFORCE
 
 
+def test_vespo_guards_a_runaway_token_and_averages_its_weight_over_real_tokens():
+    # one token with log-ratio 100 (clamped to 20 as trl) in a 3-token sequence, the rest 0: log w = 20, a weight
+    # phi = exp(3 + 2 * 20 - 3 e^20) that underflows to exactly 0 instead of NaN/inf
+    logp = torch.tensor([[100.0 + math.log(0.5), math.log(0.5), math.log(0.5), 0.0]], dtype=torch.float64)
+    old = torch.full_like(logp, math.log(0.5))
+    mask = torch.tensor([[True, True, True, False]])
+    loss, grad, metrics = grad_of("vespo", logp, old, torch.tensor([1.0], dtype=torch.float64), mask)
+    assert torch.isfinite(loss) and torch.equal(grad, torch.zeros_like(grad))
+    # each token is clamped before the sum (trl): +100 and -90 count as +20 and -20, log w = 0 and phi = 1, so the
+    # gradient is REINFORCE's -A / 3 on each real token (the sum first would give log w = 10 and phi = 0)
+    logp = old + torch.tensor([[100.0, -90.0, 0.0, 0.0]], dtype=torch.float64)
+    _, grad, _ = grad_of("vespo", logp, old, torch.tensor([1.0], dtype=torch.float64), mask)
+    assert grad[0].tolist() == pytest.approx([-1 / 3, -1 / 3, -1 / 3, 0.0])
+    # padding takes no part in the weight's mean: on-policy, phi = 1 on the 3 real tokens, the metric is 1 (not 3/4)
+    _, _, metrics = grad_of("vespo", old.clone(), old, torch.tensor([1.0], dtype=torch.float64), mask)
+    assert float(metrics["vespo_weight_mean"]) == pytest.approx(1.0)
+
+
 def test_r2vpo_dual_ascent():
     logp, old, adv, mask, _ = random_batch()
     state = get_objective("r2vpo").init_state()
@@ -466,7 +484,7 @@ def test_dppo_parity(divergence):
 
 def test_vespo_parity():
     def ref(lp, lq, a, m, h):
-        logw = ((lp - lq).detach() * m).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)
+        logw = ((lp - lq).detach().clamp(-20, 20) * m).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)
         w, ad = logw.exp(), a[:, None]
         k, lam = torch.where(ad >= 0, 2.0, 3.0).double(), torch.where(ad >= 0, 3.0, 2.0).double()
         phi = w**k * torch.exp(lam * (1 - w))

@@ -170,8 +170,8 @@ def dcpo(
     adv,
     *,
     old_logp,
-    clip_eps_low: float = 0.16,
-    clip_eps_high: float = 0.2,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.28,
     max_ratio: float = 10.0,
     dual_clip_c: float | None = 10.0,
 ):
@@ -180,6 +180,11 @@ def dcpo(
     With `q = pi_old(token)`, the bounds satisfy `|r - 1| r q <= eps`: `r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low
     / q, 0))`, `r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), max_ratio)`, so rare tokens may move further.
     Then `l = max(-A r, -A clip(r, r_low, r_high))`, dual-clipped at `c` for A < 0 (the official script: 10).
+
+    Defaults are the official script's (lime-RL/DCPO `recipe/dcpo/run_dcpo.sh` + `run_base.sh`: clip_ratio_low 0.2,
+    clip_ratio_high 0.28, clip_ratio_c 10; the paper's table gives 0.16 / 0.2). Its `only-token-mean` aggregation is
+    verl's masked token mean over a micro-batch (`core_algos.agg_loss`); flowrl's `token_mean` takes it over the
+    global mini-batch, the same number when the micro-batch is the mini-batch and free of the micro-batch size.
     """
     q = old_logp.exp()  # [B, K]
     # clamp: padding and q -> 0 would divide by zero; r_high saturates at max_ratio there anyway

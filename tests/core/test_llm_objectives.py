@@ -93,21 +93,26 @@ def test_bapo_raises_the_upper_bound_when_the_lower_one_is_exhausted():
 
 @pytest.mark.parametrize("q,low,high", [(0.9, 0.7687, 1.1872), (0.5, 0.5, 1.3062), (0.1, 0.5, 2.0), (0.01, 0.5, 5.0)])
 def test_dcpo_dynamic_bounds_match_the_paper_table(q, low, high):
+    # the paper's table is at eps 0.16 / 0.2 (the official script, our default, runs 0.2 / 0.28)
+    paper = {"clip_eps_low": 0.16, "clip_eps_high": 0.2}
     # the bounds are where the gradient stops: just inside it flows, just outside it does not (A > 0 above,
     # A < 0 below)
     for r, a, flows in [(high * 0.999, 1.0, True), (high * 1.001, 1.0, False)]:
         old = torch.tensor([[math.log(q)]], dtype=torch.float64)
-        _, grad, _ = grad_of("dcpo", old + math.log(r), old, torch.tensor([a], dtype=torch.float64), agg="sum")
+        _, grad, _ = grad_of(
+            "dcpo", old + math.log(r), old, torch.tensor([a], dtype=torch.float64), agg="sum", **paper
+        )
         assert (float(grad) != 0) == flows, (q, r)
     if low > 0.5:
         for r, flows in [(low * 1.001, True), (low * 0.999, False)]:
             old = torch.tensor([[math.log(q)]], dtype=torch.float64)
             minus = torch.tensor([-1.0], dtype=torch.float64)
-            _, grad, _ = grad_of("dcpo", old + math.log(r), old, minus, agg="sum")
+            _, grad, _ = grad_of("dcpo", old + math.log(r), old, minus, agg="sum", **paper)
             assert (float(grad) != 0) == flows, (q, r)
     else:  # r_low = 1/2 whenever q <= 4 eps_low: ratios down to 1/2 keep their gradient
         old = torch.tensor([[math.log(q)]], dtype=torch.float64)
-        _, grad, _ = grad_of("dcpo", old + math.log(0.51), old, torch.tensor([-1.0], dtype=torch.float64), agg="sum")
+        minus = torch.tensor([-1.0], dtype=torch.float64)
+        _, grad, _ = grad_of("dcpo", old + math.log(0.51), old, minus, agg="sum", **paper)
         assert float(grad) != 0
 
 
@@ -371,8 +376,9 @@ def test_bapo_parity():
 def test_dcpo_parity():
     def ref(lp, lq, a, m, h):
         q, r, ad = lq.exp(), (lp - lq).exp(), a[:, None].expand_as(lp)
-        low = 0.5 + 0.5 * torch.sqrt(torch.clamp(1 - 4 * 0.16 / q, min=0))
-        high = torch.clamp(0.5 + 0.5 * torch.sqrt(1 + 4 * 0.2 / q), max=10.0)
+        # the official script's eps: clip_ratio_low 0.2 (run_base.sh), clip_ratio_high 0.28 (run_dcpo.sh)
+        low = 0.5 + 0.5 * torch.sqrt(torch.clamp(1 - 4 * 0.2 / q, min=0))
+        high = torch.clamp(0.5 + 0.5 * torch.sqrt(1 + 4 * 0.28 / q), max=10.0)
         loss = ppo_terms(r, ad, low, high)
         return token_mean(torch.where(ad < 0, torch.minimum(loss, -ad * 10.0), loss), m)
 

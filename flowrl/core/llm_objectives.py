@@ -116,6 +116,8 @@ def bapo(
     clip_high_max: float = 3.0,
     clip_high_step: float = 0.1,
     dual_clip_c: float | None = 3.0,
+    measure: str = "paper",
+    eps: float = 1e-8,
 ):
     """BAPO: PPO-clip with bounds searched per batch for balanced positive contributions (arXiv:2510.18927 sec. 4).
 
@@ -123,21 +125,34 @@ def bapo(
     and `N(c_low) = sum r |A| 1[A < 0, r >= c_low]`, first raise `c_low` from `clip_low_start` by
     `clip_low_step` (dropping low-probability negatives) while `P / (P + N) < rho0` and `c_low < clip_low_max`,
     then `c_high` likewise. The loss is `max(-A r, -A clip(r, c_low, c_high))`, dual-clipped at `c` for A < 0.
-    The sums are over the global batch (all processes), so every process trains with the same bounds. This is the
-    paper's monotone measure; the authors' plugin clamps the ratios instead, which moves the other way (see
-    `docs/objectives.md`).
+    The sums are over the global batch (all processes), so every process trains with the same bounds.
+
+    `measure: paper` (the default, and the shipped config's) is the paper's monotone measure above. `measure: code`
+    is the authors' verl plugin (WooooDyy/BAPO `recipe/bapo/policy_loss.py`): every token counts with its clamped
+    ratio, `P = sum_{A>0} min(r, c_high) A`, `N = sum_{A<0} max(r, c_low) |A|`, and the test is
+    `P / (N + eps) >= rho0` (its example script: rho0 = 0.5, i.e. P / (P + N) >= 1/3). Raising `c_low` there
+    raises N, so when the target is unmet `c_low` runs to `clip_low_max` (docs/llm.md).
     """
+    if measure not in ("paper", "code"):
+        raise ValueError(f"bapo measure must be 'paper' or 'code', got {measure!r}")
     lows = _grid(clip_low_start, clip_low_max, clip_low_step).to(ratio)  # [I]
     highs = _grid(clip_high_start, clip_high_max, clip_high_step).to(ratio)  # [J]
     a = adv.expand_as(ratio)
-    weight = ratio * a.abs() * mask  # [B, K]
     pos, neg = (a > 0) & mask, (a < 0) & mask
-    p = ((ratio[None] <= highs[:, None, None]) & pos).to(ratio.dtype).mul(weight).sum((1, 2))  # [J]
-    n = ((ratio[None] >= lows[:, None, None]) & neg).to(ratio.dtype).mul(weight).sum((1, 2))  # [I]
+    if measure == "paper":  # contributions of the tokens that keep their gradient
+        weight = ratio * a.abs() * mask  # [B, K]
+        p = ((ratio[None] <= highs[:, None, None]) & pos).to(ratio.dtype).mul(weight).sum((1, 2))  # [J]
+        n = ((ratio[None] >= lows[:, None, None]) & neg).to(ratio.dtype).mul(weight).sum((1, 2))  # [I]
+    else:  # every token with its clamped ratio
+        absa = a.abs()
+        p = (torch.minimum(ratio[None], highs[:, None, None]) * absa * pos).sum((1, 2))  # [J]
+        n = (torch.maximum(ratio[None], lows[:, None, None]) * absa * neg).sum((1, 2))  # [I]
     sums = all_reduce_sum(torch.cat([p, n]))
     p, n = sums[: highs.numel()], sums[highs.numel() :]
 
-    def balanced(pos_sum, neg_sum):  # P / (P + N) >= rho0; an empty batch is balanced
+    def balanced(pos_sum, neg_sum):  # the target is met; an empty batch (or no negatives) is balanced
+        if measure == "code":
+            return (neg_sum <= 0) | (pos_sum >= rho0 * (neg_sum + eps))
         total = pos_sum + neg_sum
         return (total <= 0) | (pos_sum >= rho0 * total)
 

@@ -83,6 +83,24 @@ def test_bapo_bound_search_matches_the_worked_example():
     assert float(metrics["bapo_pos_frac"]) == pytest.approx(0.5)
 
 
+def test_bapo_code_measure_is_the_authors_plugin():
+    # reference/algorithms-llm.md 1.5 with 0.72 for 0.7 (no tie at a bound): (r, A) = (1.0, +1), (1.5, +1),
+    # (0.5, -1), (0.72, -1), (1.0, -1). The plugin counts clamped ratios: P = min(1, c_high) + min(1.5, c_high) = 2.2
+    # at 1.2; N = max(.5, c_low) + max(.72, c_low) + 1 = 2.32 at 0.6 and grows with c_low: with target P/N >= 1,
+    # c_low runs to 0.9 (N = 2.8) and c_high to its max 3.0 (P = 2.5 < 2.8); the paper's measure stops at
+    # (0.75, 1.2) (P = 1.0 >= N = 1.0)
+    logp, old, adv = tokens([1.0, 1.5, 0.5, 0.72, 1.0], [1.0, 1.0, -1.0, -1.0, -1.0])
+    _, _, code = grad_of("bapo", logp.T, old.T, adv[None, :].clone(), measure="code", rho0=1.0)
+    assert (float(code["bapo_clip_low"]), float(code["bapo_clip_high"])) == pytest.approx((0.9, 3.0))
+    _, _, paper = grad_of("bapo", logp.T, old.T, adv[None, :].clone(), rho0=0.5)
+    assert (float(paper["bapo_clip_low"]), float(paper["bapo_clip_high"])) == pytest.approx((0.75, 1.2))
+    # the plugin's example target 0.5 (P/N): met at once, P = 2.2 >= 0.5 * 2.32
+    _, _, example = grad_of("bapo", logp.T, old.T, adv[None, :].clone(), measure="code", rho0=0.5)
+    assert (float(example["bapo_clip_low"]), float(example["bapo_clip_high"])) == pytest.approx((0.6, 1.2))
+    with pytest.raises(ValueError, match="measure"):
+        grad_of("bapo", logp.T, old.T, adv[None, :].clone(), measure="plugin")
+
+
 def test_bapo_raises_the_upper_bound_when_the_lower_one_is_exhausted():
     # negatives dominate at every c_low up to 0.9: c_high rises until the 2.5-ratio positive counts
     logp, old, adv = tokens([2.5, 1.0, 1.0], [1.0, -1.0, -1.0])

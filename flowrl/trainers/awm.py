@@ -12,7 +12,11 @@ with the code's weighting `ghuber` `W = (t / p) ((l + 1e-10)^p - 1e-10^p)`, p = 
 advantage `A^ = clip(A, -5, 5) / 5` (`advantage_max` 1): with one optimizer step per epoch (AWM's recipe) the
 gradient is `mean A^ grad W(l_theta, t)`, an advantage-weighted flow-matching loss; with `A^ = 1` and `uniform`
 it is the pretraining loss on self-generated samples. `kl.beta` adds `beta ||v_theta - v_ref||^2` (the code's
-KL to the LoRA-disabled base). Not built: the code's second "KL-EMA" adapter.
+KL to the LoRA-disabled base), and `kl_ema_beta` the code's "KL-EMA" (`ema_beta`, 1 in every official preset):
+`kl_ema_beta mean_d (v_theta - v_ema)^2` to a lagged copy `theta_ema`, updated after each epoch as
+`theta_ema <- d theta_ema + (1 - d) theta` with `d = min(kl_ema_decay_rate * step, kl_ema_decay_max)` (the code's
+`kl_ema_decay_type: linear`, 0.001 and 0.3; `step` = optimizer steps so far, read after the epoch). The copy is
+constant within an epoch, so its velocity is stored at the draws before the update, in the chunks training uses.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from typing import ClassVar, Literal
 
 import torch
 
+from flowrl.core import velocity_mse
 from flowrl.core.ratios import reduce_elements
 from flowrl.core.terms import Terms
 from flowrl.image import SamplingConfig
 from flowrl.sections import AdvantageConfig, HasKL, HasObjective, KLConfig, ObjectiveConfig
 from flowrl.trainers.matching import MatchingConfig, PerDrawAlgorithm
 from flowrl.trainers.registry import register
+from flowrl.trainers.state import EMA
 
 
 AWM_WEIGHTINGS = ("ghuber", "uniform", "t", "t2")
@@ -80,12 +86,21 @@ class AWMConfig(HasObjective, HasKL, MatchingConfig):
     """p of `ghuber`."""
     advantage_max: float = 1.0
     """The advantage's range after clipping: `A^ = clip(A) * advantage_max / advantage.clip` (the code: 1)."""
+    kl_ema_beta: float = 1.0
+    """Weight of `mean_d (v_theta - v_ema)^2` to the lagged copy (the code's `ema_beta`: 1 in every preset; 0: off,
+    no copy kept)."""
+    kl_ema_decay_rate: float = 1e-3
+    """u in the copy's decay `d = min(u step, kl_ema_decay_max)` (the code's linear type: 0.001)."""
+    kl_ema_decay_max: float = 0.3
+    """The cap of d (the code's `kl_ema_decay`: 0.3)."""
 
     def checks(self):
         return [
             *super().checks(),
             (self.ghuber_power > 0, "ghuber_power must be > 0"),
             (self.advantage_max > 0, "advantage_max must be > 0"),
+            (self.kl_ema_beta >= 0 and self.kl_ema_decay_rate >= 0, "kl_ema_beta and kl_ema_decay_rate must be >= 0"),
+            (0 <= self.kl_ema_decay_max < 1, "kl_ema_decay_max must be in [0, 1)"),
         ]
 
 
@@ -94,6 +109,18 @@ class AWM(PerDrawAlgorithm):
     """AWM; see the module docstring and `AWMConfig`."""
 
     config_class = AWMConfig
+
+    def build(self):
+        super().build()
+        params = [p for p in self.trained_module().parameters() if p.requires_grad]
+        # the KL-EMA copy starts at theta (the code copies the LoRA into its "ema" adapter)
+        self.kl_ema = EMA(params, 0.0, prefix="kl_ema") if self.config.kl_ema_beta > 0 else None
+
+    def kl_ema_decay(self, step: int | None = None) -> float:
+        """d at optimizer step `step` (default: the current one)."""
+        c = self.config
+        step = self.engine.optimizer_steps if step is None else step
+        return min(c.kl_ema_decay_rate * step, c.kl_ema_decay_max)
 
     def advantages(self, collected, valid):
         """`A^ = clip(A, -c, c) * advantage_max / c` (c = `advantage.clip`; unclipped: `A * advantage_max`)."""
@@ -115,9 +142,39 @@ class AWM(PerDrawAlgorithm):
         for rows, j, logp in self.at_draws(dataclasses.replace(rollout, draws=draws), lambda part, x1, x_t, taus,
                                            noises, v: self.log_likelihood(v, x1, noises, taus)[0]):  # fmt: skip
             old[rows, j] = logp.float().cpu()
-        return dataclasses.replace(draws, old_log_probs=old)
+        draws = dataclasses.replace(draws, old_log_probs=old)
+        if self.kl_ema is None:
+            return draws
+        velocities = torch.empty((*draws.taus.shape, *rollout.latents.shape[2:]))  # [B, N, ...]
+        with self.kl_ema.swapped():
+            for rows, j, v in self.at_draws(dataclasses.replace(rollout, draws=draws), lambda *args: args[-1]):
+                velocities[rows, j] = v.float().cpu()
+        return dataclasses.replace(draws, old_velocity=velocities)
 
     def draw_terms(self, batch, rows, draw, *, x1, x_t, taus, noises, v):
         logp, loss = self.log_likelihood(v, x1, noises, taus)
         old = batch.draws.old_log_probs[rows, draw].to(logp.device)  # [n] -W at the behaviour weights
-        return Terms(logp=logp, old_logp=old, logs={"fm_loss": loss.detach()})
+        terms = Terms(logp=logp, old_logp=old, logs={"fm_loss": loss.detach()})
+        if self.kl_ema is not None:
+            v_ema = batch.draws.old_velocity[rows, draw].to(v.device)  # [n, ...]
+            ema_kl = velocity_mse(v, v_ema)  # [n]
+            terms.penalty = self.config.kl_ema_beta * ema_kl
+            terms.logs["ema_kl_loss"] = ema_kl.detach()
+        return terms
+
+    def finish(self, batch, epoch):
+        """The KL-EMA copy's update after the epoch's steps (the code: after training, at `global_step`)."""
+        if self.kl_ema is None:
+            return {}
+        d = self.kl_ema_decay()
+        self.kl_ema.update(d)
+        return {"awm/kl_ema_decay": d}
+
+    def state_dict(self):
+        state, tensors = super().state_dict()
+        return state, {**tensors, **(self.kl_ema.state_dict() if self.kl_ema is not None else {})}
+
+    def load_state_dict(self, state, tensors):
+        super().load_state_dict(state, tensors)
+        if self.kl_ema is not None:
+            self.kl_ema.load_state_dict(tensors)

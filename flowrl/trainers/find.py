@@ -23,6 +23,7 @@ and each sample has one element, its initial noise (kept as typed `NoiseDraws` o
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import ClassVar, Literal
 
 import torch
@@ -36,6 +37,9 @@ from flowrl.policies.value import pooled_text
 from flowrl.sections import AdvantageConfig, HasKL, HasObjective, KLConfig, ObjectiveConfig
 from flowrl.trainers.image import ImageAlgorithm
 from flowrl.trainers.registry import register
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -263,7 +267,9 @@ class FIND(ImageAlgorithm):
         with torch.no_grad():
             kl = self.noise_policy.kl_to_prior(draws.condition)
             mean, std = self.noise_policy.params(draws.condition)
+            in_band = self.in_band(draws)
         adv = full[trainable]
+        frac = self.processes.sum(float(in_band.sum())) / max(int(trainable.sum()), 1)  # global fraction
         stats = {
             "calibration/loss": losses[-1] if losses else float("nan"),
             "calibration/baseline_mean": self.processes.sum(float(baseline.sum())) / max(int(trainable.sum()), 1),
@@ -272,8 +278,28 @@ class FIND(ImageAlgorithm):
             "noise/kl_to_prior": kl.mean(),
             "noise/mean_rms": mean.pow(2).mean().sqrt(),
             "noise/std_mean": std.mean(),
+            "noise/in_band_frac": frac,
         }
+        if frac == 0 and c.old_policy == "prior" and int(trainable.sum()) and not self._warned_out_of_band:
+            self._warned_out_of_band = True
+            logger.warning(
+                "find: epoch %d: every sample's ratio to the N(0, I) prior is outside the clamp band, so the policy "
+                "gradient is zero and only the regulariser trains (FIND's released code, old_policy: prior); "
+                "old_policy: previous gives PPO's fresh trust region each epoch", epoch)  # fmt: skip
         return self.update_batch(collected, full, trainable), stats
+
+    _warned_out_of_band = False
+
+    def in_band(self, draws) -> torch.Tensor:
+        """`[b]` bool: the samples whose ratio `pi_theta(z) / pi_old(z)` at the weights before the update lies in the
+        clamp band `[1 - eps_low, 1 + eps_high]`, the only ones the `clamp` objective gives a policy gradient.
+
+        With `old_policy: prior` the ratio is about `exp(KL(pi_theta || N(0, I)))` per element, so past a KL of about
+        `log(1 + eps)` (0.18 nats at eps 0.2) no sample is in the band (`noise/in_band_frac` 0, warned once)."""
+        o = self.config.objective
+        low, high = o.clip_eps_low, o.clip_eps_high if o.clip_eps_high is not None else o.clip_eps_low
+        ratio = (self.noise_policy.log_prob(draws.z, draws.condition) - draws.log_probs.to(draws.z.device)).exp()
+        return (ratio >= 1 - low) & (ratio <= 1 + high)
 
     def num_elements(self, data) -> int:
         return 1

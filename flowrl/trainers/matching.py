@@ -40,7 +40,7 @@ class MatchingDraws(FPODraws):
     weights: torch.Tensor | None = per_sample(default=None)
     """`[B, N]` per-draw weight of the loss (AC-Flow's critic weight `g(A)`, NFT's optimality probability `r`)."""
     old_velocity: torch.Tensor | None = per_sample(default=None)
-    """`[B, N, ...]` the old policy's velocity at the draws (NFT's implicit policies)."""
+    """`[B, N, ...]` a lagged copy's velocity at the draws (NFT's old policy; AWM's KL-EMA copy)."""
     old_log_probs: torch.Tensor | None = per_sample(default=None)
     """`[B, N]` the behaviour policy's per-draw log-likelihood surrogate (AWM's `-W(l, t)`)."""
 

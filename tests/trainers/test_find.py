@@ -117,6 +117,39 @@ def test_calibrated_advantages_and_calibration_targets(tiny_world, tmp_path):
     assert torch.allclose(seen, 10.0 * (rewards - baseline), atol=1e-6)
 
 
+def test_with_the_prior_as_old_policy_a_policy_far_from_it_gets_no_policy_gradient_and_is_warned(
+    tiny_world, tmp_path, caplog
+):
+    # FIND's released code: pi_old = N(0, I). A mean of 1 on every element puts each sample's element-mean log-ratio
+    # near KL = 0.5 nats, far past log(1.2) = 0.18: the clamp objective gives every sample zero policy gradient and
+    # only the regulariser trains; the epoch logs noise/in_band_frac 0 and warns once
+    trainer = make_trainer(tiny_world, find_config(tmp_path, ["noise_policy=per_prompt", "kl.beta=0.01"]))
+    policy = trainer.algorithm.noise_policy
+    with torch.no_grad():
+        policy.mean.fill_(1.0)
+    rollout, _, _ = trainer.collector.sample(0)
+    collected = Collected(data=rollout, rows=torch.arange(len(rollout)), size=len(rollout))
+    with caplog.at_level("WARNING", logger="flowrl.trainers.find"):
+        batch, stats = trainer.algorithm.prepare(collected, torch.linspace(0, 1, len(rollout)),
+                                                 torch.ones(len(rollout), dtype=torch.bool), 0)  # fmt: skip
+    assert stats["noise/in_band_frac"] == 0.0
+    assert sum("outside the clamp band" in r.message for r in caplog.records) == 1
+    loss, metrics = micro_loss(trainer, rollout, batch.advantages)
+    assert metrics["clipfrac"] == 1
+    (grad,) = torch.autograd.grad(loss, [policy.mean])
+    # only the proxy regulariser's gradient is left: d/dmu 0.01 mean(mu^2 + (s - 1)^2) = 0.01 * 2 mu / numel
+    numel = policy.mean[0].numel()
+    used = torch.zeros_like(policy.mean)
+    used[rollout.noise.condition.unique()] = 1
+    torch.testing.assert_close(grad, used * 0.01 * 2 * 1.0 / numel * _rows_per_prompt(rollout, policy))
+
+
+def _rows_per_prompt(rollout, policy):
+    """`[P, 1, 1, 1]`-broadcastable: the share of the batch's rows each prompt's table row appears in."""
+    counts = torch.bincount(rollout.noise.condition, minlength=policy.mean.shape[0]).float()
+    return (counts / len(rollout)).view(-1, *([1] * (policy.mean.ndim - 1)))
+
+
 def test_sigma_is_clamped_after_every_optimizer_step(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, find_config(tmp_path, ["min_std=0.01"]))
     policy = trainer.algorithm.noise_policy

@@ -183,6 +183,46 @@ def test_awm_ratio_is_one_with_the_stored_draws_and_its_gradient_is_advantage_we
     assert bad["ratio_std"].item() > 0
 
 
+def test_awm_kl_ema_pulls_towards_the_lagged_copy_which_decays_after_each_epoch(tiny_world, tmp_path):
+    trainer = trainer_for(tiny_world, tmp_path, "awm", ["run.epochs=1", "kl_ema_beta=0.7", "kl_ema_decay_rate=0.05"])
+    algorithm = trainer.algorithm
+    params = [p for p in trainer.policy.model.parameters() if p.requires_grad]
+    assert all(torch.equal(s, p) for s, p in zip(algorithm.kl_ema.shadow, params))  # the copy starts at theta
+    with torch.no_grad():  # a copy that differs from theta
+        for shadow in algorithm.kl_ema.shadow:
+            shadow.mul_(0.9)
+    rollout = _prepared(trainer)
+    b = trainer.config.batch.micro_batch_size
+    batch = rollout.select(torch.arange(b))
+    mb = micro_batch(trainer, batch, torch.linspace(-1, 1, b))
+    terms = algorithm.terms(mb, mb.index)  # [b, K]
+    # by hand: 0.7 mean_d (v_theta - v_ema)^2 at every draw, v_ema the copy's velocity at the same (t, eps)
+    data, k = mb.data, mb.index.shape[1]
+    for j in range(k):
+        x1 = data.latents[:, -1].float()
+        taus, noises = data.draws.taus[:, j], data.draws.noises[:, j]
+        x_t = x1 + taus.view(-1, 1, 1, 1) * (noises - x1)  # the flow path x_t = (1 - t) x1 + t eps
+        with torch.no_grad():
+            v = algorithm.velocity(data, x_t, taus)
+            with algorithm.kl_ema.swapped():
+                v_ema = algorithm.velocity(data, x_t, taus)
+        expected = 0.7 * ((v.float() - v_ema.float()) ** 2).mean(dim=(1, 2, 3))
+        assert torch.allclose(terms.penalty[:, j].detach(), expected, rtol=1e-4, atol=1e-7)
+    assert terms.penalty.detach().abs().sum() > 0
+    # after the epoch's S steps: copy <- d copy + (1 - d) theta, d = min(0.05 S, 0.3) read after the steps
+    before = [s.clone() for s in algorithm.kl_ema.shadow]
+    trainer.train()
+    d = min(0.05 * trainer.engine.optimizer_steps, 0.3)
+    assert d > 0
+    for shadow, old, p in zip(algorithm.kl_ema.shadow, before, params):
+        assert torch.allclose(shadow, d * old + (1 - d) * p.detach(), atol=1e-6)
+
+
+def test_awm_kl_ema_off_keeps_no_copy(tiny_world, tmp_path):
+    trainer = trainer_for(tiny_world, tmp_path, "awm", ["kl_ema_beta=0"])
+    assert trainer.algorithm.kl_ema is None and _prepared(trainer).draws.old_velocity is None
+
+
 def test_awm_scales_clipped_advantages_to_advantage_max(tiny_world, tmp_path):
     trainer = trainer_for(tiny_world, tmp_path, "awm", ["advantage.std=none", "advantage.clip=2.0"])
     rewards = {"digits_alignment": torch.tensor([0.0, 1.0, 4.0, 10.0])}

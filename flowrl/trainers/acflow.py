@@ -5,15 +5,19 @@ AC-Flow extends ORW-CFM-W2 (Fan et al., ICLR 2025, arXiv:2502.06061), whose rele
     L(theta) = E_{t ~ U(0,1), x1 ~ q_old(.|c), x_t ~ p_t(.|x1)} [ exp(beta r(x1)) ||v_theta(x_t, t, c) - u_t||^2
                                                                + alpha ||v_theta(x_t, t, c) - v_ref(x_t, t, c)||^2 ],
 
-with a critic on intermediate states. Only the abstract of AC-Flow is public; its three ingredients are
-implemented as follows (the formulas are flowrl's reconstruction, see `docs/algorithms/acflow.md`):
+with a critic on intermediate states. The AC-Flow paper is public (arXiv HTML v1 and PDF), but its method section
+could not be read from the copies this project can reach (the stored arXiv page gives the abstract and the start of
+the introduction only), so its equations have NOT been checked against this code: every formula below is flowrl's
+reconstruction from the abstract, the project page and ORW-CFM-W2's released code (`docs/algorithms/acflow.md`
+tabulates each against the paper: all "unverified"). Its three ingredients are implemented as follows:
 
 1. **reward shaping**: `r~ = clip((r - mean) / (std + delta), -c_r, c_r)` over the batch or the prompt's group
    (the `advantage` section: `batch`, `group` or `raw` with `eps` = delta and `clip` = c_r);
 2. a **critic** `V(x_t, t, c)` on states of the conditional path `x_t = (1 - t) x1 + t eps` of the generated
-   samples, regressed on `r~`; the per-state advantage `A_t = clip(r~ - V(x_t, t, c), -c_A, c_A)`
-   (**advantage clipping**, `critic.clip`); during a **critic warm-up** the actor ignores the critic (it is trained on
-   ORW-CFM-W2's reward weights `g(r~)`, or frozen);
+   samples, regressed on `r~` (the terminal reward is the only return; the abstract's remedy for unstable "direct
+   regression on cumulative rewards" is to normalise it); the per-state advantage
+   `A_t = clip(r~ - V(x_t, t, c), -c_A, c_A)` (**advantage clipping**, `critic.clip`); during a **critic warm-up**
+   the actor ignores the critic (it is trained on ORW-CFM-W2's reward weights `g(r~)`, or frozen);
 3. **generalized critic weighting** `w_t = g(A_t)` (`exp(beta A)`, its form normalised over the epoch's draws, or
    a softplus; `weight_fn`, beta = `temperature`) of the flow-matching loss, plus the **W2 regulariser**
    `alpha ||v_theta - v_ref||^2` to the reference (`kl.beta` = alpha, `kl.form: w2`; the frozen base: a frozen
@@ -22,7 +26,8 @@ implemented as follows (the formulas are flowrl's reconstruction, see `docs/algo
 Each sample's elements are its `num_draws` stored `(t, eps)` draws (`CriticDraws` on the rollout), and the
 per-draw loss `w ||v_theta - u_t||^2 + alpha ||v_theta - v_ref||^2` goes through the shared `[b, K]` update.
 
-`V = 0`, `g = exp(beta .)` on raw rewards and no clipping give ORW-CFM-W2's loss exactly (tested).
+`V = 0`, `g = exp(beta .)` on raw rewards and no clipping give ORW-CFM-W2's loss exactly (tested): the project
+page's "ORW-CFM-W2 as a special case".
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ The flow policy is `flowrl.policies.flow_mlp.FlowMLPPolicy`, a velocity field `v
   diffusion, step std `eta sqrt(|dt|)`, the marginal-preserving drift), so each of the K denoising steps is a
   Gaussian transition with a log-probability: the denoising MDP of DPPO (Ren et al. 2024, arXiv:2409.00588
   sec. 4.1) and of FPO's DPPO baseline. The chain of states is stored and re-scored, `[B, K]` per action.
+
+DPPO's numerical guards apply to any kernel (`DPPOGuards`; DPPO's code, `model/diffusion/diffusion_vpg.py` and
+`diffusion_ppo.py`): the step std floored at `min_std` when sampling and scoring (its `min_sampling_denoising_std` /
+`min_logprob_denoising_std`, 0.1), the standard normal draw clipped to `+-noise_clip` (`randn_clip_value`, 3), and
+each element's log-density clamped to `log_prob_clamp` (`[-5, 2]`) before the reduction over action dimensions.
 """
 
 from __future__ import annotations
@@ -27,6 +32,39 @@ from flowrl.policies.sde import sde_step
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "silu": nn.SiLU}
+
+
+class DPPOGuards(nn.Module):
+    """DPPO's guards on a Gaussian denoising step (see the module docstring); None turns one off."""
+
+    def __init__(self, min_std: float | None = None, noise_clip: float | None = None,
+                 log_prob_clamp: tuple[float, float] | None = None, reduce: str = "mean"):  # fmt: skip
+        super().__init__()
+        self.min_std, self.noise_clip, self.reduce = min_std, noise_clip, reduce
+        self.log_prob_clamp = tuple(log_prob_clamp) if log_prob_clamp is not None else None
+
+    @property
+    def active(self) -> bool:
+        return any(g is not None for g in (self.min_std, self.noise_clip, self.log_prob_clamp))
+
+    def std(self, std: torch.Tensor) -> torch.Tensor:
+        """`[B, 1]` the step std, floored at `min_std`."""
+        std = std.reshape(-1, 1)
+        return std.clamp_min(self.min_std) if self.min_std is not None else std
+
+    def sample(self, mean: torch.Tensor, std: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """`mean + max(std, min_std) clip(z, +-noise_clip)` `[B, A]`."""
+        if self.noise_clip is not None:
+            noise = noise.clamp(-self.noise_clip, self.noise_clip)
+        return mean + self.std(std) * noise
+
+    def log_prob(self, x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+        """`[B]`: the Gaussian log-density of `x_next` per element, clamped, reduced over action dimensions."""
+        std = self.std(std)
+        per_element = -0.5 * ((x_next.float() - mean) / std).square() - std.log() - _HALF_LOG_2PI  # [B, A]
+        if self.log_prob_clamp is not None:  # DPPO: a near-deterministic step cannot dominate the ratio
+            per_element = per_element.clamp(*self.log_prob_clamp)
+        return per_element.mean(-1) if self.reduce == "mean" else per_element.sum(-1)
 
 
 def mlp(sizes: list[int], activation: str = "tanh", *, ortho: bool = False, out_gain: float = 1.0) -> nn.Sequential:
@@ -88,11 +126,13 @@ class FlowPolicy(nn.Module):
         noise_level (`float`, defaults to 0.3): its noise (`dance_sde` eta: step std `eta sqrt(1 / K)`).
         reduce (`str`, defaults to `"mean"`): per-step log-density over action dimensions (`mean`: DPPO's
             code; `sum`: the density).
+        min_std, noise_clip, log_prob_clamp: DPPO's guards on the `sde` kernel (`DPPOGuards`; None: off).
     """
 
     def __init__(self, obs_dim: int, act_dim: int, *, hidden: int = 64, depth: int = 3, tau_dim: int = 8,
                  num_steps: int = 10, sampler: str = "dance_sde", noise_level: float = 0.3,
-                 reduce: str = "mean"):  # fmt: skip
+                 reduce: str = "mean", min_std: float | None = None, noise_clip: float | None = None,
+                 log_prob_clamp: tuple[float, float] | None = None):  # fmt: skip
         super().__init__()
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
@@ -101,6 +141,7 @@ class FlowPolicy(nn.Module):
         self.act_dim, self.num_steps = act_dim, num_steps
         self.sampler, self.noise_level, self.reduce = sampler, noise_level, reduce
         self.velocity = FlowMLPPolicy(obs_dim, act_dim, hidden=hidden, depth=depth, tau_dim=tau_dim)
+        self.guards = DPPOGuards(min_std, noise_clip, log_prob_clamp, reduce)
         self.register_buffer("taus", torch.linspace(1.0, 0.0, num_steps + 1), persistent=False)
 
     @torch.no_grad()
@@ -120,8 +161,9 @@ class FlowPolicy(nn.Module):
             sigma, sigma_next = self.taus[k].expand(n), self.taus[k + 1].expand(n)
             v = self.velocity(x, sigma, obs)
             noise = torch.randn(x.shape, generator=generator, device=x.device)
-            x = sde_step(self.sampler, v, sigma, sigma_next, x, noise_level=self.noise_level, noise=noise,
-                         reduce=self.reduce).prev_sample  # fmt: skip
+            out = sde_step(self.sampler, v, sigma, sigma_next, x, noise_level=self.noise_level, noise=noise,
+                           reduce=self.reduce)  # fmt: skip
+            x = self.guards.sample(out.mean, out.std, noise).to(x.dtype) if self.guards.active else out.prev_sample
             states.append(x)
         return torch.stack(states, dim=1)
 
@@ -135,6 +177,8 @@ class FlowPolicy(nn.Module):
         v = self.velocity(x, sigma, obs.repeat_interleave(c, dim=0))
         out = sde_step(self.sampler, v, sigma, sigma_next, x, prev_sample=x_next, noise_level=self.noise_level,
                        reduce=self.reduce)  # fmt: skip
+        if self.guards.active:
+            return self.guards.log_prob(x_next, out.mean, out.std).reshape(n, c)
         return out.log_prob.reshape(n, c)
 
 

@@ -6,8 +6,14 @@ log-probability; the chain is stored and each minibatch re-scores its K steps in
 sees `[b, K]` per-step log-probabilities, one ratio per (env step, denoising step), every step sharing the env
 step's GAE advantage, optionally discounted along the chain by `step_discount` (DPPO's gamma_denoising: the
 final step weighs 1, step k from the end `step_discount^k`). DPPO's defaults for training from scratch
-(HalfCheetah): all K steps trained, clip 0.1, log-probs averaged over action dimensions, step discount 1.
+(HalfCheetah): all K steps trained, clip 0.1, log-probs averaged over action dimensions, step discount 1, and its
+code's guards (`policy.min_std` 0.1, `policy.noise_clip` 3, `policy.log_prob_clamp` [-5, 2]; `DPPOGuards`).
 Evaluation integrates the ODE from zero noise.
+
+What this is: DPPO's objective and guards on a flow-matching policy's Euler chain made stochastic by a flow
+kernel (`dance_sde`, step std `eta sqrt(1/K)` = 0.095 at eta 0.3 and K 10, floored at 0.1), the same denoising MDP
+as FPO's DPPO baseline; DPPO itself fine-tunes DDPM/DDIM noise-prediction policies, whose steps are the DDPM
+posterior Gaussians. The ratio, clip, advantage and guards are DPPO's; the step kernel is a flow's.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from flowrl.trainers.registry import register
 
 @dataclasses.dataclass
 class DPPOConfig(ControlConfig):
-    policy: FlowPolicyConfig = dataclasses.field(default_factory=FlowPolicyConfig)
-    """The flow policy and its denoising kernel."""
+    policy: FlowPolicyConfig = dataclasses.field(
+        default_factory=lambda: FlowPolicyConfig(min_std=0.1, noise_clip=3.0, log_prob_clamp=(-5.0, 2.0))
+    )
+    """The flow policy and its denoising kernel, with DPPO's guards (min std 0.1, noise clip 3, log-prob [-5, 2])."""
     objective: ObjectiveConfig = dataclasses.field(
         default_factory=lambda: ObjectiveConfig(name="ppo", clip_eps_low=0.1)
     )
@@ -39,7 +47,7 @@ class DPPOConfig(ControlConfig):
         return [*super().checks(), (0 < self.step_discount <= 1, "step_discount must lie in (0, 1]")]
 
 
-@register("dppo", description="DPPO: PPO over a flow policy's denoising steps as an MDP (arXiv:2409.00588)")
+@register("dppo", description="denoising-MDP PPO with DPPO's objective and guards on a flow kernel (arXiv:2409.00588)")
 class DPPO(ControlAlgorithm):
     """Denoising-MDP PPO; see the module docstring and `DPPOConfig`."""
 

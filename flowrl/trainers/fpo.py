@@ -46,11 +46,19 @@ class FlowPolicyConfig:
     """The kernel's noise (`dance_sde` eta 0.3: step std 0.095 at 10 steps, DPPO's exploration floor 0.1)."""
     reduce: Literal["mean", "sum"] = "mean"
     """Per-step log-density over action dimensions: `mean` (DPPO's code) or `sum` (the density)."""
+    min_std: float | None = None
+    """`dppo`: floor of the denoising step's std when sampling and scoring (DPPO's code: 0.1, the `dppo` default;
+    None: the kernel's own std)."""
+    noise_clip: float | None = None
+    """`dppo`: clip of the step's standard normal draw (DPPO's `randn_clip_value` 3; None: none)."""
+    log_prob_clamp: tuple[float, float] | None = None
+    """`dppo`: clamp of each action element's step log-density before the reduction (DPPO's code: [-5, 2])."""
 
     def build(self, obs_dim: int, act_dim: int) -> FlowPolicy:
         return FlowPolicy(obs_dim, act_dim, hidden=self.hidden, depth=self.depth, tau_dim=self.tau_dim,
                           num_steps=self.num_steps, sampler=self.sampler, noise_level=self.noise_level,
-                          reduce=self.reduce)  # fmt: skip
+                          reduce=self.reduce, min_std=self.min_std, noise_clip=self.noise_clip,
+                          log_prob_clamp=self.log_prob_clamp)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -70,7 +78,11 @@ class FPOConfig(ControlConfig):
     ratio_clamp: float | None = None
     """Clamp the log-ratio to `+-ratio_clamp` before `exp` (None: none for `mean`, 3 for `per_draw`, as FPO's code)."""
     supervise: Literal["velocity", "eps"] = "velocity"
-    """Regress the velocity, or FPO's `u_but_supervise_as_eps` (the loss on the implied noise)."""
+    """Regress the velocity (FPO's grid world, the shipped configs), or `eps`: FPO's `u_but_supervise_as_eps`, the
+    loss on the implied noise (the playground's default)."""
+    t_sampling: Literal["uniform", "grid"] = "uniform"
+    """The draws' flow times: `uniform` on (0, 1) (the grid world, the shipped configs) or `grid`: uniform over the
+    sampler's step starts `1, 1 - 1/T, ..., 1/T` (the playground's `discretize_t_for_training`, its default)."""
 
     def checks(self):
         return [*super().checks(), (self.num_draws >= 1, "num_draws must be >= 1")]
@@ -97,7 +109,8 @@ class FPO(ControlAlgorithm):
         generator = seeded(cfg.run.seed, self.epoch, 13, 0)
         n = cfg.num_draws
         # drawn for the whole epoch's rollout and indexed by row: a transition's draws are the same on any process
-        taus = sample_taus((size, n), generator=generator)[rows]
+        grid = self.policy.actor.taus[:-1].cpu() if cfg.t_sampling == "grid" else None  # the Euler steps' start times
+        taus = sample_taus((size, n), generator=generator, grid=grid)[rows]
         noises = torch.randn((size, n, rollout.actions.shape[1]), generator=generator)[rows]
         draws = FPODraws(taus, noises)
         old = torch.cat([self.losses(rollout.obs[c], rollout.actions[c], draws.select(c))

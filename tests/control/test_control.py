@@ -33,13 +33,14 @@ def prepared(trainer, epoch=0):
     return batch
 
 
-@pytest.mark.parametrize("name,extra", [("ppo", {}), ("fpo", {}), ("fpo", {"ratio": "per_draw"}), ("dppo", {})])
+@pytest.mark.parametrize("name,extra", [("ppo", {}), ("fpo", {}), ("fpo", {"ratio": "per_draw"}), ("dppo", {}),
+                                        ("fpo", {"t_sampling": "grid", "supervise": "eps"})])  # fmt: skip
 def test_ratio_is_exactly_one_at_the_behaviour_weights(tmp_path, name, extra):
     trainer = build_trainer(tiny(name, **extra), output_dir=tmp_path)
     batch = prepared(trainer)
     rollout = batch.data
     k = trainer.algorithm.num_elements(rollout)
-    assert rollout.log_probs.shape == (64, {"ppo": 1, "dppo": 10}.get(name, 8 if extra else 1))
+    assert rollout.log_probs.shape == (64, {"ppo": 1, "dppo": 10}.get(name, 8 if extra.get("ratio") else 1))
     index, _ = trainer.algorithm.elements(batch, 0)
     for rows in torch.randperm(len(rollout)).split(16):  # any minibatch of the training size re-scores exactly
         terms = trainer.algorithm.policy_terms(rollout.select(rows), index[rows])
@@ -69,9 +70,43 @@ def test_dppo_chain_ends_in_the_action_and_rescoring_changes_with_the_weights(tm
     v = actor.velocity(x, s.expand(16), rollout.obs[rows])
     dt, eta = s_next - s, actor.noise_level
     mean = x + dt * (v + eta**2 / (2 * s) * (x + (1 - s) * v))
+    # DPPO's guards (its code's defaults): std floored at 0.1 (the kernel's is 0.3 sqrt(0.1) = 0.095), each
+    # element's log-density clamped to [-5, 2], then the mean over action dimensions
+    std = (eta * (-dt).sqrt()).clamp_min(0.1)
+    per_element = -(x_next - mean).square() / (2 * std**2) - std.log() - 0.5 * np.log(2 * np.pi)
+    torch.testing.assert_close(terms.logp[:, k], per_element.clamp(-5, 2).mean(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_dppo_guards_by_hand():
+    from flowrl.control.policies import DPPOGuards
+
+    guards = DPPOGuards(min_std=0.1, noise_clip=3.0, log_prob_clamp=(-5.0, 2.0))
+    mean, std = torch.zeros(1, 3), torch.tensor([0.05])  # a step std below the floor
+    x = guards.sample(mean, std, torch.tensor([[5.0, -5.0, 0.5]]))
+    assert x[0].tolist() == pytest.approx([0.3, -0.3, 0.05])  # 0.1 * clip(z, +-3)
+    # per element -z^2/2 - log(0.1) - log(2 pi)/2: z = 5 -> -11.1, clamped to -5; z = 3 -> -3.116; z = 0 -> 1.384
+    c = 2.302585 - 0.5 * np.log(2 * np.pi)
+    value = guards.log_prob(torch.tensor([[0.5, 0.3, 0.0]]), mean, std).item()
+    assert value == pytest.approx(np.mean([-5.0, -4.5 + c, c]), rel=1e-5)
+    # the upper clamp binds only below std 0.054: unfloored std 0.01 at z = 0 gives 3.686, clamped to 2
+    sharp = DPPOGuards(log_prob_clamp=(-5.0, 2.0))
+    assert sharp.log_prob(torch.zeros(1, 3), mean, torch.tensor([0.01])).item() == pytest.approx(2.0)
+
+
+def test_dppo_without_guards_scores_with_the_flow_kernels_own_gaussian(tmp_path):
+    config = tiny("dppo", **{"policy.min_std": None, "policy.noise_clip": None, "policy.log_prob_clamp": None})
+    trainer = build_trainer(config, output_dir=tmp_path)
+    rollout = prepared(trainer).data
+    actor, k, rows = trainer.policy.actor, 3, torch.arange(16)
+    x, x_next = rollout.chain[rows, k], rollout.chain[rows, k + 1]
+    s, s_next = actor.taus[k], actor.taus[k + 1]
+    v = actor.velocity(x, s.expand(16), rollout.obs[rows])
+    dt, eta = s_next - s, actor.noise_level
+    mean = x + dt * (v + eta**2 / (2 * s) * (x + (1 - s) * v))
     std = eta * (-dt).sqrt()
     expected = (-(x_next - mean).square() / (2 * std**2) - std.log() - 0.5 * np.log(2 * np.pi)).mean(-1)
-    torch.testing.assert_close(terms.logp[:, k], expected, rtol=1e-5, atol=1e-5)
+    terms = trainer.algorithm.policy_terms(rollout.select(rows), torch.full((16, 1), k))
+    torch.testing.assert_close(terms.logp[:, 0], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_fpo_gradient_at_the_old_weights_is_advantage_weighted_flow_matching(tmp_path):
@@ -90,6 +125,14 @@ def test_fpo_gradient_at_the_old_weights_is_advantage_weighted_flow_matching(tmp
     expected = torch.autograd.grad((adv * losses).mean(), params)
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+
+
+def test_fpo_playground_draws_take_flow_times_on_the_sampler_grid(tmp_path):
+    # FPO's playground (`discretize_t_for_training`): t uniform over the Euler steps' start times 1, 0.9, ..., 0.1
+    trainer = build_trainer(tiny("fpo", t_sampling="grid", num_draws=64), output_dir=tmp_path)
+    taus = prepared(trainer).data.draws.taus
+    grid = {round(1 - k / 10, 6) for k in range(10)}
+    assert {round(t, 6) for t in taus.flatten().tolist()} == grid  # every start time drawn, nothing else
 
 
 def test_a2c_is_a_special_case_of_ppo(tmp_path):

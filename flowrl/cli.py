@@ -340,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_ablate.add_argument("--skip-done", action="store_true",
                           help="reuse runs that already finished in --output-dir with the same config")  # fmt: skip
     p_ablate.set_defaults(func=cmd_ablate)
-    p_serve = sub.add_parser("serve-reward", help="serve a reward over HTTP: one model copy for many runs")
+    p_serve = sub.add_parser("serve-reward", help="serve a reward over HTTP: one model copy for many runs (FastAPI "
+                             "on uvicorn: pip install 'flowrl-toolkit[serve]')")  # fmt: skip
     p_serve.add_argument("name", help="a registered reward (see `flowrl list rewards`) or package.module:attribute")
     p_serve.add_argument("--host", default="127.0.0.1",
                          help="interface (default 127.0.0.1: this machine only; 0.0.0.0: set a token)")  # fmt: skip
@@ -366,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="score through `flowrl serve-reward REWARD` at URL (the http reward)")  # fmt: skip
     p_score.add_argument("--kwargs", metavar="JSON",
                          help='the reward\'s constructor arguments, e.g. \'{"device": "cuda"}\' (with --server: the '
-                         "http client's, e.g. timeout, token)")  # fmt: skip
+                         "http client's, e.g. timeout_s, deadline_s (10 s here), token)")  # fmt: skip
     p_score.add_argument("--json", action="store_true", help="print the scores as JSON (NaN as null)")
     p_score.set_defaults(func=cmd_score)
     p_digits = sub.add_parser("digits", help="the digits world: `flowrl digits build [--force]`")

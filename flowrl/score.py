@@ -86,6 +86,10 @@ def file_prompts(n: int, prompt: str | None = None, prompts_file: str | None = N
     return [prompts.Prompt(text, {"text": quoted} if quoted is not None else {}) for _ in range(n)]
 
 
+SERVER_DEADLINE_S = 10.0
+"""With `server`: the http client's `deadline_s` unless `kwargs` give one."""
+
+
 def build_reward(name: str, kwargs: dict[str, Any], server: str | None = None):
     """The reward to score with: `rewards.get(name, **kwargs)`, or with `server` the `http` reward at that URL (kwargs:
     the client's), after checking that the server serves `name`."""
@@ -106,7 +110,9 @@ def build_reward(name: str, kwargs: dict[str, Any], server: str | None = None):
         raise ValueError(f"with --server the reward's own arguments are the server's (`flowrl serve-reward {name} "
                          f"--set KEY=VALUE`); --kwargs {unknown} are not the http client's: "
                          f"{', '.join(allowed)}")  # fmt: skip
-    client = HttpReward(server, **kwargs)
+    # a command run by hand: a server that is not there is said within seconds, not after the training default's
+    # 10 minutes of waiting for it
+    client = HttpReward(server, **{"deadline_s": SERVER_DEADLINE_S, **kwargs})
     served = _served_name(client)
     if served is not None and served != name:
         raise ValueError(f"the reward server at {client.url} serves {served!r}, not {name!r}: run "
@@ -117,20 +123,11 @@ def build_reward(name: str, kwargs: dict[str, Any], server: str | None = None):
 def _served_name(client) -> str | None:
     """The reward name a `flowrl serve-reward` server gives at `GET /health`; None if it does not answer so (another
     endpoint speaking the protocol, or down: then scoring says so)."""
-    import urllib.request
-    from urllib.parse import urlsplit, urlunsplit
+    from urllib.parse import urlsplit
 
-    parts = urlsplit(client.url)
-    if parts.path != "/score":
+    if urlsplit(client.url).path != "/score":
         return None
-    health = urlunsplit((parts.scheme, parts.netloc, "/health", "", ""))
-    headers = {"Authorization": f"Bearer {client.token}"} if client.token else {}
-    try:
-        with client._open(urllib.request.Request(health, headers=headers), min(client.timeout, 10.0)) as response:
-            answer = json.loads(response.read())
-    except Exception:  # noqa: BLE001  (no /health: nothing to check)
-        return None
-    served = answer.get("reward") if isinstance(answer, dict) else None
+    served = (client.health() or {}).get("reward")
     return served if isinstance(served, str) else None
 
 

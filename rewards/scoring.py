@@ -72,7 +72,8 @@ class Rewards:
         return weighted_sum(rewards, self.weights, len(next(iter(rewards.values()))))
 
     def check(self, rewards: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        """Valid-sample mask (finite under every reward) and counts; aborts past `max_bad_frac`."""
+        """Valid-sample mask (finite under every reward) and counts (with each reward's own counters,
+        `reward_metrics`); aborts past `max_bad_frac`."""
         valid = torch.ones_like(next(iter(rewards.values())), dtype=torch.bool)
         bad = {}
         for name, r in rewards.items():
@@ -86,7 +87,19 @@ class Rewards:
                 f"{frac:.0%} of this epoch's rewards are NaN/inf ({detail} of {len(valid)} samples), more than "
                 f"run.max_bad_reward_frac={self.max_bad_frac}; check the reward model(s)"
             )
-        return valid, {"bad_rewards": int((~valid).sum()), **{f"bad_rewards/{k}": v for k, v in bad.items() if v}}
+        return valid, {"bad_rewards": int((~valid).sum()), **{f"bad_rewards/{k}": v for k, v in bad.items() if v},
+                       **reward_metrics(self.fns)}  # fmt: skip
+
+
+def reward_metrics(fns: dict) -> dict[str, float]:
+    """`reward/<name>/<counter>` of every reward that keeps counters (`pop_metrics() -> {counter: value}`, e.g. the
+    VLM judges' requests, cache hits, retries, unparsable answers, failures): this process's, since the last call."""
+    out = {}
+    for name, fn in fns.items():
+        pop = getattr(fn, "pop_metrics", None)
+        if callable(pop):
+            out.update({f"reward/{name}/{key}": float(value) for key, value in pop().items()})
+    return out
 
 
 def reward_summary(rewards: dict[str, torch.Tensor], total: torch.Tensor, valid: torch.Tensor) -> dict:

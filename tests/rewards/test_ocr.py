@@ -78,3 +78,47 @@ def test_real_ocr_scores_right_wrong_and_blank_images():
     # the metadata's `text` (prompts.load fills it from the quoted span) takes precedence over the prompt
     scores = reward(torch.stack([wrong[-1], wrong[-1]]), ["x", "y"], text=["Quiet Cinema", "Hello World"])
     assert scores[0] >= 0.9 and scores[1] <= 0.5
+
+
+@pytest.mark.distributed
+def test_flowrl_score_ocr_directly_and_through_flowrl_serve_reward(tmp_path):
+    """The issue's check end to end: `flowrl score ocr` on PIL-rendered images of the quoted text (>= 0.9) and of
+    other text (<= 0.5), offline, directly and through a `flowrl serve-reward ocr` subprocess."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.rewards.test_http import _stop, _wait_for_url, free_port
+
+    font = _fonts()["default-32"]
+    paths = []
+    for name, text in (("right", "Hello World"), ("wrong", "Quiet Cinema")):
+        array = (render(text, font).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+        paths.append(str(tmp_path / f"{name}.png"))
+        Image.fromarray(array).save(paths[-1])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    score = [sys.executable, "-m", "flowrl", "score", "ocr", *paths, "--prompt", 'a sign that says "Hello World"',
+             "--json"]  # fmt: skip
+
+    def scores(*extra):
+        out = subprocess.run([*score, *extra], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        rows = json.loads(out.stdout)
+        return [row["score"] for row in rows["files"]]
+
+    direct = scores()
+    assert direct[0] >= 0.9 and direct[1] <= 0.5, direct
+    port = free_port()
+    command = [sys.executable, "-m", "flowrl", "serve-reward", "ocr", "--port", str(port)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        import queue
+        import threading
+
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
+        url = _wait_for_url(lines)
+        assert scores("--server", url) == direct  # the same pixels (raw uint8 on the wire), the same scores
+    finally:
+        _stop(server)

@@ -1,6 +1,6 @@
 """The shared ratio-normalisation-and-clipping core: pure tensor functions over masked `[B, K]` tensors."""
 
-from flowrl.core import llm_objectives  # noqa: F401  (registers the text-literature objectives)
+from flowrl.core import llm_objectives, preference  # noqa: F401  (register the text-literature and preference objectives)
 from flowrl.core.advantages import (
     ADVANTAGES,
     PerPromptStatTracker,
@@ -14,6 +14,14 @@ from flowrl.core.advantages import (
     raw_advantages,
 )
 from flowrl.core.aggregation import AGGREGATIONS, aggregate, aggregation_weights, masked_mean, masked_std
+from flowrl.core.flow_dppo import flow_dppo_mask, gaussian_step_divergence
+from flowrl.core.gardo import (
+    RiskController,
+    diversity_factor,
+    nearest_peer_distance,
+    rank_uncertainty,
+    uncertainty_gate,
+)
 from flowrl.core.kl import (
     KL_ESTIMATORS,
     diag_gaussian_kl,
@@ -62,6 +70,7 @@ __all__ = [
     "STEP_WEIGHTINGS",
     "Objective",
     "PerPromptStatTracker",
+    "RiskController",
     "SmoothAdvantageStandardizer",
     "Surrogate",
     "aggregate",
@@ -69,9 +78,12 @@ __all__ = [
     "batch_advantages",
     "compute_policy_loss",
     "diag_gaussian_kl",
+    "diversity_factor",
+    "flow_dppo_mask",
     "gae",
     "gaussian_log_prob",
     "gaussian_mean_kl",
+    "gaussian_step_divergence",
     "get_objective",
     "group_advantages",
     "group_index",
@@ -84,8 +96,10 @@ __all__ = [
     "list_objectives",
     "masked_mean",
     "masked_std",
+    "nearest_peer_distance",
     "normalize",
     "ratio_norm_grpo_guard",
+    "rank_uncertainty",
     "raw_advantages",
     "register_objective",
     "sde_window_at",
@@ -93,5 +107,6 @@ __all__ = [
     "sequence_log_ratio",
     "step_weights",
     "steps_to_mask",
+    "uncertainty_gate",
     "velocity_mse",
 ]

@@ -43,6 +43,12 @@ def decode(latents: torch.Tensor) -> torch.Tensor:
     return ((latents.float() + 1) / 2).clamp(0, 1).expand(-1, 3, -1, -1)
 
 
+def encode(images: torch.Tensor) -> torch.Tensor:
+    """Images `[B, 3, H, W]` (or grey `[B, 1, H, W]`) in [0, 1] -> pixel latents `[B, 1, 8, 8]` in [-1, 1]: the
+    inverse of `decode` (offline preference data)."""
+    return to_pixels(images.float()) * 2 - 1
+
+
 class DigitClassifiers:
     """The reward CNN and the gold MLP of a built classifier folder."""
 
@@ -84,7 +90,7 @@ class DigitsWorld:
 
         encoder = _encoder()
         return from_callable(self.transformer(), encoder.encode, decode, (1, 8, 8),
-                             FlowMatchEulerDiscreteScheduler(shift=1.0),
+                             FlowMatchEulerDiscreteScheduler(shift=1.0), encode_images=encode,
                              forward_batch_size=forward_batch_size, **kwargs)  # fmt: skip
 
 
@@ -105,4 +111,4 @@ def real_by_digit() -> list[torch.Tensor]:
     return [images[labels == d] for d in range(10)]
 
 
-__all__ += ["decode", "real_by_digit", "split"]
+__all__ += ["decode", "encode", "real_by_digit", "split"]

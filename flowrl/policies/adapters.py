@@ -199,6 +199,12 @@ class ModelAdapter(ABC):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Images `[B, 3, H, W]` in [0, 1]."""
 
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Latents `[B, ...]` of images `[B, 3, H, W]` in [0, 1] at the model's size: what offline preference data
+        trains on (`flowrl.image.preferences`). Families without an image encoder here raise."""
+        raise ValueError(f"model family {self.family!r} cannot encode images into its latents here yet (offline "
+                         "preference data needs it; the digits world can)")  # fmt: skip
+
     def shift_mu(self, latent_shape) -> float | None:
         """The resolution-dependent shift `mu` the schedule uses (None: the scheduler's static `shift`)."""
         return None
@@ -287,12 +293,16 @@ class CallableAdapter(ModelAdapter):
         decode (`Callable`): `latents -> images [B, 3, H, W] in [0, 1]`.
         latent_shape (`tuple`): `(C, h, w)` of one latent.
         scheduler: a `FlowMatchEulerDiscreteScheduler` (its `set_timesteps` gives the sigmas).
+        encode_images (`Callable`, *optional*): `images [B, 3, H, W] in [0, 1] -> latents` (the inverse of
+            `decode`; offline preference data needs it).
     """
 
     family = "callable"
 
-    def __init__(self, model, encode: Callable, decode: Callable, latent_shape, scheduler):
+    def __init__(self, model, encode: Callable, decode: Callable, latent_shape, scheduler,
+                 encode_images: Callable | None = None):  # fmt: skip
         self._model, self._encode, self._decode = model, encode, decode
+        self._encode_images = encode_images
         self.latent_shape = tuple(latent_shape)
         self.scheduler = copy.deepcopy(scheduler)
         self.pipeline = None
@@ -334,6 +344,11 @@ class CallableAdapter(ModelAdapter):
 
     def decode(self, latents, height, width):
         return self._decode(latents)
+
+    def encode_images(self, images):
+        if self._encode_images is None:
+            return super().encode_images(images)
+        return self._encode_images(images).to(device=self.device, dtype=self.dtype)
 
     def default_size(self):
         return self.latent_shape[-2], self.latent_shape[-1]

@@ -257,6 +257,8 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
         return index.contiguous()
 
 
-def from_callable(model, encode, decode, latent_shape, scheduler, **kwargs) -> DiffusionPolicy:
-    """A policy over any SD3-convention velocity network with callable text encoder and decoder."""
-    return DiffusionPolicy(CallableAdapter(model, encode, decode, latent_shape, scheduler), **kwargs)
+def from_callable(model, encode, decode, latent_shape, scheduler, *, encode_images=None, **kwargs) -> DiffusionPolicy:
+    """A policy over any SD3-convention velocity network with callable text encoder and decoder (and, optionally,
+    image encoder: `CallableAdapter`)."""
+    adapter = CallableAdapter(model, encode, decode, latent_shape, scheduler, encode_images=encode_images)
+    return DiffusionPolicy(adapter, **kwargs)

@@ -103,6 +103,17 @@ class PolicyWeights:
         if offload:
             self.reference_model.to("cpu")
 
+    @torch.no_grad()
+    def reset_reference(self) -> None:
+        """Copy the trained parameters into the frozen reference copy (GARDO's periodic reference reset); the
+        frozen parameters of both are the base model's already. Needs `freeze_reference()` first."""
+        if self.reference_model is None:
+            raise ValueError("reset_reference needs a reference copy of its own: call freeze_reference() first")
+        reference = dict(self.reference_model.named_parameters())
+        for name, param in self.model.named_parameters():
+            if param.requires_grad:
+                reference[name].copy_(param.detach())
+
     @contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:
         """Run the reference policy inside the block: the frozen copy, or the network with LoRA disabled."""

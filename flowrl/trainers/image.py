@@ -51,8 +51,9 @@ class ImageAlgorithm(Algorithm):
             raise ValueError(f"{config.trainer} does not train on editing prompts (rows with source images) yet; "
                              "use grpo_guard, flow_grpo, loop, diffusion_nft, awm, ... (docs/models.md)")  # fmt: skip
         if self.store_means and config.sampling.sampler == "cps":
-            raise ValueError("grpo_guard's RatioNorm is defined on Gaussian step log-probs; with CPS use sampler "
-                             "cps_gaussian (cps keeps Flow-GRPO's -mean (x' - mu)^2 log-prob)")  # fmt: skip
+            raise ValueError(f"objective {self.objective!r} reads Gaussian step log-probs and means (GRPO-Guard's "
+                             "RatioNorm, Flow-DPPO's step KL); with CPS use sampler cps_gaussian (cps keeps "
+                             "Flow-GRPO's -mean (x' - mu)^2 log-prob)")  # fmt: skip
         kl = getattr(config, "kl", None) if self.kl_to_reference else None
         self.step_terms = StepTerms(self.policy, getattr(config, "steps", None), kl, store_means=self.store_means,
                                     seed=config.run.seed)  # fmt: skip

@@ -15,7 +15,9 @@ from tests.conftest import tiny_config
 
 pytest.importorskip("transformers")
 
-IMAGE_ONLY = {"grpo_guard"}  # needs the per-step Gaussian std of a denoising step
+IMAGE_ONLY = {"grpo_guard", "flow_dppo", "diffusion_dpo", "dgpo"}
+"""Objectives that need a denoising step's Gaussian std and mean shift, or elements a group shares (the preference
+objectives' flow-matching draws)."""
 
 
 def tiny(**overrides):

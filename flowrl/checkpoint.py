@@ -114,6 +114,8 @@ def save(folder: Path, accelerator, state: dict, tensors: dict[str, torch.Tensor
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
+        # every process writes its own RNG state into tmp: none may still be writing when the main one renames it
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, allow_nan=True))
             save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / "extra.safetensors")

@@ -169,11 +169,19 @@ class Algorithm(ABC):
     # checkpoints
     # ------------------------------------------------------------------------------------------
 
+    def lagged_copies(self) -> list:
+        """Parameter copies the algorithm keeps beside the policy (`flowrl.trainers.state.EMA`: DiffusionNFT's old
+        policy, AWM's KL-EMA copy, DGPO's lagged copy), each with its own prefix; checkpointed with the run."""
+        return []
+
     def state_dict(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """The algorithm's resumable state: `(JSON part, tensors)`."""
         state = self.estimator.state_dict() if self.estimator is not None else {}
-        return ({"advantage": state} if state else {}), {}
+        tensors = {name: t for copy in self.lagged_copies() for name, t in copy.state_dict().items()}
+        return ({"advantage": state} if state else {}), tensors
 
     def load_state_dict(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
         if self.estimator is not None:
             self.estimator.load_state_dict(state.get("advantage", {}))
+        for copy in self.lagged_copies():
+            copy.load_state_dict(tensors)

@@ -170,11 +170,5 @@ class AWM(PerDrawAlgorithm):
         self.kl_ema.update(d)
         return {"awm/kl_ema_decay": d}
 
-    def state_dict(self):
-        state, tensors = super().state_dict()
-        return state, {**tensors, **(self.kl_ema.state_dict() if self.kl_ema is not None else {})}
-
-    def load_state_dict(self, state, tensors):
-        super().load_state_dict(state, tensors)
-        if self.kl_ema is not None:
-            self.kl_ema.load_state_dict(tensors)
+    def lagged_copies(self):
+        return [self.kl_ema] if self.kl_ema is not None else []

@@ -196,11 +196,5 @@ class DGPO(PreferenceAlgorithm):
         self.old.update(d)
         return {"dgpo/old_decay": d}
 
-    def state_dict(self):
-        state, tensors = super().state_dict()
-        return state, {**tensors, **(self.old.state_dict() if self.old is not None else {})}
-
-    def load_state_dict(self, state, tensors):
-        super().load_state_dict(state, tensors)
-        if self.old is not None:
-            self.old.load_state_dict(tensors)
+    def lagged_copies(self):
+        return [self.old] if self.old is not None else []

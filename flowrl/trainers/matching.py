@@ -157,6 +157,19 @@ class MatchingAlgorithm(ImageAlgorithm):
                 out.append((rows, j, fn(part, x1, x_t, taus, noises, self.velocity(part, x_t, taus))))
         return out
 
+    def forward_at_draws(self, data, index: torch.Tensor):
+        """The current velocity at the draws `index [b, c]` of `data`, one forward per column (column-major: each
+        column's b rows are one forward chunk). Returns `(rows, draw, pairs, x1, x_t, taus, noises, v)`, `[n = b c]`
+        rows each, `v` with its graph."""
+        b, c = index.shape
+        rows = torch.arange(b).repeat(c)
+        draw = index.t().reshape(-1)
+        pairs = data.select(rows)
+        taus, noises = data.draws.taus[rows, draw], data.draws.noises[rows, draw]  # [n], [n, ...]
+        x1 = pairs.latents[:, -1].float()
+        x_t = conditional_path(x1, taus, noises)
+        return rows, draw, pairs, x1, x_t, taus, noises, self.velocity(pairs, x_t, taus)
+
     def num_elements(self, data) -> int:
         return self.config.num_draws
 
@@ -173,13 +186,7 @@ class PerDrawAlgorithm(MatchingAlgorithm):
         `beta ||v_theta - v_ref||^2`."""
         data = batch.data
         b, c = index.shape
-        rows = torch.arange(b).repeat(c)  # column-major: each column's b rows are one forward chunk
-        draw = index.t().reshape(-1)
-        pairs = data.select(rows)
-        taus, noises = data.draws.taus[rows, draw], data.draws.noises[rows, draw]  # [n], [n, ...]
-        x1 = pairs.latents[:, -1].float()
-        x_t = conditional_path(x1, taus, noises)
-        v = self.velocity(pairs, x_t, taus)
+        rows, draw, pairs, x1, x_t, taus, noises, v = self.forward_at_draws(data, index)
         terms = self.draw_terms(data, rows, draw, x1=x1, x_t=x_t, taus=taus.to(x1.device), noises=noises, v=v)
         kl = getattr(self.config, "kl", None)
         beta = kl.coef(self.epoch) if kl is not None else 0.0

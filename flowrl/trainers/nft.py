@@ -190,10 +190,5 @@ class DiffusionNFT(PerDrawAlgorithm):
                                scale=c.optimality_scale, form=c.loss)  # fmt: skip
         return Terms(loss=value, logs=logs)
 
-    def state_dict(self):
-        state, tensors = super().state_dict()
-        return state, {**tensors, **self.old.state_dict()}
-
-    def load_state_dict(self, state, tensors):
-        super().load_state_dict(state, tensors)
-        self.old.load_state_dict(tensors)
+    def lagged_copies(self):
+        return [self.old]

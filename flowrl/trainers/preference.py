@@ -153,13 +153,7 @@ class PreferenceAlgorithm(MatchingAlgorithm):
         column (column-major), plus what the algorithm adds (`draw_terms`)."""
         data = batch.data
         b, c = index.shape
-        rows = torch.arange(b).repeat(c)  # column-major: each column's b rows are one forward chunk
-        draw = index.t().reshape(-1)
-        pairs = data.select(rows)
-        taus, noises = data.draws.taus[rows, draw], data.draws.noises[rows, draw]  # [n], [n, ...]
-        x1 = pairs.latents[:, -1].float()
-        x_t = conditional_path(x1, taus, noises)
-        v = self.velocity(pairs, x_t, taus)  # [n, ...] with its graph
+        rows, draw, _, x1, _, _, noises, v = self.forward_at_draws(data, index)  # v [n, ...] with its graph
         loss = flow_matching_error(v, x1, noises)  # [n]
         ref = data.draws.ref_losses[rows, draw].to(loss.device)  # [n]
         group = batch.group_ids[rows].to(loss.device).float()  # [n] global group ids (exact as floats)

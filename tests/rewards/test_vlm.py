@@ -446,11 +446,12 @@ def save_tiny_llava(path: Path, always_yes: bool = False) -> Path:
 
 
 class TransformersServe:
-    """`transformers serve` on a free loopback port, its log in a file; `posts()` counts the chat requests it got."""
+    """`transformers serve` on a free loopback port, its log in a file, behind a `Relay` that counts the chat
+    requests it forwards: `url` is the relay's, `port` the server's own."""
 
     def __init__(self, folder: Path):
         self.port, self.log = free_port(), folder / "serve.log"
-        self.url = f"http://127.0.0.1:{self.port}"
+        direct = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", "--host", "127.0.0.1", "--port",
                str(self.port), "--device", "cpu", "--log-level", "info"]  # fmt: skip
@@ -458,7 +459,7 @@ class TransformersServe:
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{direct}/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -466,20 +467,18 @@ class TransformersServe:
                 self.close()
                 pytest.fail(f"transformers serve did not start:\n{self.log.read_text()[-3000:]}")
             time.sleep(0.2)
+        self.relay = Relay(self.port)
+        self.url = self.relay.url
 
-    def posts(self, at_least: int = 0, settle: float = 0.3, timeout: float = 20.0) -> int:
-        """The chat requests logged so far: uvicorn writes the access line after the answer, so wait (up to
-        `timeout`) until `at_least` are there, then `settle` more seconds for any extra one to show."""
-        deadline = time.monotonic() + timeout
-        while self._count() < at_least and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(settle)
-        return self._count()
-
-    def _count(self) -> int:
-        return self.log.read_text(errors="replace").count('"POST /v1/chat/completions HTTP/1.1"')
+    def posts(self) -> int:
+        """The chat requests sent to the server so far. Counted as the relay forwards them, so a request is counted
+        before its answer can reach the client (the server's own access log lands later, or not at all for a
+        request that fails inside the server)."""
+        return self.relay.posts
 
     def close(self) -> None:
+        if hasattr(self, "relay"):
+            self.relay.close()
         self.process.terminate()
         try:
             self.process.wait(timeout=10)
@@ -505,10 +504,13 @@ def served(tmp_path_factory):
 
 
 class Relay:
-    """A TCP relay in front of the server that records the most connections open through it at once."""
+    """A TCP relay in front of the server that records the most connections open through it at once and counts the
+    chat requests it forwards (`posts`)."""
+
+    MARKER = b"POST /v1/chat/completions "
 
     def __init__(self, port: int):
-        self.upstream, self.open, self.peak, self.lock = port, 0, 0, threading.Lock()
+        self.upstream, self.open, self.peak, self.posts, self.lock = port, 0, 0, 0, threading.Lock()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -528,15 +530,20 @@ class Relay:
             self.peak = max(self.peak, self.open)
         pump = threading.Thread(target=self._pump, args=(server, client), daemon=True)
         pump.start()
-        self._pump(client, server)
+        self._pump(client, server, count=True)
         pump.join()
         with self.lock:
             self.open -= 1
 
-    @staticmethod
-    def _pump(source, target):
+    def _pump(self, source, target, count: bool = False):
+        tail = b""  # the end of the previous chunk: a request line may be split across two reads
         try:
             while data := source.recv(65536):
+                if count:
+                    seen = tail + data
+                    with self.lock:
+                        self.posts += seen.count(self.MARKER)
+                    tail = seen[-(len(self.MARKER) - 1) :]
                 target.sendall(data)
         except OSError:
             pass
@@ -554,17 +561,17 @@ class Relay:
 def test_random_answers_are_nan_counted_and_cached(served, tmp_path):
     server, model, _ = served
     judge = rewards.get("vlm_score", url=server.url, model=model, max_tokens=6, cache_dir=str(tmp_path))
-    before = server.posts(settle=1.0)  # earlier tests' access lines have landed
+    before = server.posts()
     scores = judge(_images(3), ["a red cat", "a dog", "a red cat"])
     assert scores.isnan().all()  # its vocabulary cannot say "Final Score"
     assert judge.pop_metrics() == {"requests": 3, "cache_hits": 0, "retries": 0, "unparsable": 3, "failures": 0}
-    assert server.posts(before + 3) == before + 3
+    assert server.posts() == before + 3
     again = judge(_images(3), ["a red cat", "a dog", "a red cat"])
-    assert again.isnan().all() and server.posts(before + 3) == before + 3  # the server was not asked again
+    assert again.isnan().all() and server.posts() == before + 3  # the server was not asked again
     assert judge.pop_metrics() == {"requests": 0, "cache_hits": 3, "retries": 0, "unparsable": 3, "failures": 0}
     fresh = rewards.get("vlm_score", url=server.url, model=model, max_tokens=6, cache_dir=str(tmp_path))
     fresh(_images(3), ["a red cat", "a dog", "a red cat"])
-    assert server.posts(before + 3) == before + 3 and fresh.pop_metrics()["cache_hits"] == 3  # from the disk cache
+    assert server.posts() == before + 3 and fresh.pop_metrics()["cache_hits"] == 3  # from the disk cache
 
 
 @pytest.mark.distributed
@@ -622,13 +629,13 @@ def test_server_errors_5xx_retried_4xx_not(served):
     # a literal <image> in the text is a second image token the model has no image for: the server answers 500
     judge = rewards.get("vlm_score", url=server.url, model=model, template="<image> {prompt}", retries=2,
                         backoff=0.01, max_tokens=4)  # fmt: skip
-    before = server.posts(settle=1.0)  # earlier tests' access lines have landed
+    before = server.posts()
     with pytest.raises(RewardError, match=r"^VLM judge 'vlm_score' at \S+ answered 500 \(Internal Server Error\) "
                                           r"after 3 tries"):  # fmt: skip
         judge(_images(1), ["a cat"])
     assert judge.pop_metrics() == {"requests": 1, "cache_hits": 0, "retries": 2, "unparsable": 0, "failures": 1}
-    assert server.posts(before + 3) == before + 3
+    assert server.posts() == before + 3
     bad_field = rewards.get("vlm_score", url=server.url, model=model, request={"not_a_field": 1}, backoff=0.01)
     with pytest.raises(RewardError, match=r"refused the request \(422: Unexpected fields in the request"):
         bad_field(_images(1), ["a cat"])
-    assert bad_field.pop_metrics()["retries"] == 0 and server.posts(before + 4) == before + 4
+    assert bad_field.pop_metrics()["retries"] == 0 and server.posts() == before + 4

@@ -91,6 +91,32 @@ def grpo_guard_log_ratio(log_ratio: torch.Tensor, std: torch.Tensor, mean_diff_s
     return std * (log_ratio + mean_diff_sq.to(log_ratio.dtype) / (2 * std**2))
 
 
+CLIP_REFERENCE_ELEMENTS = 16 * 64 * 64
+"""Latent elements per sample at which the papers' image clip ranges were set: SD3.5 and FLUX.1 at 512 px
+(16 channels x 64 x 64). Flow-GRPO's 1e-4 and GRPO-Guard's 2e-6 / 4e-6 are ranges for this size."""
+
+
+def clip_for_latent_size(clip_eps: float, elements: int, reference_elements: int = CLIP_REFERENCE_ELEMENTS) -> float:
+    """A clip range set at `reference_elements` latent elements per sample, moved to `elements`: the rule is
+    `clip_eps * sqrt(reference_elements / elements)`.
+
+    Why: a mean-reduced per-step log-ratio averages D per-element terms that are linear in the step's noise.
+    GRPO-Guard's RatioNorm-ed one is `mean_d z_d dmu_d` with `z ~ N(0, 1)` under the old policy, so its spread over
+    samples is `rms(dmu) / sqrt(D)` exactly; Flow-GRPO's raw one is that divided by the step std `s` plus a
+    second-order bias. For the same per-element update `dmu`, a range that binds as often therefore scales as
+    `1 / sqrt(D)`. The digits world (1 x 8 x 8 = 64 elements) moves GRPO-Guard's 2e-6 to 6.4e-5 (32x).
+
+    Args:
+        clip_eps (`float`): the range at `reference_elements` (a paper's or official config's value).
+        elements (`int`): latent elements per sample of the run (channels x [frames x] height x width, before any
+            packing: packing does not change the count).
+        reference_elements (`int`, defaults to 65,536): the size `clip_eps` was set at.
+    """
+    if elements < 1 or reference_elements < 1:
+        raise ValueError(f"latent sizes must be >= 1, got {elements=}, {reference_elements=}")
+    return clip_eps * math.sqrt(reference_elements / elements)
+
+
 def ratio_norm_grpo_guard(
     prev_sample: torch.Tensor,
     mean: torch.Tensor,

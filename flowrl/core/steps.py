@@ -185,6 +185,17 @@ def weight_noise_aware(sigmas: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(t / denominator.clamp_min(1e-12)) * torch.sqrt((t - t_next).clamp_min(0))
 
 
+@STEP_WEIGHTINGS.register("inv_noise_aware")
+def weight_inv_noise_aware(sigmas: torch.Tensor) -> torch.Tensor:
+    """1 / `noise_aware`: one over the flow-SDE step's std at a = 1. GRPO-Guard's RatioNorm multiplies each step's
+    log-ratio by its std `s`, which reweights the step's gradient by `s`; this weighting undoes that, so GRPO-Guard
+    trains every step at Flow-GRPO's gradient scale (the ablation of docs/studies.md, study 2)."""
+    noise = weight_noise_aware(sigmas)
+    if (noise <= 0).any():
+        raise ValueError("inv_noise_aware weighting needs every step to have noise (a step has std 0)")
+    return 1.0 / noise
+
+
 @STEP_WEIGHTINGS.register("early")
 def weight_early(sigmas: torch.Tensor, *, boundary: float = 0.5) -> torch.Tensor:
     """1 on the steps that start at noise level s >= `boundary` (the layout-forming, high-noise steps), 0 after."""

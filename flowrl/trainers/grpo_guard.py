@@ -23,7 +23,8 @@ class GRPOGuardConfig(FlowGRPOConfig):
         default_factory=lambda: ObjectiveConfig(name="grpo_guard", clip_eps_low=2e-6)
     )
     """The core's grpo_guard objective (PPO-clip on the RatioNorm-ed log-ratio), GRPO-Guard's clip range for
-    SD3.5 at 512 px (4e-6 for PickScore); scale it with the latent size."""
+    SD3.5 at 512 px (4e-6 for PickScore), i.e. 65,536 latent elements; other sizes move it by
+    `flowrl.core.ratios.clip_for_latent_size` (`eps * sqrt(65536 / D)`)."""
     advantage: AdvantageConfig = dataclasses.field(
         default_factory=lambda: AdvantageConfig(std="group", clip=5.0, unbiased=False)
     )

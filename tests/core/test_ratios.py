@@ -120,3 +120,30 @@ def test_sequence_log_ratio_is_padding_invariant():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     out = sequence_log_ratio(lr, mask)
     torch.testing.assert_close(out, torch.tensor([[0.2] * 3, [0.2] * 3]))
+
+
+def test_the_clip_rule_follows_the_spread_of_the_mean_reduced_log_ratio():
+    """`clip_for_latent_size` scales a range by sqrt(D_ref / D): the spread of GRPO-Guard's RatioNorm-ed log-ratio
+    (and Flow-GRPO's raw one) over samples for the same per-element update shrinks by exactly that factor."""
+    from flowrl.core.ratios import clip_for_latent_size, gaussian_log_prob, ratio_norm_grpo_guard
+
+    g = torch.Generator().manual_seed(0)
+    s = 0.3
+    guard, raw = {}, {}
+    for d in (64, 1024):
+        old = torch.randn(8000, d, generator=g)
+        dmu = 0.01 * torch.randn(1, d, generator=g)
+        dmu = dmu / dmu.square().mean().sqrt() * 0.01  # rms(dmu) = 0.01 at both sizes
+        x = old + s * torch.randn(8000, d, generator=g)
+        guard[d] = ratio_norm_grpo_guard(x, old + dmu, old, s).std().item()
+        raw[d] = (gaussian_log_prob(x, old + dmu, s) - gaussian_log_prob(x, old, s)).std().item()
+        assert guard[d] == pytest.approx(0.01 / d**0.5, rel=0.03)  # rms(dmu) / sqrt(D)
+        assert raw[d] == pytest.approx(guard[d] / s, rel=0.03)  # the raw one: over s
+    rule = clip_for_latent_size(2e-6, 64) / clip_for_latent_size(2e-6, 1024)
+    assert rule == pytest.approx(4.0)
+    assert guard[64] / guard[1024] == pytest.approx(rule, rel=0.05)
+    assert raw[64] / raw[1024] == pytest.approx(rule, rel=0.05)
+    assert clip_for_latent_size(2e-6, 64) == pytest.approx(6.4e-5)  # the digits world's GRPO-Guard clip
+    assert clip_for_latent_size(4e-6, 16 * 64 * 64) == 4e-6  # SD3.5 / FLUX.1 at 512 px: unchanged
+    with pytest.raises(ValueError, match="latent sizes must be >= 1"):
+        clip_for_latent_size(1e-4, 0)

@@ -42,6 +42,10 @@ def test_weightings():
     assert step_weights("min_snr_v", sigmas).tolist() == pytest.approx([0.0, 0.1, 0.5])
     assert step_weights("min_snr", sigmas, gamma=20.0).tolist() == pytest.approx([1.0, 1.0, 1.0])
     assert step_weights("sigma", sigmas).tolist() == [1.0, 0.75, 0.25]
+    # the flow-SDE step std at a = 1: sqrt(1 / (1 - 0.75)) sqrt(0.25) = 1 (t = 1 uses the next level),
+    # sqrt(0.75 / 0.25) sqrt(0.5) = sqrt(1.5), sqrt(0.25 / 0.75) sqrt(0.25) = 1 / sqrt(12); the inverse inverts them
+    assert step_weights("noise_aware", sigmas).tolist() == pytest.approx([1.0, 1.5**0.5, 12**-0.5])
+    assert step_weights("inv_noise_aware", sigmas).tolist() == pytest.approx([1.0, 1.5**-0.5, 12**0.5])
     assert step_weights(lambda s: s[1:] + 1, sigmas).tolist() == [1.75, 1.25, 1.0]
     # per-sample sigmas
     assert step_weights("inv_dt", sigmas.repeat(2, 1)).shape == (2, 3)

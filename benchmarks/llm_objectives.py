@@ -51,10 +51,18 @@ CONFIG = ROOT / "configs" / "llm" / "arith_grpo.yaml"
 
 SHARED = ["grpo", "dapo", "dr_grpo", "gspo", "sapo", "cispo"]
 """Objectives other libraries (trl, verl) have too."""
-SEED_PAPERS = ["bapo", "dcpo", "dcpo_sas", "ce_gppo", "pspo", "aspo", "minpro", "high_entropy", "dispo"]
+SEED_PAPERS = ["bapo", "dcpo", "dcpo_sas", "ce_gppo", "pspo", "aspo", "minpro", "high_entropy", "dispo", "troll",
+               "humanline", "vcpo", "trpa", "reg_grpo", "gtpo", "st_ppo"]  # fmt: skip
 """Objectives of papers no other library implements."""
-VARIANTS = {"dcpo_sas": ["objective.name=dcpo", "advantage.estimator=sas"]}
-"""Rows that change more than the objective: DCPO with its own advantage estimator (SAS)."""
+VARIANTS = {
+    "dcpo_sas": ["objective.name=dcpo", "advantage.estimator=sas"],
+    "humanline": ["objective.name=humanline", "sync_reference=true"],  # its anchor synced every optimizer step
+    "vcpo": ["objective.name=grpo", "ess_scaling.rule=sqrt"],  # GRPO's loss, the step's lr scaled by its ESS
+}
+"""Rows that change more than the objective: DCPO with its own advantage estimator (SAS), Humanline with its
+per-step anchor sync, VCPO's ESS learning-rate scaling on GRPO."""
+PAPERS = {"vcpo": "arXiv:2602.17616"}
+"""Rows whose paper is not their objective's (VCPO's scaling runs on GRPO's loss)."""
 OBJECTIVES = SHARED + SEED_PAPERS
 EPOCHS = 50
 INNER_EPOCHS = 2
@@ -124,6 +132,8 @@ def run_accuracy(objective: str, seed: int, epochs: int, inner_epochs: int, out:
 def paper(objective: str) -> str:
     from flowrl.core import get_objective
 
+    if objective in PAPERS:
+        return PAPERS[objective]
     base = next((o.split("=")[1] for o in VARIANTS.get(objective, []) if o.startswith("objective.name=")), objective)
     found = re.findall(r"arXiv:\s*(\d{4}\.\d{4,5})", get_objective(base).description)
     return f"arXiv:{found[0]}" if found else "-"

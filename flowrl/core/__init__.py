@@ -1,6 +1,12 @@
 """The shared ratio-normalisation-and-clipping core: pure tensor functions over masked `[B, K]` tensors."""
 
-from flowrl.core import llm_objectives, preference  # noqa: F401  (register the text-literature and preference objectives)
+import flowrl.core.humanline  # noqa: F401  (registers humanline)
+import flowrl.core.troll  # noqa: F401  (registers troll)
+from flowrl.core import (  # noqa: F401  (register the text-literature and preference objectives)
+    llm_group_objectives,  # noqa: F401  (register TRPA, Reg-GRPO, GTPO, ST-PPO)
+    llm_objectives,
+    preference,
+)
 from flowrl.core.advantages import (
     ADVANTAGES,
     PerPromptStatTracker,

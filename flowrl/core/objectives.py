@@ -46,14 +46,27 @@ DIAGNOSTICS = ("full", "clip", "none")
 """What `compute_policy_loss` reports: every ratio statistic, the clip fractions only (trl's and verl's set), or
 only the objective's own metrics."""
 
-INPUTS = ("logp", "old_logp", "log_ratio", "mask", "adv", "entropy", "segment_ids", "state")
+INPUTS = ("logp", "old_logp", "log_ratio", "mask", "adv", "entropy", "segment_ids", "state", "topk_logp",
+          "old_topk_logp")  # fmt: skip
 """Keyword parameters of a surrogate or log-ratio estimator that are inputs, not hyper-parameters: `logp`,
 `old_logp` and the element `log_ratio` (`[B, K]`, detached, padding zeroed), `mask`, `adv` (estimators only),
 and the extra inputs a caller
 passes to `compute_policy_loss`: `entropy` (`[B, K]` token entropies), `segment_ids` (`[B, K]` integer segment
-of each element: turns, sentences) and `state` (the objective's controller state, a dict it updates)."""
+of each element: turns, sentences), `state` (the objective's controller state, a dict it updates) and
+`topk_logp` / `old_topk_logp` (`[B, K, V]` log-probs of each element's next-token support under the current
+policy, carrying the gradient, and under the behaviour policy: TROLL, `flowrl.core.troll`)."""
 
-EXTRA_INPUTS = ("entropy", "segment_ids", "state")
+EXTRA_INPUTS = ("entropy", "segment_ids", "state", "topk_logp", "old_topk_logp")
+
+
+class LogRatio(NamedTuple):
+    """What a log-ratio estimator may return instead of a bare `x [B, K]`: `x` with a differentiable per-element
+    `penalty [B, K]` added to the loss before aggregation (TROLL's regression to its projection), and scalar
+    `metrics` of its own."""
+
+    value: torch.Tensor
+    penalty: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] | None = None
 
 
 class Surrogate(NamedTuple):
@@ -542,6 +555,8 @@ def compute_policy_loss(
     entropy: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
     state: dict | None = None,
+    topk_logp: torch.Tensor | None = None,
+    old_topk_logp: torch.Tensor | None = None,
     **hparams: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and diagnostics of the objective `name` on masked `[B, K]` log-probs.
@@ -560,6 +575,9 @@ def compute_policy_loss(
             and by `top_entropy_quantile`.
         segment_ids (`torch.Tensor`, *optional*): `[B, K]` integers, the segment (turn, sentence) of each element
             within its row (ST-PPO, SSPO); segments need not be contiguous.
+        topk_logp, old_topk_logp (`torch.Tensor`, *optional*): `[B, K, V]` log-probs of each element's next-token
+            support (V tokens) under the current policy (carries the gradient) and the behaviour policy; needed by
+            the objectives whose `inputs` name them (TROLL, `flowrl.core.troll`).
         state (`dict`, *optional*): a stateful objective's controller state (`get_objective(name).init_state()`),
             updated in place; the caller checkpoints it.
         **hparams: the objective's hyper-parameters (see `get_objective(name).hparams`) and
@@ -605,12 +623,15 @@ def compute_policy_loss(
         raise ValueError(f"objective {name!r} needs hyper-parameter(s) {', '.join(missing)}")
     hp = {**objective.hparams, **hparams}
     hp.pop("top_entropy_quantile", None)
-    given = {"entropy": entropy, "segment_ids": segment_ids, "state": state}
+    given = {"entropy": entropy, "segment_ids": segment_ids, "state": state, "topk_logp": topk_logp,
+             "old_topk_logp": old_topk_logp}  # fmt: skip
     wanted = [*objective.inputs, *(["entropy"] if top_entropy is not None else [])]
     for key in wanted:
         if given[key] is None:
             what = {"entropy": "per-element entropies [B, K]", "segment_ids": "per-element segment ids [B, K]",
-                    "state": f"its controller state (get_objective({name!r}).init_state())"}[key]  # fmt: skip
+                    "state": f"its controller state (get_objective({name!r}).init_state())",
+                    "topk_logp": "the current policy's support log-probs [B, K, V]",
+                    "old_topk_logp": "the behaviour policy's support log-probs [B, K, V]"}[key]  # fmt: skip
             raise ValueError(f"objective {name!r} needs {key}= ({what})")
 
     if logp.ndim != 2:
@@ -645,8 +666,16 @@ def compute_policy_loss(
             _check_shape(key, value, shape)
             fill = 0.0 if key == "entropy" else 0
             inputs[key] = torch.where(mask, value.detach().to(dtype if key == "entropy" else torch.long), fill)
+    for key, value in (("topk_logp", topk_logp), ("old_topk_logp", old_topk_logp)):
+        if value is not None:  # [B, K, V]; padding zeroed; the current policy's keeps its gradient
+            if value.ndim != 3 or value.shape[:2] != shape:
+                raise ValueError(f"{key} must be [B, K, V] with [B, K]={tuple(shape)}, got {tuple(value.shape)}")
+            value = value.to(dtype) if key == "topk_logp" else value.detach().to(dtype)
+            inputs[key] = torch.where(mask.unsqueeze(-1), value, 0.0)
     x = objective.log_ratio(log_ratio, mask, **{k: hp[k] for k in objective.ratio_params},
                             **{k: inputs[k] for k in objective.ratio_inputs})  # [B, K]  # fmt: skip
+    extra = x if isinstance(x, LogRatio) else LogRatio(x)
+    x = extra.value
     kwargs = {k: hp[k] for k in objective.surrogate_params}
     kwargs.update({k: inputs[k] for k in objective.surrogate_inputs})
     # a sequence ratio (GSPO) with sequence advantages is constant along each row: on long rows the surrogate
@@ -656,6 +685,7 @@ def compute_policy_loss(
         and x.stride(-1) == 0
         and adv.shape[-1] == 1
         and top_entropy is None
+        and extra.penalty is None
         and not set(objective.surrogate_inputs) - {"state"}
     )
     if row_level:
@@ -666,6 +696,8 @@ def compute_policy_loss(
         if top_entropy is not None:
             keep = top_entropy_mask(inputs["entropy"], mask, top_entropy)  # [B, K]
             terms = terms._replace(value=terms.value * keep, coef=terms.coef * keep)
+            if extra.penalty is not None:
+                extra = extra._replace(penalty=extra.penalty * keep)
         if diagnostics == "none":
             metrics = {}
         elif diagnostics == "clip":
@@ -677,9 +709,12 @@ def compute_policy_loss(
         if top_entropy is not None:
             metrics["entropy_kept_frac"] = (keep * fmask).sum() / fmask.sum().clamp_min(1.0)
         metrics.update(terms.metrics or {})
+        metrics.update({k: v.detach() for k, v in (extra.metrics or {}).items()})
 
     # value v, gradient g * grad(x): (x - sg(x)) is exactly 0 in the forward pass
     per_element = torch.addcmul(terms.value, terms.coef, x - x.detach())  # [B, K] = v + g * (x - sg(x))
+    if extra.penalty is not None:  # an estimator's own differentiable per-element loss (TROLL's regression)
+        per_element = per_element + extra.penalty
     if weights is None and not row_level:
         return aggregate(per_element, fmask, agg, norm_len=norm_len), metrics
     # aggregate(l * w) = sum(a * w * l) with a = aggregation_weights(mask): one dot product

@@ -8,7 +8,7 @@ import torch
 from flowrl import rewards as reward_registry
 from flowrl.llm.collect import TextCollector, TextEvaluator
 from flowrl.llm.config import TextConfig
-from flowrl.llm.logprobs import token_log_probs
+from flowrl.llm.logprobs import token_log_probs, token_support_log_probs
 from flowrl.llm.policy import build_text_policy, load_text_prompts
 from flowrl.llm.rollout import TokenRollout
 from flowrl.rewards import Rewards
@@ -85,6 +85,16 @@ class TextModality:
         return token_log_probs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
                                chunk_size=chunk, temperature=self.config.generation.temperature,
                                with_entropy=with_entropy)  # fmt: skip
+
+    def support_log_probs(self, model, rollout: TokenRollout, *, top_k: int = 0, with_entropy: bool = False,
+                          chunk: int | None = None):  # fmt: skip
+        """`(log_probs [B, T], entropy or None, support ids [B, T, V], support log-probs [B, T, V])` under `model`:
+        the rollout's stored support (`rollout.support_ids`) when it has one, else the sampled token and `model`'s
+        `top_k` most likely others (TROLL, `flowrl.llm.logprobs.token_support_log_probs`)."""
+        return token_support_log_probs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
+                                       top_k=top_k, ids=rollout.support_ids, chunk_size=chunk,
+                                       temperature=self.config.generation.temperature,
+                                       with_entropy=with_entropy)  # fmt: skip
 
     def reference_log_probs(self, rollout: TokenRollout, model) -> torch.Tensor:
         """The reference's token log-probs (the frozen copy, or `model` with its LoRA adapter disabled)."""

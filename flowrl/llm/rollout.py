@@ -34,6 +34,11 @@ class TokenRollout(Record):
     """`[B, T]` fp32 behaviour log-probabilities (computed after sampling, in training-sized chunks)."""
     ref_log_probs: torch.Tensor | None = per_sample(default=None)
     """`[B, T]` the reference model's log-probabilities (only with a KL penalty)."""
+    support_ids: torch.Tensor | None = per_sample(default=None)
+    """`[B, T, V]` TROLL's next-token support of each completion token: the sampled token (column 0) and the
+    behaviour policy's `top_k` most likely others (only for objectives that read `topk_logp`)."""
+    support_log_probs: torch.Tensor | None = per_sample(default=None)
+    """`[B, T, V]` fp32 behaviour log-probabilities of the support tokens."""
 
     @property
     def input_ids(self) -> torch.Tensor:

@@ -33,6 +33,7 @@ from flowrl.core.objectives import uses_batch_statistics
 from flowrl.core.terms import ElementLayout, Terms, carries_gradient, normaliser, terms_loss
 from flowrl.runtime import seeded
 from flowrl.sections import BatchConfig
+from flowrl.trainers.ess import ESSScaling
 from flowrl.trainers.stats import EpochStats
 
 
@@ -134,6 +135,8 @@ class UpdateScheduler:
         """Whether the loss couples the rows of a mini-batch (it is defined on the whole mini-batch)."""
         self.coupled_steps = spec is not None and not spec.elementwise
         """Whether it couples a row's elements (a per-step backward needs the coefficient pass)."""
+        self.ess = ESSScaling.of(getattr(algorithm, "config", None), self.processes)
+        """VCPO's hook (a config's `ess_scaling` section): each step's lr scaled by its ESS (`flowrl.trainers.ess`)."""
 
     # ------------------------------------------------------------------------------------------
     # the plan: which rows each optimizer step trains
@@ -177,6 +180,8 @@ class UpdateScheduler:
         """Every optimizer step of the epoch's update; the pooled diagnostics."""
         plan = self.plan(batch, epoch)
         stats = EpochStats()
+        if self.ess is not None:
+            self.ess.seq = []  # an early-stopped mini-batch's sequences never reach a step
         self.engine.model.train()
         steps = 0
         for rows in self.mini_batches(batch, epoch):
@@ -184,7 +189,12 @@ class UpdateScheduler:
             if approx_kl is not None:
                 stats.add_scalar("early_stop_epoch", 1.0, shared=True)
                 break
-            stats.add_scalar("grad_norm", self.engine.step(), shared=True)
+            if self.ess is None:
+                stats.add_scalar("grad_norm", self.engine.step(), shared=True)
+            else:  # VCPO: the step at lr * f(ESS of this mini-batch's sequence ratios)
+                norm, ess = self.ess.step(self.engine)
+                for key, value in {"grad_norm": norm, **ess}.items():
+                    stats.add_scalar(key, value, shared=True)
             self.algorithm.after_step()
             steps += 1
         return {**stats.summary(self.processes), "optimizer_steps": steps}
@@ -299,6 +309,11 @@ class UpdateScheduler:
             terms.row_loss = None
         return terms
 
+    def _observe(self, terms: Terms, layout: ElementLayout) -> None:
+        """The batch's sequence log-ratios for VCPO's ESS (a no-op without it or without log-probs)."""
+        if self.ess is not None and terms.logp is not None and terms.old_logp is not None:
+            self.ess.observe(layout.dense(terms.logp), layout.dense(terms.old_logp), layout.mask, layout.row_valid)
+
     def _direct(self, mb, num_elements, scale, row_scale, per_step, probe) -> dict:
         """The micro-batch's loss, back-propagated at `scale` (its per-row loss at `row_scale`), whole or one
         column at a time (an element-wise loss: each column's share is its own)."""
@@ -308,6 +323,7 @@ class UpdateScheduler:
         k = mb.index.shape[1]
         if not per_step or k == 1:
             terms = self._terms(mb)
+            self._observe(terms, layout)
             loss, row_loss, metrics = terms_loss(terms, layout, mb.advantages, objective, hp)
             self.engine.backward(loss * scale + row_loss * row_scale)
             return _detached(loss, row_loss, metrics)
@@ -326,6 +342,7 @@ class UpdateScheduler:
                 element = mb.index[:, j][layout.valid[:, j]].unique()
                 if element.numel() == 1:  # one denoising step in this column: its norm is that step's
                     norms[element] = norm
+        self._observe(Terms.cat(parts), layout)
         with torch.no_grad():
             loss, row_loss, metrics = terms_loss(Terms.cat(parts), layout, mb.advantages, objective, hp)
         if probe is not None:
@@ -342,6 +359,7 @@ class UpdateScheduler:
         leaves = {n: v.detach().requires_grad_(True) for n, v in values.items() if n in names}
         whole = _cat_micro(micro)
         layout = self._layout(whole, num_elements)
+        self._observe(Terms.from_tensors(values), layout)
         loss, row_loss, metrics = terms_loss(Terms.from_tensors({**values, **leaves}), layout, whole.advantages,
                                              algo.objective, algo.objective_hparams)  # fmt: skip
         local = normaliser(algo.agg, *map(sum, zip(*sizes))) if sizes else 0.0

@@ -25,7 +25,7 @@ from flowrl.trainers import load_config
 
 
 STUDY_KEYS = {
-    "configs": "run configs (paths relative to the working directory)",
+    "configs": "run configs (paths relative to the working directory) or named cells {name, config, set}",
     "grid": "{key: [values]} swept in every combination",
     "seeds": "seeds of every cell",
     "set": "overrides of every run (KEY=VALUE)",
@@ -54,14 +54,30 @@ def load_study(path: str | Path) -> dict:
             raise unknown_name_error("study key", key, list(STUDY_KEYS), where=f"in {path}")
     if not study.get("configs"):
         raise ConfigError(f"{path}: ablate.configs names no run config")
+    for cell in study["configs"]:
+        if isinstance(cell, dict):
+            for key in cell:
+                if key not in CELL_KEYS:
+                    raise unknown_name_error("cell key", key, list(CELL_KEYS), where=f"in {path}")
+            if not cell.get("name") or not cell.get("config"):
+                raise ConfigError(f"{path}: a named cell needs `name` and `config`, got {cell}")
     grid = {k: [str(v) for v in (values if isinstance(values, list) else [values])]
             for k, values in (study.get("grid") or {}).items()}  # fmt: skip
-    out = {"configs": [str(c) for c in study["configs"]], "grid": grid,
+    cells = [_cell(c) if isinstance(c, dict) else str(c) for c in study["configs"]]
+    out = {"configs": cells, "grid": grid,
            "seeds": [int(s) for s in study.get("seeds", [0])], "overrides": [str(o) for o in study.get("set", [])],
            "output_dir": str(study.get("output_dir", "runs/ablation"))}  # fmt: skip
     if study.get("threshold"):
         out["threshold"] = parse_threshold(str(study["threshold"]))
     return out
+
+
+CELL_KEYS = {"name": "the cell's name (its folder)", "config": "the run config", "set": "its overrides (KEY=VALUE)"}
+"""The keys of a named cell in a study's `configs`: one difference from a base config, e.g. for an ablation."""
+
+
+def _cell(cell: dict) -> dict:
+    return {"name": str(cell["name"]), "config": str(cell["config"]), "set": [str(o) for o in cell.get("set", [])]}
 
 
 def parse_threshold(text: str) -> tuple[str, float]:
@@ -88,14 +104,16 @@ def parse_grid(items: list[str]) -> dict[str, list[str]]:
     return grid
 
 
-def variants(configs: list[str], grid: dict[str, list[str]]) -> list[tuple[str, str, list[str]]]:
-    """`(name, config_path, overrides)` for every config x grid combination."""
+def variants(configs: list[str | dict], grid: dict[str, list[str]]) -> list[tuple[str, str, list[str]]]:
+    """`(name, config_path, overrides)` for every config (a path, or a named cell `{name, config, set}`) x grid
+    combination."""
     out = []
     keys = list(grid)
-    for path in configs:
-        stem = Path(path).stem
+    for entry in configs:
+        stem, path, base = (entry["name"], entry["config"], entry["set"]) if isinstance(entry, dict) else (
+            Path(entry).stem, entry, [])  # fmt: skip
         for values in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
-            overrides = [f"{k}={v}" for k, v in zip(keys, values)]
+            overrides = [*base, *(f"{k}={v}" for k, v in zip(keys, values))]
             name = stem + "".join(f"__{k.split('.')[-1]}={v}" for k, v in zip(keys, values))
             out.append((name, path, overrides))
     return out

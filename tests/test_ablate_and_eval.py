@@ -147,3 +147,23 @@ def test_a_study_file_runs_its_grid_and_draws_per_step_diagnostics(tiny_yaml, tm
     assert "unknown study key 'seed'" in err and "Did you mean 'seeds'" in err
     with pytest.raises(ValueError, match="METRIC=VALUE"):
         ablate.parse_threshold("digits_gold")
+
+
+def test_named_cells_each_carry_their_own_difference(tmp_path):
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump({"ablate": {"configs": [
+        "configs/digits/flow_grpo.yaml",
+        {"name": "guard_global_std", "config": "configs/digits/grpo_guard.yaml", "set": ["advantage.std=global"]},
+    ], "grid": {"optim.lr": ["1e-4"]}}}))  # fmt: skip
+    loaded = ablate.load_study(study)
+    plan = ablate.variants(loaded["configs"], loaded["grid"])
+    assert plan == [
+        ("flow_grpo__lr=1e-4", "configs/digits/flow_grpo.yaml", ["optim.lr=1e-4"]),
+        ("guard_global_std__lr=1e-4", "configs/digits/grpo_guard.yaml", ["advantage.std=global", "optim.lr=1e-4"]),
+    ]
+    study.write_text(yaml.safe_dump({"ablate": {"configs": [{"name": "x", "config": "c.yaml", "sets": []}]}}))
+    with pytest.raises(Exception, match="unknown cell key 'sets'"):
+        ablate.load_study(study)
+    study.write_text(yaml.safe_dump({"ablate": {"configs": [{"name": "x"}]}}))
+    with pytest.raises(Exception, match="a named cell needs `name` and `config`"):
+        ablate.load_study(study)

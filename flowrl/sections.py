@@ -48,6 +48,9 @@ class RunConfig:
     (DeepSpeed ZeRO-2) shards the gradients and optimizer state, `zero3` the parameters too (`pip install
     'flowrl-toolkit[deepspeed]'`). GPUs or CPUs; image trainers on the shared update (`docs/distributed.md`).
     Ignored on one process."""
+    mode: Literal["sync", "async"] = "sync"
+    """`sync`: rollout, rewards and update take turns on the same processes; `async`: rollout workers on Ray sample
+    while the learner trains, with bounded staleness (the `asynchrony` section, docs/async.md)."""
     threads: Literal["auto", "torch"] | int = "auto"
     """CPU threads of torch's kernels: `auto` uses the cores other processes leave free, re-measured every epoch
     (fast alone, graceful beside a second run or a reward server); an integer fixes the count; `torch` leaves
@@ -60,6 +63,47 @@ class RunConfig:
         run_checks([
             (self.epochs >= 1, "run.epochs must be >= 1"),
             (0 <= self.max_bad_reward_frac <= 1, "run.max_bad_reward_frac must lie in [0, 1]"),
+        ])  # fmt: skip
+
+
+@dataclasses.dataclass
+class AsynchronyConfig:
+    """`run.mode: async`: rollout workers on Ray apart from the learner (docs/async.md)."""
+
+    rollout_workers: int = 1
+    """Ray actors that sample rollouts and score their rewards, each with its own copy of the policy."""
+    sync_every: int = 1
+    """Publish the learner's weights (LoRA-only in a LoRA run) to the workers every this many updates (epochs)."""
+    max_staleness: int = 1
+    """How many policy versions (updates) a batch may lag the learner's weights: 0 (with `sync_every: 1`) waits for
+    a batch of the current weights every epoch, which is the synchronous run; k lets the workers sample up to k
+    epochs ahead while the learner trains."""
+    on_stale: Literal["wait", "drop"] = "wait"
+    """`wait`: a worker never samples more than `max_staleness` versions ahead (the learner waits instead);
+    `drop`: workers sample ahead freely and a batch staler than `max_staleness` on arrival is dropped (counted in
+    `async/dropped`) and sampled again with the newest weights."""
+    address: str | None = None
+    """The Ray cluster: None starts a local one for the run; `auto` joins the cluster `ray start --head` started
+    on this machine; `HOST:PORT` another machine's."""
+    worker_threads: int = 1
+    """torch threads of each rollout worker."""
+    worker_cpus: float = 1.0
+    """CPUs Ray reserves for each worker (0: none, e.g. to oversubscribe a small machine)."""
+    worker_gpus: float = 0.0
+    """GPUs Ray reserves for each worker (a fraction shares one)."""
+    max_restarts: int = 3
+    """Dead workers replaced in the run (each one's unfinished batch sampled again) before it ends with one line."""
+
+    def __post_init__(self):
+        run_checks([
+            (self.rollout_workers >= 1, "asynchrony.rollout_workers must be >= 1"),
+            (self.sync_every >= 1, "asynchrony.sync_every must be >= 1"),
+            (self.max_staleness >= 0, "asynchrony.max_staleness must be >= 0"),
+            (self.on_stale == "drop" or self.max_staleness >= self.sync_every - 1,
+             "asynchrony.max_staleness must be >= sync_every - 1 with on_stale: wait (weights published every "
+             "sync_every updates are up to sync_every - 1 versions old)"),
+            (self.max_restarts >= 0, "asynchrony.max_restarts must be >= 0"),
+            (self.worker_threads >= 1, "asynchrony.worker_threads must be >= 1"),
         ])  # fmt: skip
 
 
@@ -387,6 +431,8 @@ class BaseConfig:
     """Registered trainer name (`flowrl list trainers`)."""
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     """Run folder, epochs, seeds, logging, checkpoints."""
+    asynchrony: AsynchronyConfig = dataclasses.field(default_factory=AsynchronyConfig)
+    """Rollout workers, weight publishing and the staleness bound of `run.mode: async`."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """The optimizer and gradient handling."""
     batch: BatchConfig = dataclasses.field(default_factory=BatchConfig)

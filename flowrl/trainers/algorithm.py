@@ -57,6 +57,13 @@ class Algorithm(ABC):
     on the whole mini-batch (`flowrl.trainers.scheduler`)."""
     shard_refusal: ClassVar[str | None] = None
     """Why this algorithm cannot shard its model (`run.shard`: FSDP2 or ZeRO), or None."""
+
+    @property
+    def async_refusal(self) -> str | None:
+        """Why this run cannot sample on separate rollout workers (`run.mode: async`), or None: the workers receive
+        the trained module's weights only, so an algorithm that samples with another copy refuses."""
+        return None
+
     optimizer_options: ClassVar[dict[str, dict]] = {}
     """Extra keyword arguments of each `optim.optimizer` (control's small networks: fused AdamW)."""
 

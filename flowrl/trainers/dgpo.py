@@ -142,6 +142,12 @@ class DGPO(PreferenceAlgorithm):
         step = self.engine.optimizer_steps if step is None else step
         return min(c.old_decay_rate * max(step - 1, 0), c.old_decay_max)
 
+    @property
+    def async_refusal(self) -> str | None:
+        if self.old is not None and self.config.old_sampling_after is not None:
+            return "DGPO with old_sampling_after samples with its lagged copy, which rollout workers do not receive"
+        return None
+
     def sampler(self):
         base = super().sampler()
         if self.old is None or self.config.old_sampling_after is None:

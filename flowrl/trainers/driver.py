@@ -73,6 +73,8 @@ class Trainer:
         if module is getattr(self.policy, "model", None):
             self.policy.forward_module = model  # training forwards go through the (DDP-)prepared module
         self.collector = self.algorithm.collector()
+        if run.mode == "async":
+            self.collector = self._async_collector()
         self.evaluator = self.algorithm.evaluator()
         self.scheduler = UpdateScheduler(config.batch, self.engine, self.algorithm, run.seed,
                                          grad_norms_every=config.optim.step_grad_norms_every)  # fmt: skip
@@ -155,6 +157,8 @@ class Trainer:
             self.scheduler.run(batch, epoch) if batch.trainable.any() or batch.mini_batches else {"optimizer_steps": 0}
         )
         train.update(self.algorithm.finish(batch, epoch))
+        if self.config.run.mode == "async":
+            self.collector.updated(epoch)  # the rollout workers get the new weights when due
         row = {
             "epoch": epoch + 1,
             **record,
@@ -199,7 +203,21 @@ class Trainer:
         """
         from flowrl.trainers.run_loop import RunLoop
 
-        return RunLoop(self).run(resume, overwrite)
+        try:
+            return RunLoop(self).run(resume, overwrite)
+        finally:
+            if self.config.run.mode == "async":
+                self.collector.close()
+
+    def _async_collector(self):
+        """`run.mode: async`: the collector that takes each epoch's batch from Ray rollout workers."""
+        from flowrl.trainers.async_rollouts import AsyncCollector
+
+        if self.engine.processes.world > 1:
+            raise ValueError("run.mode=async runs one learner process (a torchrun learner group is not supported yet)")
+        if self.algorithm.async_refusal:
+            raise ValueError(f"{self.config.trainer}: run.mode=async: {self.algorithm.async_refusal}")
+        return AsyncCollector(self.config, self.algorithm.trained_module(), self.modality)
 
     # ------------------------------------------------------------------------------------------
     # checkpoints

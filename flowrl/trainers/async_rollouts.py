@@ -1,0 +1,265 @@
+"""The asynchronous mode (`run.mode: async`): rollout workers on Ray apart from the learner, bounded staleness.
+
+Each rollout worker is a Ray actor that builds the run's own trainer from the config (its own policy copy,
+rewards and prompt sets, one process, no run folder) and serves `collect(epoch)`: the epoch's `Collected` batch
+exactly as the synchronous collector makes it (prompts and noise seeded by `(run.seed, epoch)`), its behaviour
+log-probs included, so the core's ratio is against the policy that really sampled it. The learner keeps its
+trainer and swaps its collector for an `AsyncCollector`:
+
+- weights (the trained module's trainable parameters and buffers: the LoRA weights of a LoRA run) and the
+  modality's state are published to every worker after every `sync_every` updates, as one safetensors blob;
+- worker `i` samples epoch `e` with the newest weights it has; a batch's staleness is the number of updates the
+  learner made since those weights. `on_stale: wait` never lets the workers sample more than `max_staleness`
+  versions ahead (the learner waits instead); `on_stale: drop` lets them run ahead and drops (and re-samples) a
+  batch that arrives staler than `max_staleness`;
+- a worker that dies is replaced (at most `max_restarts` times in the run) and its unfinished batch re-sampled;
+  when none is left the run ends with one line; the learner's checkpoints are the synchronous run's, so a
+  killed driver resumes with `--resume` and re-samples whatever was in flight.
+
+`max_staleness: 0` with `sync_every: 1` waits for a batch of the learner's current weights every epoch: the
+synchronous run's numbers, up to the workers' kernels' reduction order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from flowrl.trainers import wire
+
+
+class AsyncError(RuntimeError):
+    """The asynchronous mode cannot go on (every rollout worker died, Ray is missing or unreachable)."""
+
+
+def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What the rollout workers need of the trained module: its trainable parameters and its buffers."""
+    state = {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+    state.update({n: b.detach() for n, b in module.named_buffers()})
+    return state
+
+
+class RolloutWorker:
+    """One rollout worker (run as a Ray actor by `AsyncCollector`; usable in-process for tests).
+
+    Args:
+        config (`dict`): the run's resolved config (`flowrl.config.to_dict`).
+        index (`int`): the worker's number (its run folder's name, its log lines).
+        threads (`int`): torch threads.
+    """
+
+    def __init__(self, config: dict, index: int, threads: int = 1):
+        from flowrl.trainers import Trainer, load_config
+
+        torch.set_num_threads(max(1, threads))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        self.index = index
+        self.folder = Path(tempfile.mkdtemp(prefix=f"flowrl-rollout-{index}-"))
+        overrides = [f"run.output_dir={self.folder}", "run.log_with=[]", "run.mode=sync", f"run.threads={threads}"]
+        self.trainer = Trainer(load_config(config, overrides))
+        self.module = self.trainer.algorithm.trained_module()
+        self.version = -1
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def load(self, version: int, blob: bytes) -> int:
+        """Take the learner's weights (and modality state) of `version`."""
+        value, _ = wire.decode(blob)
+        weights, modality = value["weights"], value["modality"]
+        missing = set(weights) - set(trainable_state(self.module))
+        if missing:
+            raise wire.WireError(f"rollout worker {self.index}: the learner sent weights it has no place for: "
+                                 f"{sorted(missing)[:3]}")  # fmt: skip
+        with torch.no_grad():
+            self.module.load_state_dict(weights, strict=False)
+        self.trainer.modality.load_state_dict(modality)
+        self.version = version
+        return version
+
+    def collect(self, epoch: int) -> bytes:
+        """Epoch `epoch`'s batch, sampled and scored with the newest weights, as a blob (`wire.encode`)."""
+        trainer = self.trainer
+        trainer.algorithm.epoch = epoch
+        trainer.engine.model.eval()
+        collected = trainer.collector.collect(epoch)
+        return wire.encode(collected, epoch=epoch, version=self.version, worker=self.index,
+                           modality=trainer.modality.state_dict())  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Task:
+    epoch: int
+    worker: int
+    version: int
+    ref: object
+
+
+class AsyncCollector:
+    """The learner's collector in the asynchronous mode: `collect(epoch)` as the synchronous one, the batch from
+    the rollout workers (see the module docstring).
+
+    Args:
+        config: the run's config (`asynchrony` section, `run.epochs`).
+        module (`torch.nn.Module`): the learner's trained module (its weights are published).
+        modality: the learner's modality (its state is published; a batch's worker state is loaded back).
+    """
+
+    def __init__(self, config, module: torch.nn.Module, modality):
+        self.config, self.cfg = config, config.asynchrony
+        self.module, self.modality = module, modality
+        self.version = 0  # updates the learner has made (its weights' version)
+        self.published = -1  # the version the workers have
+        self.workers: list = []
+        self.tasks: dict[int, _Task] = {}
+        self.restarts = self.dropped = 0
+        self.started_ray = False
+        self.weights_ref = None
+
+    # ------------------------------------------------------------------------------------------
+    # workers
+    # ------------------------------------------------------------------------------------------
+
+    def _ray(self):
+        try:
+            import ray
+        except ImportError:
+            raise AsyncError("run.mode=async needs Ray: pip install 'flowrl-toolkit[async]'") from None
+        if not ray.is_initialized():
+            try:
+                ray.init(address=self.cfg.address, include_dashboard=False, log_to_driver=False,
+                         configure_logging=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})  # fmt: skip
+            except (ConnectionError, RuntimeError, ValueError) as err:
+                raise AsyncError(f"cannot reach the Ray cluster at {self.cfg.address!r}: {err}") from None
+            self.started_ray = True
+        return ray
+
+    def _spawn(self, index: int):
+        from flowrl.config import to_dict
+
+        ray = self._ray()
+        actor = ray.remote(num_cpus=self.cfg.worker_cpus, num_gpus=self.cfg.worker_gpus, max_restarts=0)(RolloutWorker)
+        worker = actor.remote(to_dict(self.config), index, self.cfg.worker_threads)
+        if self.weights_ref is not None:
+            worker.load.remote(self.published, self.weights_ref)
+        return worker
+
+    def _start(self, epoch: int) -> None:
+        self.version = epoch  # a resumed run starts at its checkpoint's epoch
+        self.workers = [self._spawn(i) for i in range(self.cfg.rollout_workers)]
+        self._publish()
+
+    def _publish(self) -> None:
+        ray = self._ray()
+        blob = wire.encode({"weights": trainable_state(self.module), "modality": self.modality.state_dict()})
+        self.weights_ref = ray.put(blob)
+        self.published = self.version
+        for worker in self.workers:
+            if worker is not None:
+                worker.load.remote(self.version, self.weights_ref)
+
+    def _replace(self, index: int, err: Exception) -> None:
+        """Worker `index` died: a new one takes its place (with the newest weights), its batches are re-sampled."""
+        if self.restarts >= self.cfg.max_restarts:
+            self.workers[index] = None
+            if all(w is None for w in self.workers):
+                raise AsyncError(f"every rollout worker died ({self.restarts} replaced before); the last: "
+                                 f"{str(err).splitlines()[0] if str(err) else type(err).__name__}")  # fmt: skip
+        else:
+            self.restarts += 1
+            self.workers[index] = self._spawn(index)
+        for task in [t for t in self.tasks.values() if t.worker == index]:
+            del self.tasks[task.epoch]
+
+    # ------------------------------------------------------------------------------------------
+    # the schedule
+    # ------------------------------------------------------------------------------------------
+
+    def _may_sample(self, epoch: int) -> bool:
+        return self.cfg.on_stale == "drop" or epoch - self.published <= self.cfg.max_staleness
+
+    def _dispatch(self, epoch: int) -> None:
+        busy = {t.worker for t in self.tasks.values()}
+        live = [i for i, w in enumerate(self.workers) if w is not None]
+        free = [i for i in live if i not in busy] or live
+        index = min(free, key=lambda i: sum(t.worker == i for t in self.tasks.values()))
+        ref = self.workers[index].collect.remote(epoch)
+        self.tasks[epoch] = _Task(epoch, index, self.published, ref)
+
+    def _fill(self, first: int) -> None:
+        """Dispatch epochs from `first` on while a worker is free and the staleness bound allows."""
+        live = [i for i, w in enumerate(self.workers) if w is not None]
+        epoch = first
+        while epoch < self.config.run.epochs and len(self.tasks) < len(live):
+            if epoch not in self.tasks:
+                if not self._may_sample(epoch):
+                    break
+                self._dispatch(epoch)
+            epoch += 1
+
+    def collect(self, epoch: int):
+        """Epoch `epoch`'s batch from the workers (waiting for it when needed), with `async/*` metrics in `times`."""
+        from ray.exceptions import RayActorError, WorkerCrashedError
+
+        ray = self._ray()
+        if not self.workers:
+            self._start(epoch)
+        start = time.time()
+        for task in [t for t in self.tasks.values() if t.epoch < epoch]:  # a resumed or restored schedule
+            del self.tasks[task.epoch]
+        while True:
+            self._fill(epoch)
+            if epoch not in self.tasks:
+                self._dispatch(epoch)
+            task = self.tasks[epoch]
+            try:
+                blob = ray.get(task.ref)
+            except (RayActorError, WorkerCrashedError) as err:
+                self._replace(task.worker, err)
+                continue
+            del self.tasks[epoch]
+            collected, header = wire.decode(blob)
+            staleness = self.version - header["version"]
+            if staleness > self.cfg.max_staleness:
+                self.dropped += 1
+                if self.version - self.published > self.cfg.max_staleness:
+                    self._publish()  # the re-sampled batch must meet the bound
+                continue  # re-sampled with the newest weights
+            break
+        self.modality.load_state_dict(header["modality"])
+        waited = time.time() - start
+        self._fill(epoch + 1)  # the next epochs sample while this one trains
+        collected.times.update({"async/staleness": float(staleness), "async/wait_s": waited,
+                                "async/dropped": float(self.dropped), "async/restarts": float(self.restarts),
+                                "async/worker": float(header["worker"])})  # fmt: skip
+        return collected
+
+    def updated(self, epoch: int) -> None:
+        """The learner finished epoch `epoch`'s update: its weights are version `epoch + 1`; publish when due."""
+        self.version = epoch + 1
+        if self.version % self.cfg.sync_every == 0 and self.version < self.config.run.epochs:
+            self._publish()
+
+    def close(self) -> None:
+        """Stop the workers (and the local Ray cluster this run started)."""
+        if not self.workers and not self.started_ray:
+            return
+        import ray
+
+        for worker in self.workers:
+            if worker is not None:
+                ray.kill(worker)
+        self.workers, self.tasks = [], {}
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+
+    def worker_pids(self) -> list[int | None]:
+        """The workers' process ids (None: dead for good), for tests and monitoring."""
+        ray = self._ray()
+        return [None if w is None else ray.get(w.pid.remote()) for w in self.workers]

@@ -1,0 +1,141 @@
+"""The asynchronous mode (`run.mode: async`) on a local Ray cluster: staleness 0 is the synchronous run, a killed
+worker's batch is sampled again, a killed driver resumes, every worker dead ends the run with one line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from flowrl.config import save_config
+from flowrl.trainers import build_trainer
+from flowrl.trainers.async_rollouts import AsyncCollector, AsyncError
+from tests.conftest import tiny_config
+
+
+pytestmark = pytest.mark.distributed
+ray = pytest.importorskip("ray", reason="the asynchronous mode needs Ray (the `async` extra)")
+
+ASYNC = ["run.mode=async", "asynchrony.worker_cpus=0", "run.log_with=[]"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    """One local Ray cluster for the module (each run's collector joins it instead of starting its own)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})  # fmt: skip
+    yield
+    ray.shutdown()
+
+
+def _rows(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.algorithm.trained_module().state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def synchronous(tmp_path_factory):
+    """The synchronous tiny Flow-GRPO run every comparison is against: (metrics rows, final weights)."""
+    folder = tmp_path_factory.mktemp("sync")
+    trainer = build_trainer(tiny_config("flow_grpo", folder, overrides=["run.epochs=3", "run.log_with=[]"]))
+    trainer.train()
+    return _rows(folder), _weights(trainer)
+
+
+def _assert_same_run(rows, weights, synchronous):
+    ref_rows, ref_weights = synchronous
+    keys = ("reward/mean", "loss", "clipfrac", "eval/reward", "eval/digits_gold")
+    for a, b in zip(rows, ref_rows, strict=True):
+        for key in (k for k in keys if k in b):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["epoch"], key)
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_staleness_zero_is_the_synchronous_run(tmp_path, synchronous):
+    trainer = build_trainer(tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, "run.epochs=3",
+                                                                          "asynchrony.max_staleness=0"]))  # fmt: skip
+    trainer.train()
+    rows = _rows(tmp_path)
+    assert [r["async/staleness"] for r in rows[1:]] == [0.0, 0.0, 0.0]
+    assert trainer.collector.workers == []  # closed at the end
+    _assert_same_run(rows, _weights(trainer), synchronous)
+
+
+def test_a_killed_worker_is_replaced_and_its_batch_sampled_again(tmp_path, synchronous, monkeypatch):
+    """SIGKILL the worker right after it is sent epoch 1: a new worker samples epoch 1 again with the same seeds, so
+    the run is still the synchronous one (nothing lost, nothing trained twice)."""
+    dispatch = AsyncCollector._dispatch
+    killed = []
+
+    def dispatch_then_kill(self, epoch):
+        pids = self.worker_pids()  # before the dispatch: an actor answers in order, after the batch
+        dispatch(self, epoch)
+        if epoch == 1 and not killed:
+            os.kill(pids[self.tasks[epoch].worker], signal.SIGKILL)
+            killed.append(epoch)
+
+    monkeypatch.setattr(AsyncCollector, "_dispatch", dispatch_then_kill)
+    trainer = build_trainer(tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, "run.epochs=3",
+                                                                          "asynchrony.max_staleness=0"]))  # fmt: skip
+    trainer.train()
+    rows = _rows(tmp_path)
+    assert killed and [r["async/restarts"] for r in rows[1:]] == [0.0, 1.0, 1.0]
+    _assert_same_run(rows, _weights(trainer), synchronous)
+
+
+def test_every_worker_dead_ends_the_run_with_one_line(tmp_path, monkeypatch):
+    dispatch = AsyncCollector._dispatch
+
+    def dispatch_then_kill(self, epoch):
+        pids = self.worker_pids()
+        dispatch(self, epoch)
+        os.kill(pids[self.tasks[epoch].worker], signal.SIGKILL)
+
+    monkeypatch.setattr(AsyncCollector, "_dispatch", dispatch_then_kill)
+    config = tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, "asynchrony.max_restarts=1"])
+    with pytest.raises(AsyncError, match=r"^every rollout worker died \(1 replaced before\)") as err:
+        build_trainer(config).train()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("trainer_name", ["ppo", "text"])
+def test_control_and_text_sample_ahead_by_one_version(tmp_path, trainer_name):
+    trainer = build_trainer(tiny_config(trainer_name, tmp_path, overrides=[*ASYNC, "run.epochs=3",
+                                                                           "asynchrony.max_staleness=1"]))  # fmt: skip
+    summary = trainer.train()
+    rows = _rows(tmp_path)[1:]
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]  # epoch 0 waits; later ones were sampled ahead
+    assert all(r["async/dropped"] == 0 for r in rows) and summary["epochs"] == 3
+
+
+def test_a_killed_driver_resumes_with_nothing_lost(tmp_path, synchronous):
+    """kill -9 the `flowrl train` process after its first checkpoint, `--resume`: the synchronous run's numbers."""
+    config = tiny_config("flow_grpo", tmp_path / "run", overrides=[*ASYNC, "run.epochs=3", "run.save_every=1",
+                                                                   "asynchrony.max_staleness=0"])  # fmt: skip
+    save_config(config, tmp_path / "config.yaml")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "flowrl", "train", str(tmp_path / "config.yaml")]
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "run" / "checkpoints" / "epoch_1").is_dir():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "no checkpoint within 240 s"
+        time.sleep(0.2)
+    process.kill()  # SIGKILL: no cleanup in the driver; its local Ray cluster goes with it
+    process.wait()
+    done = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = _rows(tmp_path / "run")
+    assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
+    ref_rows, _ = synchronous
+    for a, b in zip(rows, ref_rows, strict=True):
+        key = "reward/mean" if "reward/mean" in b else "eval/reward"
+        assert a[key] == pytest.approx(b[key], rel=1e-5)

@@ -431,14 +431,14 @@ class BaseConfig:
     """Registered trainer name (`flowrl list trainers`)."""
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     """Run folder, epochs, seeds, logging, checkpoints."""
-    asynchrony: AsynchronyConfig = dataclasses.field(default_factory=AsynchronyConfig)
-    """Rollout workers, weight publishing and the staleness bound of `run.mode: async`."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """The optimizer and gradient handling."""
     batch: BatchConfig = dataclasses.field(default_factory=BatchConfig)
     """The batch contract: samples per optimizer step (over every process), rows per call (per process)."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     """Evaluation cadence and the best / early-stop watch."""
+    asynchrony: AsynchronyConfig = dataclasses.field(default_factory=AsynchronyConfig)
+    """Rollout workers, weight publishing and the staleness bound of `run.mode: async`."""
     ema_decay: float | None = None
     """EMA of the trained weights for evaluation (Flow-GRPO: 0.9); None: off."""
     ema_every: int = 8

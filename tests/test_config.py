@@ -100,7 +100,8 @@ def test_shipped_configs_load():
             continue
         if ablate.is_study(path):  # a study file: every cell of its grid must load
             study = ablate.load_study(path)
-            configs = [str(root / c) for c in study["configs"]]
+            configs = [{**c, "config": str(root / c["config"])} if isinstance(c, dict) else str(root / c)
+                       for c in study["configs"]]  # fmt: skip
             for _, config_path, extra in ablate.variants(configs, study["grid"]):
                 assert isinstance(load_config(config_path, [*study["overrides"], *extra]), TrainerConfig), path
             continue

@@ -6,8 +6,8 @@ exactly as the synchronous collector makes it (prompts and noise seeded by `(run
 log-probs included, so the core's ratio is against the policy that really sampled it. The learner keeps its
 trainer and swaps its collector for an `AsyncCollector`:
 
-- weights (the trained module's trainable parameters and buffers: the LoRA weights of a LoRA run) and the
-  modality's state are published to every worker after every `sync_every` updates, as one safetensors blob;
+- weights (the trained module's trainable parameters: the LoRA weights of a LoRA run) and the modality's
+  state are published to every worker after every `sync_every` updates, as one safetensors blob;
 - worker `i` samples epoch `e` with the newest weights it has; a batch's staleness is the number of updates the
   learner made since those weights. `on_stale: wait` never lets the workers sample more than `max_staleness`
   versions ahead (the learner waits instead); `on_stale: drop` lets them run ahead and drops (and re-samples) a
@@ -38,10 +38,10 @@ class AsyncError(RuntimeError):
 
 
 def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What the rollout workers need of the trained module: its trainable parameters and its buffers."""
-    state = {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
-    state.update({n: b.detach() for n, b in module.named_buffers()})
-    return state
+    """What the rollout workers need of the trained module: its trainable parameters (a LoRA run's adapters).
+    Buffers are left out: the workers build the same ones from the config, and a large model's positional tables
+    would travel every sync for nothing."""
+    return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
 
 
 class RolloutWorker:

@@ -69,6 +69,18 @@ def test_staleness_zero_is_the_synchronous_run(tmp_path, synchronous):
     _assert_same_run(rows, _weights(trainer), synchronous)
 
 
+def test_drop_resamples_a_batch_that_arrives_too_stale(tmp_path, synchronous):
+    """`on_stale: drop` at staleness 0: the worker samples epoch e + 1 with the old weights while epoch e trains;
+    that batch arrives one version stale, is dropped and sampled again: still the synchronous run."""
+    trainer = build_trainer(tiny_config("flow_grpo", tmp_path, overrides=[
+        *ASYNC, "run.epochs=3", "asynchrony.max_staleness=0", "asynchrony.on_stale=drop"]))  # fmt: skip
+    trainer.train()
+    rows = _rows(tmp_path)
+    assert [r["async/staleness"] for r in rows[1:]] == [0.0, 0.0, 0.0]
+    assert [r["async/dropped"] for r in rows[1:]] == [0.0, 1.0, 2.0]
+    _assert_same_run(rows, _weights(trainer), synchronous)
+
+
 def test_a_killed_worker_is_replaced_and_its_batch_sampled_again(tmp_path, synchronous, monkeypatch):
     """SIGKILL the worker right after it is sent epoch 1: a new worker samples epoch 1 again with the same seeds, so
     the run is still the synchronous one (nothing lost, nothing trained twice)."""

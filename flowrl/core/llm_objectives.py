@@ -469,7 +469,8 @@ def vespo(ratio, adv, *, logp, log_ratio, mask, k_pos: float = 2.0, lambda_pos: 
     Guards as trl's `get_gamma_weights`: each token's log-ratio clamped to [-20, 20] before the sum, log w to
     `[log 1e-8, 20]`, lambda >= 1e-4, and a non-finite phi set to 0 (the sample is then left out, not a NaN loss).
     """
-    token = log_ratio.clamp(-20.0, 20.0) * mask  # [B, K]; one runaway token cannot overflow the sum
+    # [B, K]; one runaway token cannot overflow the sum (the core hands over log_ratio with padding zeroed)
+    token = log_ratio.clamp(-20.0, 20.0)
     log_w = token.sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)  # [B, 1]
     w = log_w.exp()
     nonneg = adv >= 0  # [B, 1] or [B, K]
@@ -477,8 +478,12 @@ def vespo(ratio, adv, *, logp, log_ratio, mask, k_pos: float = 2.0, lambda_pos: 
     lam = torch.full_like(adv, lambda_neg).masked_fill_(nonneg, lambda_pos).clamp_min(1e-4)
     phi = torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [B, 1] or [B, K]
     coef = (-adv * phi).expand_as(ratio)  # [B, K]
-    fmask = mask.to(phi.dtype)
-    weight_mean = (phi.expand_as(ratio) * fmask).sum() / fmask.sum().clamp_min(1.0)  # over real tokens only
+    if phi.shape[-1] == 1:  # one weight per sequence: each counted once per real token
+        n = mask.sum(-1, keepdim=True).to(phi.dtype)  # [B, 1]
+        weight_mean = (phi * n).sum() / n.sum().clamp_min(1.0)
+    else:
+        fmask = mask.to(phi.dtype)
+        weight_mean = (phi * fmask).sum() / fmask.sum().clamp_min(1.0)  # over real tokens only
     return Surrogate(coef * logp, coef, None, None, metrics={"vespo_weight_mean": weight_mean})
 
 

@@ -420,9 +420,9 @@ def sapo(ratio, adv, *, tau_pos: float = 1.0, tau_neg: float = 1.05):
     if tau_pos <= 0 or tau_neg <= 0:
         raise ValueError(f"tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
     tau = torch.full_like(adv, tau_neg).masked_fill_(adv > 0, tau_pos)  # adv's shape: [B, 1] or [B, K]
-    gate = torch.sigmoid(tau * (ratio - 1))  # [B, K]
+    gate = torch.addcmul(-tau, tau, ratio).sigmoid_()  # [B, K] sigmoid(tau (r - 1)), one pass and one buffer
     value = (-adv * 4 / tau) * gate
-    coef = (-adv * 4) * gate * (1 - gate) * ratio
+    coef = torch.addcmul(gate, gate, gate, value=-1.0).mul_(ratio).mul_(-adv * 4)  # -4 A sigma (1 - sigma) r
     return Surrogate(value, coef, None, None)
 
 

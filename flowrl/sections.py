@@ -48,6 +48,10 @@ class RunConfig:
     (DeepSpeed ZeRO-2) shards the gradients and optimizer state, `zero3` the parameters too (`pip install
     'flowrl-toolkit[deepspeed]'`). GPUs or CPUs; image trainers on the shared update (`docs/distributed.md`).
     Ignored on one process."""
+    offload: bool = False
+    """With `run.shard` fsdp2 or zero2/zero3: keep the sharded parameters (FSDP2, ZeRO-3), gradients and optimizer
+    state in CPU memory and move each unit to the device for its compute (FSDP2's `CPUOffloadPolicy`, DeepSpeed's
+    `offload_optimizer` / `offload_param`): slower, for a model whose shards do not fit on the GPUs."""
     mode: Literal["sync", "async"] = "sync"
     """`sync`: rollout, rewards and update take turns on the same processes; `async`: rollout workers on Ray sample
     while the learner trains, with bounded staleness (the `asynchrony` section, docs/async.md)."""

@@ -218,6 +218,18 @@ def test_two_sharded_processes_equal_one(tmp_path, cache, trainer, shard):
         torch.testing.assert_close(again[name], straight[name], rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("shard", ["fsdp2", pytest.param("zero3", marks=pytest.mark.slow)])
+def test_offloaded_shards_train_as_one_process(tmp_path, cache, shard):
+    # run.offload: the shards, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy, ZeRO-Offload);
+    # on a CPU machine the copies are CPU to CPU, so this checks the plumbing: the same training as one process
+    one = _train(_config(tmp_path, "flow_grpo", 1), tmp_path / "one", cache, processes=1)
+    two = _train(_config(tmp_path, "flow_grpo", 2, shard=shard), tmp_path / "two", cache, processes=2,
+                 overrides=["run.offload=true"])  # fmt: skip
+    assert (one["processes"], two["processes"], two["shard"]) == (1, 2, shard)
+    _same_rows(tmp_path / "one", tmp_path / "two")
+    _same_weights(tmp_path / "one", tmp_path / "two", epochs=(1, 2), sharded=True)
+
+
 @pytest.mark.parametrize("shard", ["fsdp2", "zero2", pytest.param("zero3", marks=pytest.mark.slow)])
 def test_sharded_bf16_rescoring_gives_ratio_one_before_the_first_update(tmp_path, cache, shard):
     # bf16 under sharding: the rollout and the update both forward the sharded model under autocast (FSDP2 also

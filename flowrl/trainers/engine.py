@@ -128,10 +128,14 @@ class Engine:
         """Shard or prepare `module`, build its optimizer (AdamW or RMSprop from `optim`), the EMA and each auxiliary
         network's AdamW (`aux`: `{name: (module, learning rate)}`); returns what training forwards call."""
         opt = self.optim
+        if self.run.offload and not self.sharded:
+            raise ValueError("run.offload moves the shards of a sharded model: it needs run.shard fsdp2, zero2 or "
+                             "zero3 (or an FSDP / DeepSpeed launcher config) and several processes")  # fmt: skip
         if self.sharded:
             self.check_shardable(list(refusals))
         if self.shard == "fsdp2":
-            sharding.shard(module, self.processes.world, self.device, bf16=self.run.mixed_precision == "bf16")
+            sharding.shard(module, self.processes.world, self.device, bf16=self.run.mixed_precision == "bf16",
+                           offload=self.run.offload)  # fmt: skip
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"the trained {type(module).__name__} has no trainable parameters")
@@ -142,7 +146,8 @@ class Engine:
             optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay,
                                           eps=opt.eps, **options)  # fmt: skip
         if self.shard in sharding.ZERO_STAGES:  # DeepSpeed's engine wraps both; its optimizer steps the partitions
-            engine = sharding.zero_engine(module, optimizer, sharding.ZERO_STAGES[self.shard], opt.max_grad_norm)
+            engine = sharding.zero_engine(module, optimizer, sharding.ZERO_STAGES[self.shard], opt.max_grad_norm,
+                                          offload=self.run.offload)  # fmt: skip
             self.model, self.optimizer = engine, engine.optimizer
             self.zero_backward = sharding.ZeroBackward(engine, self.processes.world)
         elif self.sharded:  # FSDP2: the module is sharded in place, not wrapped; flowrl steps the raw optimizer

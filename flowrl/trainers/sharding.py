@@ -39,19 +39,23 @@ def shard_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
-def shard(module: torch.nn.Module, world: int, device: torch.device, bf16: bool = False) -> int:
+def shard(module: torch.nn.Module, world: int, device: torch.device, bf16: bool = False, offload: bool = False) -> int:
     """Shard `module` in place over the `world` processes of the default group; gradients are summed over the
     processes, not averaged. Returns the number of blocks sharded on their own.
 
     With `bf16` (`run.mixed_precision: bf16`) the gathered parameters are bf16 (half the all-gather traffic and
     memory) while the shards, the optimizer state and the gradient reduction stay fp32; the forwards also run under
-    autocast, in the rollout as in the update, so the old and new log-probs are computed alike (ratio exactly 1)."""
+    autocast, in the rollout as in the update, so the old and new log-probs are computed alike (ratio exactly 1).
+    With `offload` the shards, their gradients and so the optimizer's state live in CPU memory (`CPUOffloadPolicy`;
+    pinned on CUDA) and each unit's parameters are copied to `device` for its compute."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kwargs = {"mp_policy": policy} if policy is not None else {}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     units = shard_blocks(module)
     for unit in units:
         fully_shard(unit, mesh=mesh, **kwargs)
@@ -117,7 +121,13 @@ ZERO_STAGES = {"zero2": 2, "zero3": 3}
 """`run.shard` values served by DeepSpeed, and their ZeRO stage."""
 
 
-def zero_engine(module: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, max_grad_norm: float | None):
+def zero_engine(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stage: int,
+    max_grad_norm: float | None,
+    offload: bool = False,
+):
     """Wrap `module` and flowrl's `optimizer` in a DeepSpeed ZeRO engine (stage 2: gradients and optimizer state
     partitioned; stage 3: the parameters too) over the processes of the default group. DeepSpeed clips at
     `max_grad_norm` and skips a step whose gradient is not finite; flowrl cuts the minibatches and marks the
@@ -136,6 +146,12 @@ def zero_engine(module: torch.nn.Module, optimizer: torch.optim.Optimizer, stage
         "zero_optimization": {"stage": stage},
         "steps_per_print": 2**31 - 1,
     }
+    if offload:  # ZeRO-Offload: the optimizer state (and, stage 3, the parameters) in CPU memory
+        pin = torch.cuda.is_available()
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        if stage == 3:
+            config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        config["zero_force_ds_cpu_optimizer"] = False  # flowrl's own AdamW steps the offloaded partitions
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
     return engine
 

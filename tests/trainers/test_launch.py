@@ -62,3 +62,11 @@ def test_launch_shard_refusals():
         launch_shard("none", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1"})
     with pytest.raises(LaunchError, match="launches zero2 but run.shard is 'fsdp2'"):
         launch_shard("fsdp2", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})
+
+
+def test_offload_without_a_sharded_model_is_refused(tiny_world, tmp_path):
+    from flowrl.trainers import build_trainer
+    from tests.conftest import tiny_config
+
+    with pytest.raises(ValueError, match=r"run.offload moves the shards of a sharded model: it needs run.shard"):
+        build_trainer(tiny_config("flow_grpo", tmp_path, overrides=["run.offload=true"]))

@@ -425,6 +425,13 @@ def markdown(data: dict) -> str:
             "the epochs alone; wall s: one run (imports, build, both evaluations, training), "
             f"{m['jobs']} runs in parallel, one torch thread each ({m['cpu']}).",
         ]
+        dates = m.get("dates", {})
+        if len(set(dates.values())) > 1:  # rows merged from runs of different days (and code)
+            by_day = {}
+            for name, day in dates.items():
+                by_day.setdefault(day, []).append(name)
+            parts += ["", "Run on: " + "; ".join(f"{day}: {', '.join(names)}" for day, names in sorted(by_day.items()))
+                      + "."]  # fmt: skip
         if acc.get("failed"):
             parts += ["", f"Failed runs: {', '.join(acc['failed'])}."]
     timing = data.get("timing")
@@ -491,6 +498,9 @@ def main() -> int:
                 "epochs": args.epochs, "inner_epochs": args.inner_epochs, "jobs": args.jobs, "threads_per_job": 1,
                 "overrides": overrides("<objective>", "<seed>", args.epochs, args.inner_epochs),
                 "cpu": _cpu(), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+        stored = data.get("accuracy")
+        if stored and all(stored["meta"].get(k) == meta[k] for k in ("seeds", "epochs", "inner_epochs")):
+            rows, meta = _merge(stored, rows, meta)  # a subset of objectives replaces their rows only
         data["accuracy"] = {"meta": meta, "runs": rows, "failed": failed}
         ok &= not failed and not any(math.isnan(r["final_acc"]) for r in rows)
     if "timing" in parts:
@@ -503,6 +513,16 @@ def main() -> int:
     out.with_suffix(".md").write_text(text)
     print(text)
     return 0 if ok else 1
+
+
+def _merge(stored: dict, rows: list[dict], meta: dict) -> tuple[list[dict], dict]:
+    """Stored accuracy rows with the objectives just run replaced; each objective keeps the date it was run."""
+    new = meta["objectives"]
+    old = stored["meta"]["objectives"]
+    dates = stored["meta"].get("dates") or {o: stored["meta"]["date"] for o in old}
+    meta = {**meta, "objectives": [*old, *(o for o in new if o not in old)],
+            "dates": {**dates, **{o: meta["date"] for o in new}}}  # fmt: skip
+    return [r for r in stored["runs"] if r["objective"] not in new] + rows, meta
 
 
 def _cpu() -> str:

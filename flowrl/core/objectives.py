@@ -450,7 +450,9 @@ def cispo(ratio, adv, *, logp, clip_eps_low: float | None = None, clip_eps_high:
 IMAGE_SCALE = 5e-4
 """Trust-region scale of image policies: Flow-GRPO's clip range 1e-4 for SD3.5 at 512 px (element-mean log-probs
 over 65,536 latent elements) over PPO's 0.2 for tokens. Image defaults multiply widths by it and divide
-temperatures by it; the digits world (64 pixels) sits about 10x wider (its recipes clip at 1e-3)."""
+temperatures by it. Other latent sizes move a range by `flowrl.core.ratios.clip_for_latent_size` (`sqrt(65536 / D)`):
+the digits world (64 pixels) by 32x; its Flow-GRPO-family recipes clip at 1e-3 (10x, tuned), GRPO-Guard's at the
+rule's 6.4e-5."""
 
 _IMAGE_CLIP = 0.2 * IMAGE_SCALE  # 1e-4
 

@@ -20,7 +20,10 @@ from tests.conftest import tiny_config
 pytestmark = pytest.mark.distributed
 ray = pytest.importorskip("ray", reason="the asynchronous mode needs Ray (the `async` extra)")
 
-ASYNC = ["run.mode=async", "asynchrony.worker_cpus=0", "run.log_with=[]"]
+# one torch thread for the learner and the worker alike: the synchronous run they are compared with uses one too, so
+# every kernel reduces in the same order (run.threads=auto would pick per epoch what the busy worker leaves free)
+ASYNC = ["run.mode=async", "asynchrony.worker_cpus=0", "asynchrony.worker_threads=1", "run.threads=1",
+         "run.log_with=[]"]  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +47,8 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
 def synchronous(tmp_path_factory):
     """The synchronous tiny Flow-GRPO run every comparison is against: (metrics rows, final weights)."""
     folder = tmp_path_factory.mktemp("sync")
-    trainer = build_trainer(tiny_config("flow_grpo", folder, overrides=["run.epochs=3", "run.log_with=[]"]))
+    trainer = build_trainer(tiny_config("flow_grpo", folder, overrides=["run.epochs=3", "run.log_with=[]",
+                                                                        "run.threads=1"]))  # fmt: skip
     trainer.train()
     return _rows(folder), _weights(trainer)
 

@@ -58,9 +58,9 @@ def _assert_same_run(rows, weights, synchronous):
     keys = ("reward/mean", "loss", "clipfrac", "eval/reward", "eval/digits_gold")
     for a, b in zip(rows, ref_rows, strict=True):
         for key in (k for k in keys if k in b):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["epoch"], key)
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["epoch"], key)
     for name, value in ref_weights.items():
-        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5)
 
 
 def test_staleness_zero_is_the_synchronous_run(tmp_path, synchronous):
@@ -154,4 +154,4 @@ def test_a_killed_driver_resumes_with_nothing_lost(tmp_path, synchronous):
     ref_rows, _ = synchronous
     for a, b in zip(rows, ref_rows, strict=True):
         key = "reward/mean" if "reward/mean" in b else "eval/reward"
-        assert a[key] == pytest.approx(b[key], rel=1e-5)
+        assert a[key] == pytest.approx(b[key], rel=1e-4)

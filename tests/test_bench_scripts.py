@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,6 +23,7 @@ def _families_benchmarked() -> list[str]:
 SETTINGS = _families_benchmarked()
 
 
+@pytest.mark.models  # builds every benchmarked family's tiny model (10 s): the second CI tier
 def test_gpu_bench_tiny_mode_writes_its_json(tmp_path):
     out = tmp_path / "gpu_bench.json"
     args = ["--tiny", "--group", "2", "--steps", "2", "--repeats", "1", "--minibatch", "1", "--forward-batch", "2",

@@ -16,6 +16,10 @@ from safetensors.torch import load_file
 from .conftest import TINY_DIGITS_RUN
 
 
+# each test starts, kills and restarts `flowrl` processes (about 45 s together): the second CI tier
+pytestmark = pytest.mark.distributed
+
+
 DYING = """
 import os, signal, sys
 from flowrl import checkpoint

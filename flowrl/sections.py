@@ -86,6 +86,12 @@ class AsynchronyConfig:
     """`wait`: a worker never samples more than `max_staleness` versions ahead (the learner waits instead);
     `drop`: workers sample ahead freely and a batch staler than `max_staleness` on arrival is dropped (counted in
     `async/dropped`) and sampled again with the newest weights."""
+    backend: Literal["ray", "inline"] = "ray"
+    """`ray`: the rollout workers are Ray actors that sample while the learner trains. `inline`: one rollout worker
+    in the learner's process samples each epoch just before the update, with the weights of exactly the stalest
+    version the bound allows (`max_staleness` updates old, as published every `sync_every`): what a pipeline whose
+    workers keep ahead trains on, deterministic and without Ray, for staleness studies and tests (no speed-up; a
+    second copy of the model in memory)."""
     address: str | None = None
     """The Ray cluster: None starts a local one for the run; `auto` joins the cluster `ray start --head` started
     on this machine; `HOST:PORT` another machine's."""

@@ -58,12 +58,6 @@ class Algorithm(ABC):
     shard_refusal: ClassVar[str | None] = None
     """Why this algorithm cannot shard its model (`run.shard`: FSDP2 or ZeRO), or None."""
 
-    @property
-    def async_refusal(self) -> str | None:
-        """Why this run cannot sample on separate rollout workers (`run.mode: async`), or None: the workers receive
-        the trained module's weights only, so an algorithm that samples with another copy refuses."""
-        return None
-
     optimizer_options: ClassVar[dict[str, dict]] = {}
     """Extra keyword arguments of each `optim.optimizer` (control's small networks: fused AdamW)."""
 
@@ -179,6 +173,11 @@ class Algorithm(ABC):
     def lagged_copies(self) -> list:
         """Parameter copies the algorithm keeps beside the policy (`flowrl.trainers.state.EMA`: DiffusionNFT's old
         policy, AWM's KL-EMA copy, DGPO's lagged copy), each with its own prefix; checkpointed with the run."""
+        return []
+
+    def sampling_copies(self) -> list:
+        """The lagged copies the sampler reads (DiffusionNFT's old policy): the rollout workers of `run.mode: async`
+        receive them with the trained weights."""
         return []
 
     def state_dict(self) -> tuple[dict, dict[str, torch.Tensor]]:

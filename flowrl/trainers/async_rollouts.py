@@ -16,14 +16,22 @@ trainer and swaps its collector for an `AsyncCollector`:
   when none is left the run ends with one line; the learner's checkpoints are the synchronous run's, so a
   killed driver resumes with `--resume` and re-samples whatever was in flight.
 
+What the workers receive is everything the sampler reads: the trained weights, the lagged copies an algorithm
+samples with (DiffusionNFT's old policy, DGPO's after `old_sampling_after`; `Algorithm.sampling_copies`), the
+learner's optimizer-step count and the modality's state.
+
 `max_staleness: 0` with `sync_every: 1` waits for a batch of the learner's current weights every epoch: the
-synchronous run's numbers, up to the workers' kernels' reduction order.
+synchronous run's numbers, bit for bit when the workers use as many torch threads as the learner.
+
+`backend: inline` (`InlineCollector`) runs one worker in the learner's process, one batch at a time, each sampled
+with the stalest weights the bound allows: a deterministic staleness for studies, without Ray.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -44,23 +52,36 @@ def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
 
 
+def publication(trainer) -> bytes:
+    """Everything a rollout worker's sampler reads of the learner, as one blob: the trained weights, the lagged
+    copies the algorithm samples with, the optimizer-step count (DGPO switches to its copy after a number of
+    steps) and the modality's state."""
+    algorithm = trainer.algorithm
+    lagged = {k: v for copy in algorithm.sampling_copies() for k, v in copy.state_dict().items()}
+    return wire.encode({"weights": trainable_state(algorithm.trained_module()), "lagged": lagged,
+                        "modality": trainer.modality.state_dict(),
+                        "optimizer_steps": trainer.engine.optimizer_steps})  # fmt: skip
+
+
 class RolloutWorker:
     """One rollout worker (run as a Ray actor by `AsyncCollector`; usable in-process for tests).
 
     Args:
         config (`dict`): the run's resolved config (`flowrl.config.to_dict`).
         index (`int`): the worker's number (its run folder's name, its log lines).
-        threads (`int`): torch threads.
+        threads (`int` or `None`): torch threads (None: leave the process's count, as an inline worker does).
     """
 
-    def __init__(self, config: dict, index: int, threads: int = 1):
+    def __init__(self, config: dict, index: int, threads: int | None = 1):
         from flowrl.trainers import Trainer, load_config
 
-        torch.set_num_threads(max(1, threads))
+        if threads is not None:
+            torch.set_num_threads(max(1, threads))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.index = index
         self.folder = Path(tempfile.mkdtemp(prefix=f"flowrl-rollout-{index}-"))
-        overrides = [f"run.output_dir={self.folder}", "run.log_with=[]", "run.mode=sync", f"run.threads={threads}"]
+        overrides = [f"run.output_dir={self.folder}", "run.log_with=[]", "run.mode=sync",
+                     f"run.threads={'torch' if threads is None else threads}"]  # fmt: skip
         self.trainer = Trainer(load_config(config, overrides))
         self.module = self.trainer.algorithm.trained_module()
         self.version = -1
@@ -71,16 +92,23 @@ class RolloutWorker:
     def load(self, version: int, blob: bytes) -> int:
         """Take the learner's weights (and modality state) of `version`."""
         value, _ = wire.decode(blob)
-        weights, modality = value["weights"], value["modality"]
+        weights = value["weights"]
         missing = set(weights) - set(trainable_state(self.module))
         if missing:
             raise wire.WireError(f"rollout worker {self.index}: the learner sent weights it has no place for: "
                                  f"{sorted(missing)[:3]}")  # fmt: skip
         with torch.no_grad():
             self.module.load_state_dict(weights, strict=False)
-        self.trainer.modality.load_state_dict(modality)
+        for copy in self.trainer.algorithm.sampling_copies():
+            copy.load_state_dict(value["lagged"])
+        self.trainer.engine.optimizer_steps = value["optimizer_steps"]
+        self.trainer.modality.load_state_dict(value["modality"])
         self.version = version
         return version
+
+    def close(self) -> None:
+        """Remove the worker's scratch run folder."""
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def collect(self, epoch: int) -> bytes:
         """Epoch `epoch`'s batch, sampled and scored with the newest weights, as a blob (`wire.encode`)."""
@@ -105,14 +133,13 @@ class AsyncCollector:
     the rollout workers (see the module docstring).
 
     Args:
-        config: the run's config (`asynchrony` section, `run.epochs`).
-        module (`torch.nn.Module`): the learner's trained module (its weights are published).
-        modality: the learner's modality (its state is published; a batch's worker state is loaded back).
+        trainer (`flowrl.trainers.Trainer`): the learner (its config's `asynchrony` section and `run.epochs`; what
+            it publishes: `publication`; its modality takes back each batch's worker state).
     """
 
-    def __init__(self, config, module: torch.nn.Module, modality):
-        self.config, self.cfg = config, config.asynchrony
-        self.module, self.modality = module, modality
+    def __init__(self, trainer):
+        self.trainer, self.config, self.cfg = trainer, trainer.config, trainer.config.asynchrony
+        self.modality = trainer.modality
         self.version = 0  # updates the learner has made (its weights' version)
         self.published = -1  # the version the workers have
         self.workers: list = []
@@ -156,8 +183,7 @@ class AsyncCollector:
 
     def _publish(self) -> None:
         ray = self._ray()
-        blob = wire.encode({"weights": trainable_state(self.module), "modality": self.modality.state_dict()})
-        self.weights_ref = ray.put(blob)
+        self.weights_ref = ray.put(publication(self.trainer))
         self.published = self.version
         for worker in self.workers:
             if worker is not None:

@@ -142,11 +142,8 @@ class DGPO(PreferenceAlgorithm):
         step = self.engine.optimizer_steps if step is None else step
         return min(c.old_decay_rate * max(step - 1, 0), c.old_decay_max)
 
-    @property
-    def async_refusal(self) -> str | None:
-        if self.old is not None and self.config.old_sampling_after is not None:
-            return "DGPO with old_sampling_after samples with its lagged copy, which rollout workers do not receive"
-        return None
+    def sampling_copies(self):
+        return [self.old] if self.old is not None and self.config.old_sampling_after is not None else []
 
     def sampler(self):
         base = super().sampler()

@@ -210,14 +210,14 @@ class Trainer:
                 self.collector.close()
 
     def _async_collector(self):
-        """`run.mode: async`: the collector that takes each epoch's batch from Ray rollout workers."""
+        """`run.mode: async`: the collector that takes each epoch's batch from rollout workers (Ray actors, or one
+        in this process with `asynchrony.backend: inline`)."""
         from flowrl.trainers.async_rollouts import AsyncCollector
+        from flowrl.trainers.inline_rollouts import InlineCollector
 
         if self.engine.processes.world > 1:
             raise ValueError("run.mode=async runs one learner process (a torchrun learner group is not supported yet)")
-        if self.algorithm.async_refusal:
-            raise ValueError(f"{self.config.trainer}: run.mode=async: {self.algorithm.async_refusal}")
-        return AsyncCollector(self.config, self.algorithm.trained_module(), self.modality)
+        return (InlineCollector if self.config.asynchrony.backend == "inline" else AsyncCollector)(self)
 
     # ------------------------------------------------------------------------------------------
     # checkpoints

@@ -154,9 +154,8 @@ class DiffusionNFT(PerDrawAlgorithm):
         step = self.engine.optimizer_steps if step is None else step
         return min(c.old_decay_rate * max(0, step - c.old_decay_flat), c.old_decay_max)
 
-    @property
-    def async_refusal(self) -> str | None:
-        return "DiffusionNFT samples with its old policy copy, which rollout workers do not receive"
+    def sampling_copies(self):
+        return [self.old]
 
     def sampler(self):
         """Rollouts come from the old policy."""

@@ -57,10 +57,13 @@ class ControlCollector:
         gamma (`float`), lam (`float`): discount and GAE lambda.
         seed (`int`): seeds of the episodes and the action noise.
         processes (`Processes`, *optional*): this process's share of the environments (None: all of them).
+        continue_episodes (`bool`): carry each environment's episode into the next `collect` (only the first one
+            resets, from its epoch's seeds) instead of starting fresh episodes every epoch.
     """
 
     def __init__(self, env_id: str, num_envs: int, steps_per_env: int, env_kwargs: dict, normalizer: Normalizer,
-                 policy, *, chain: bool = False, gamma: float, lam: float, seed: int, processes=None):  # fmt: skip
+                 policy, *, chain: bool = False, gamma: float, lam: float, seed: int, processes=None,
+                 continue_episodes: bool = False):  # fmt: skip
         self.processes = processes
         world, rank = (processes.world, processes.rank) if processes is not None else (1, 0)
         if num_envs % world:
@@ -73,6 +76,8 @@ class ControlCollector:
         self.num_envs, self.steps = num_envs, steps_per_env
         self.normalizer, self.policy, self.chain = normalizer, policy, chain
         self.gamma, self.lam, self.seed = gamma, lam, seed
+        self.continue_episodes = continue_episodes
+        self.carry = None  # (raw observations [E, O], episode returns [E], lengths [E]) of the running episodes
 
     def _everyone(self, *parts: np.ndarray) -> list[np.ndarray]:
         """This process's `[e, ...]` arrays -> every process's `[E, ...]` (one all-gather of them all)."""
@@ -96,13 +101,16 @@ class ControlCollector:
     def collect(self, epoch: int) -> Collected:
         start = time.time()
         n, norm, mine = self.num_envs, self.normalizer, self.mine
-        norm.start_epoch()
-        first = env_seed(self.seed, epoch, 11, 0)  # environment e starts from first + e (gymnasium's convention)
-        raw, _ = self.envs.reset(seed=[first + e for e in range(n)[mine]])
-        (raw,) = self._everyone(raw)
+        if self.carry is None:  # fresh episodes: every epoch, or the first with continue_episodes
+            norm.start_epoch()
+            first = env_seed(self.seed, epoch, 11, 0)  # environment e starts from first + e (gymnasium's convention)
+            raw, _ = self.envs.reset(seed=[first + e for e in range(n)[mine]])
+            (raw,) = self._everyone(raw)
+            episode_return, episode_length = np.zeros(n), np.zeros(n, np.int64)
+        else:
+            raw, episode_return, episode_length = self.carry
         generator = seeded(self.seed, epoch, 12, 0)  # one stream, drawn for every environment on every process
         obs_t, actions_t, chains, rewards, dones, values = [], [], [], [], [], []
-        episode_return, episode_length = np.zeros(n), np.zeros(n, np.int64)
         returns, lengths = [], []
         for _ in range(self.steps):
             obs = torch.from_numpy(norm.observe(raw, update=True))  # [E, O]
@@ -134,6 +142,8 @@ class ControlCollector:
             dones.append(torch.from_numpy(done[mine]))
             values.append(value[mine])
         last_value = self.policy.value(torch.from_numpy(norm.observe(raw, update=False)))[mine]
+        if self.continue_episodes:  # the unfinished episodes go on next epoch (bootstrapped with V here)
+            self.carry = (raw, episode_return, episode_length)
         collect_s = time.time() - start
         # GAE over [e, T]; rows are time-major [T * e]
         v = torch.stack(values, 1)  # [e, T]

@@ -22,6 +22,12 @@ class EnvConfig:
     """Environments stepped together, over every process (each steps its share)."""
     steps_per_env: int = 1024
     """Steps per environment per epoch: an epoch's rollout has `num_envs * steps_per_env` transitions."""
+    continue_episodes: bool = False
+    """Keep each environment's episode running from one epoch into the next, as SB3's rollouts do. Off: every
+    epoch starts fresh episodes from `(run.seed, epoch)` seeds, so with `steps_per_env` below the episode length
+    the later part of an episode is never trained on (though evaluation runs it), and a resumed run repeats the
+    uninterrupted one exactly. On: training sees whole episodes; a resumed run's first epoch starts fresh
+    episodes (environment states are not checkpointed), so it is not bit-identical to an uninterrupted run."""
     normalize_obs: bool = False
     """Normalise observations by running statistics (SB3's `VecNormalize`); frozen within an epoch's update."""
     normalize_reward: bool = False
@@ -146,4 +152,7 @@ class ControlConfig(HasObjective, BaseConfig):
             (e.num_envs >= 1 and e.steps_per_env >= 1, "env.num_envs and env.steps_per_env must be >= 1"),
             (self.vf_coef >= 0 and self.ent_coef >= 0, "vf_coef and ent_coef must be >= 0"),
             (self.eval.episodes >= 1, "eval.episodes must be >= 1"),
+            (not (e.continue_episodes and self.run.mode == "async"),
+             "env.continue_episodes keeps episodes running in the process that steps them; run.mode=async samples "
+             "epochs on any rollout worker: use one or the other"),
         ]  # fmt: skip

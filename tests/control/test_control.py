@@ -394,3 +394,22 @@ def test_control_cli_trains_the_bimodal_task(tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["env_steps"] == 4096 and "clipfrac" in rows[-1] and "env_steps_per_s" in rows[-1]
     assert main(["eval", str(out)]) == 0
+
+
+@pytest.mark.parametrize("continue_episodes", [False, True])
+def test_continue_episodes_carries_episodes_across_epochs(tmp_path, continue_episodes):
+    """Pendulum's episodes last 200 steps, an epoch 32: only with `env.continue_episodes` does an epoch pick up
+    where the last one stopped, and do whole episodes end (at step 200, inside epoch 6)."""
+    trainer = build_trainer(tiny("ppo", **{"env.continue_episodes": continue_episodes}), output_dir=tmp_path)
+    collector = trainer.collector
+    epochs = [collector.collect(epoch) for epoch in range(7)]
+    ended = [c.info["episode_lengths"] for c in epochs]
+    assert ended == ([[]] * 6 + [[200, 200]] if continue_episodes else [[]] * 7)
+    # epoch 1 starts from epoch 1's reset seeds only when episodes are not carried over
+    fresh = build_trainer(tiny("ppo"), output_dir=tmp_path / "fresh").collector.collect(1).data.obs[:2]
+    assert torch.equal(epochs[1].data.obs[:2], fresh) != continue_episodes
+
+
+def test_continue_episodes_is_refused_in_the_async_mode():
+    with pytest.raises(ConfigError, match="env.continue_episodes keeps episodes running"):
+        tiny("ppo", **{"env.continue_episodes": True, "run.mode": "async"})

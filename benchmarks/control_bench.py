@@ -30,7 +30,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-ENVS = {"pendulum": 60_000, "bimodal": 30_000, "halfcheetah": 60_000, "hopper": 60_000}
+ENVS = {"pendulum": 60_000, "bimodal": 30_000, "halfcheetah": 60_000, "hopper": 60_000, "halfcheetah_zoo": 300_000}
 """Default env-step budget per environment (2 CPU cores: see docs/control.md)."""
 METHODS = ["fpo", "dppo", "ppo", "sb3"]
 LABELS = {"fpo": "flowrl FPO", "dppo": "flowrl denoising-MDP PPO", "ppo": "flowrl Gaussian PPO", "sb3": "SB3 PPO"}
@@ -80,6 +80,8 @@ def run_sb3(env: str, seed: int, steps: int, out: Path) -> dict:
         venv = VecNormalize(venv, norm_obs=e.normalize_obs, norm_reward=e.normalize_reward, clip_obs=e.clip_obs,
                             clip_reward=e.clip_reward, gamma=c.advantage.gamma)  # fmt: skip
     p = c.policy
+    if (p.ortho_init, p.activation) != (c.critic.ortho_init, c.critic.activation):
+        raise ValueError("SB3's MlpPolicy has one ortho_init and activation for both networks: set both alike")
     activation = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU, "silu": torch.nn.SiLU}[p.activation]
     model = PPO(
         "MlpPolicy", venv, learning_rate=c.optim.lr, n_steps=e.steps_per_env, batch_size=c.batch.mini_batch_size,
@@ -163,16 +165,17 @@ def single(env: str, method: str, seed: int, steps: int, out: Path) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| environment | budget | method | final return (mean ± std) | seeds | train wall s | env-steps/s |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| environment | budget | method | final return (mean ± std) | SE | seeds | train wall s | env-steps/s |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for env in dict.fromkeys(r["env"] for r in rows):
         for method in METHODS:
             group = [r for r in rows if r["env"] == env and r["method"] == method]
             if not group:
                 continue
             ret = np.array([r["return"] for r in group])
+            se = ret.std(ddof=1) / np.sqrt(len(ret)) if len(ret) > 1 else float("nan")
             lines.append(f"| {env} | {group[0]['budget'] // 1000}k | {LABELS[method]} | {ret.mean():.1f} ± "
-                         f"{ret.std():.1f} | {len(group)} | {np.mean([r['train_s'] for r in group]):.0f} | "
+                         f"{ret.std():.1f} | {se:.1f} | {len(group)} | {np.mean([r['train_s'] for r in group]):.0f} | "
                          f"{np.mean([r['env_steps_per_s'] for r in group]):.0f} |")  # fmt: skip
     bimodal = [r for r in rows if r["env"] == "bimodal"]
     if bimodal:

@@ -67,6 +67,9 @@ class ControlCriticConfig:
     """Hidden layers."""
     activation: Literal["tanh", "relu", "silu"] = "tanh"
     """Activation."""
+    ortho_init: bool = True
+    """Orthogonal init (gain sqrt(2), 1 for the output), else PyTorch's default. SB3's `ortho_init` covers the
+    policy and the value network alike: a zoo config with `ortho_init: False` sets it here and in `policy`."""
 
 
 @dataclasses.dataclass

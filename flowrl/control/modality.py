@@ -59,7 +59,8 @@ class ControlModality:
         """The actor-critic of `actor` and a value MLP (`critic`), unless a policy was given."""
         if self.policy is None:
             c = self.config.critic
-            self.policy = ActorCritic(actor, self.obs_dim, hidden=c.hidden, depth=c.depth, activation=c.activation)
+            self.policy = ActorCritic(actor, self.obs_dim, hidden=c.hidden, depth=c.depth, activation=c.activation,
+                                       ortho_init=c.ortho_init)  # fmt: skip
         return self.policy
 
     def ensure_reference(self, offload: bool = False) -> None:

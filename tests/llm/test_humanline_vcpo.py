@@ -1,7 +1,6 @@
 """Humanline (arXiv:2509.24207; HALOs `humanline=true`) and VCPO's ESS learning-rate scaling (arXiv:2602.17616):
 hand-computed losses and scales, the per-step anchor sync, and short runs of TROLL, Humanline and VCPO on arith."""
 
-import json
 import math
 
 import pytest
@@ -10,11 +9,7 @@ import torch
 from flowrl.core import compute_policy_loss, get_objective
 from flowrl.trainers import build_trainer, load_config
 from flowrl.trainers.ess import ESSScaling, ess_ratio, lr_scale
-from tests.conftest import tiny_config
-
-
-def tiny(**overrides):
-    return tiny_config("text", overrides=[f"{key}={json.dumps(value)}" for key, value in overrides.items()])
+from tests.llm.helpers import full_and_resumed, tiny
 
 
 def one(x, a, **hp):
@@ -110,14 +105,7 @@ def test_sync_reference_gives_ratio_one_at_first_and_lags_one_step(tmp_path):
 
 def test_sync_reference_resumes_exactly(tmp_path):
     overrides = {"objective.name": "humanline", "sync_reference": True, "run.epochs": 2, "run.save_every": 1}
-    full = build_trainer(tiny(**overrides), output_dir=tmp_path / "full")
-    full.train()
-    part = build_trainer(tiny(**{**overrides, "run.epochs": 1}), output_dir=tmp_path / "part")
-    part.train()
-    resumed = build_trainer(tiny(**overrides), output_dir=tmp_path / "part")
-    resumed.train(resume=True)
-    for a, b in zip(full.params, resumed.params):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    full, resumed = full_and_resumed(tmp_path, overrides, stop=1)
     for a, b in zip(full.algorithm.anchor.shadow, resumed.algorithm.anchor.shadow):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -10,7 +10,7 @@ import torch
 from flowrl.core import get_objective, list_objectives
 from flowrl.llm.logprobs import token_log_probs
 from flowrl.trainers import build_trainer, load_config
-from tests.conftest import tiny_config
+from tests.llm.helpers import full_and_resumed, tiny
 
 
 pytest.importorskip("transformers")
@@ -18,11 +18,6 @@ pytest.importorskip("transformers")
 IMAGE_ONLY = {"grpo_guard", "flow_dppo", "diffusion_dpo", "dgpo"}
 """Objectives that need a denoising step's Gaussian std and mean shift, or elements a group shares (the preference
 objectives' flow-matching draws)."""
-
-
-def tiny(**overrides):
-    """The shared tiny text config (8 arith prompts x 4 completions of at most 4 tokens), dotted-key overrides."""
-    return tiny_config("text", overrides=[f"{key}={json.dumps(value)}" for key, value in overrides.items()])
 
 
 def test_ratio_is_exactly_one_at_the_behaviour_weights(tmp_path):
@@ -82,17 +77,10 @@ def test_dr_grpo_normalises_by_the_completion_budget(tmp_path):
 
 def test_exact_resume_with_controller_state(tmp_path):
     overrides = {"objective.name": "r2vpo", "run.epochs": 4, "run.save_every": 2, "batch.inner_epochs": 2}
-    full = build_trainer(tiny(**overrides), output_dir=tmp_path / "full")
-    full.train()
-    part = build_trainer(tiny(**{**overrides, "run.epochs": 2}), output_dir=tmp_path / "part")
-    part.train()
-    resumed = build_trainer(tiny(**overrides), output_dir=tmp_path / "part")
-    resumed.train(resume=True)
+    full, resumed = full_and_resumed(tmp_path, overrides, stop=2)
     state = full.algorithm.objective_state
     assert resumed.algorithm.objective_state["lambda"] == pytest.approx(state["lambda"], abs=0, rel=0)
     assert state["lambda"] > 0  # the controller moved, so the comparison means something
-    for a, b in zip(full.params, resumed.params):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
     saved = json.loads((tmp_path / "part" / "checkpoints" / "epoch_4" / "trainer_state.json").read_text())
     assert saved["objective_state"]["lambda"] == state["lambda"]
 
@@ -105,17 +93,10 @@ def test_exact_resume_with_dcpo_smooth_advantage_state(tmp_path):
     train.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in problems))
     overrides = {"objective.name": "dcpo", "advantage.estimator": "sas", "run.epochs": 4, "run.save_every": 2,
                  "prompts.prompts_per_epoch": 4, "prompts.train": str(train)}  # fmt: skip
-    full = build_trainer(tiny(**overrides), output_dir=tmp_path / "full")
-    full.train()
-    part = build_trainer(tiny(**{**overrides, "run.epochs": 2}), output_dir=tmp_path / "part")
-    part.train()
-    resumed = build_trainer(tiny(**overrides), output_dir=tmp_path / "part")
-    resumed.train(resume=True)
+    full, resumed = full_and_resumed(tmp_path, overrides, stop=2)
     pools = full.algorithm.estimator.tracker.prompts
     assert [visits for visits, _, _ in pools.values()] == [4] * 4  # every prompt revisited: the history mattered
     assert resumed.algorithm.estimator.tracker.prompts == pools
-    for a, b in zip(full.params, resumed.params):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
     saved = json.loads((tmp_path / "part" / "checkpoints" / "epoch_4" / "trainer_state.json").read_text())
     assert saved["advantage"]["sas"]["prompts"].keys() == pools.keys()
 

@@ -209,7 +209,8 @@ def stitch(rows: list[dict], runs: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--envs", default=",".join(ENVS))
+    # halfcheetah_zoo (the zoo tuned PPO settings) has ppo and sb3 configs only: --methods ppo,sb3
+    parser.add_argument("--envs", default="pendulum,bimodal,halfcheetah,hopper")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, help="env-step budget for every environment (default: per environment)")

@@ -52,6 +52,13 @@ def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
 
 
+def async_metrics(staleness: int, wait_s: float, dropped: int, restarts: int, worker: int) -> dict[str, float]:
+    """The `async/*` metrics of an epoch's batch: its staleness (versions), the learner's wait for it, the run's
+    dropped batches and replaced workers so far, and the worker that sampled it."""
+    return {"async/staleness": float(staleness), "async/wait_s": wait_s, "async/dropped": float(dropped),
+            "async/restarts": float(restarts), "async/worker": float(worker)}  # fmt: skip
+
+
 def publication(trainer) -> bytes:
     """Everything a rollout worker's sampler reads of the learner, as one blob: the trained weights, the lagged
     copies the algorithm samples with, the optimizer-step count (DGPO switches to its copy after a number of
@@ -260,9 +267,7 @@ class AsyncCollector:
         self.modality.load_state_dict(header["modality"])
         waited = time.time() - start
         self._fill(epoch + 1)  # the next epochs sample while this one trains
-        collected.times.update({"async/staleness": float(staleness), "async/wait_s": waited,
-                                "async/dropped": float(self.dropped), "async/restarts": float(self.restarts),
-                                "async/worker": float(header["worker"])})  # fmt: skip
+        collected.times.update(async_metrics(staleness, waited, self.dropped, self.restarts, header["worker"]))
         return collected
 
     def updated(self, epoch: int) -> None:

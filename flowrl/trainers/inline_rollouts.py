@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from flowrl.trainers import wire
-from flowrl.trainers.async_rollouts import RolloutWorker, publication
+from flowrl.trainers.async_rollouts import AsyncCollector, RolloutWorker, async_metrics, publication
 
 
 class _RandomState:
@@ -97,15 +97,10 @@ class InlineCollector:
                 self.worker.load(version, self.published[version])
             collected, header = wire.decode(self.worker.collect(epoch))
         self.trainer.modality.load_state_dict(header["modality"])
-        collected.times.update({"async/staleness": float(self.version - version), "async/wait_s": time.time() - start,
-                                "async/dropped": 0.0, "async/restarts": 0.0, "async/worker": 0.0})  # fmt: skip
+        collected.times.update(async_metrics(self.version - version, time.time() - start, 0, 0, 0))
         return collected
 
-    def updated(self, epoch: int) -> None:
-        """The learner finished epoch `epoch`'s update: its weights are version `epoch + 1`; publish when due."""
-        self.version = epoch + 1
-        if self.version % self.cfg.sync_every == 0 and self.version < self.config.run.epochs:
-            self._publish()
+    updated = AsyncCollector.updated  # version `epoch + 1` after epoch `epoch`'s update; publish when due
 
     def close(self) -> None:
         if self.worker is not None:

@@ -22,7 +22,8 @@ runs with the `models` tier (`.ci/run`'s second step)."""
 def _pipeline(family, folder):
     import diffusers
 
-    return getattr(diffusers, MODEL_FAMILIES.get(family).pipeline_class).from_pretrained(folder)
+    cls = MODEL_FAMILIES.get(family)  # (Qwen-Image-Edit: its processor without torchvision, as flowrl loads it)
+    return getattr(diffusers, cls.pipeline_class).from_pretrained(folder, **cls.pipeline_load_kwargs(str(folder)))
 
 
 def _options(family):

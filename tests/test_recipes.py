@@ -33,6 +33,14 @@ SHRINK = {
     "wan": ["sampling.window_span=[1, 3]"],  # configs/wan: Flow-Factory's one SDE step drawn from steps 1..3
     # configs/flux_kontext: the same window; source images at the shrunk target size, not 384 px
     "flux_kontext": ["sampling.window_span=[1, 3]", "model.options.condition_size=[64, 64]"],
+    # configs/qwen_image_edit*: sources at the target size, few vision tokens, room for the tiny tokenizer's prompts
+    "qwen_image_edit": ["model.options.condition_size=[64, 64]", "model.options.max_sequence_length=64"],
+    "qwen_image_edit_plus": [
+        "sampling.window_span=[1, 3]",
+        "model.options.condition_size=[64, 64]",
+        "model.options.vision_size=[56, 56]",
+        "model.options.max_sequence_length=64",
+    ],
 }
 """What else shrinks with 3 steps and groups of 2: draws, branches, windows (by trainer, or by config folder)."""
 

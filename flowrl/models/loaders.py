@@ -102,10 +102,14 @@ def load_pipeline(
             raise FileNotFoundError(f"model folder {path} does not exist (pass a hub id or a save_pretrained folder)")
         family = family or detect_family(path)
         name = str(path)
+    load_kwargs = dict
     if family is None:
         pipeline_cls = diffusers.DiffusionPipeline
     elif family in families():
+        from flowrl.models.families import MODEL_FAMILIES
+
         pipeline_cls = getattr(diffusers, families()[family])
+        load_kwargs = MODEL_FAMILIES.get(family).pipeline_load_kwargs
     else:
         raise ValueError(f"unknown model family {family!r}; choose from {', '.join(families())}")
     from packaging.version import Version
@@ -113,7 +117,7 @@ def load_pipeline(
     # diffusers 0.42 renamed `torch_dtype` to `dtype`
     dtype_key = "dtype" if Version(diffusers.__version__) >= Version("0.42") else "torch_dtype"
     try:
-        pipe = pipeline_cls.from_pretrained(name, **{dtype_key: dtype}, **kwargs)
+        pipe = pipeline_cls.from_pretrained(name, **{dtype_key: dtype}, **{**load_kwargs(name), **kwargs})
     except (OSError, ValueError) as err:
         if local:
             raise

@@ -129,6 +129,12 @@ class ModelAdapter(ABC):
         return {}
 
     @classmethod
+    def pipeline_load_kwargs(cls, name_or_path: str) -> dict:
+        """Components `load_pipeline` passes to the pipeline's `from_pretrained` instead of loading them itself
+        (default none; Qwen-Image-Edit: its processor, without the video processor that needs torchvision)."""
+        return {}
+
+    @classmethod
     def set_pipeline_guidance(cls, pipeline, guidance_scale: float) -> None:
         """Make a diffusers `pipeline` guide as flowrl's `guidance_scale` where a component, not a `__call__`
         argument, holds the scale (default nothing; HunyuanVideo 1.5: its `guider`)."""
@@ -244,6 +250,12 @@ class ModelAdapter(ABC):
 
     edits: bool = False
     """Whether the family conditions on source images (an editing model: `prepare_sources`, `encode_sources`)."""
+    negative_sees_sources: bool = False
+    """Whether the negative prompt is encoded with each pair's source images too (`encode_source_text`;
+    Qwen-Image-Edit: its vision-language encoder sees them), so the unconditional branch is per pair
+    (`flowrl.policies.sources`)."""
+    pipeline_needs_sources: bool = False
+    """Whether the diffusers pipeline refuses a call without a source image (its tests then pass one)."""
 
     def prepare_sources(self, images: list) -> tuple[torch.Tensor, object]:
         """One sample's source images (PIL images or `[3, H, W]` tensors in [0, 1]) as the pipeline prepares them:
@@ -257,6 +269,11 @@ class ModelAdapter(ABC):
         prompt's text conditioning row by row (a key named like a text key replaces it: a family whose text encoder
         sees the image, as Qwen-Image-Edit's does, returns its prompt embeddings here); `forward` reads them."""
         raise ValueError(f"model family {self.family!r} is not an editing model: it takes no source images")
+
+    def encode_source_text(self, prompt: str, inputs) -> dict[str, torch.Tensor]:
+        """The text conditioning of `prompt` shown with one pair's prepared sources (families with
+        `negative_sees_sources`: the negative prompt's conditioning per pair)."""
+        raise ValueError(f"model family {self.family!r} does not encode text with source images")
 
 
 def guidance_embedding(model, guidance_scale: float, n: int, device) -> torch.Tensor | None:

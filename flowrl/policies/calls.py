@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.policies.sde import StepOutput, ddim_step, sde_step
+from flowrl.policies.sources import NEGATIVE
 from flowrl.policies.text_store import TextStore, encoders_on, offload_encoders
 
 
@@ -20,6 +21,15 @@ class _Chunk:
     """How many of the rows are real (the rest is padding)."""
     cond: dict
     """The chunk's conditioning, with the unconditional branch prepended under CFG."""
+
+
+def _unconditional(key: str, value: torch.Tensor, cond: dict, null_cond: dict, size: int) -> torch.Tensor:
+    """The unconditional branch's `[size, ...]` for one conditioning key: the pair's own negative conditioning
+    (`negative:<key>`, when the negative prompt sees the source images), else the negative prompt's, else (a source
+    image's latents) the same as the conditional branch's."""
+    if NEGATIVE + key in cond:
+        return cond[NEGATIVE + key]
+    return null_cond[key].expand(size, *value.shape[1:]) if key in null_cond else value
 
 
 class ChunkedCalls:
@@ -99,9 +109,11 @@ class ChunkedCalls:
                 rows = torch.cat([rows, rows[:1].expand(size - real)])
             whole = real == n == size  # one full chunk: use the tensors as they are, no gathers
             chunk_cond = cond if whole else {k: v[rows.to(v.device)] for k, v in cond.items()}
-            if null_cond is not None:  # (editing: a source image's conditioning is the same in both branches)
-                chunk_cond = {k: torch.cat([null_cond[k].expand(size, *v.shape[1:]) if k in null_cond else v, v])
-                              for k, v in chunk_cond.items()}  # fmt: skip
+            if null_cond is not None:
+                chunk_cond = {k: torch.cat([_unconditional(k, v, chunk_cond, null_cond, size), v])
+                              for k, v in chunk_cond.items() if not k.startswith(NEGATIVE)}  # fmt: skip
+            elif any(k.startswith(NEGATIVE) for k in chunk_cond):
+                chunk_cond = {k: v for k, v in chunk_cond.items() if not k.startswith(NEGATIVE)}
             plan.append(_Chunk(None if whole else rows, real, chunk_cond))
         return plan
 

@@ -19,6 +19,11 @@ from pathlib import Path
 import torch
 
 
+NEGATIVE = "negative:"
+"""Prefix of a pair's conditioning for the unconditional branch (families whose negative prompt sees the sources:
+`ModelAdapter.negative_sees_sources`); the CFG plan puts `negative:<key>` in the unconditional half for `<key>`."""
+
+
 def as_sources(entry) -> list:
     """One sample's source images as a list (a single image, or a sequence of them; `None`/empty: no source)."""
     if entry is None:
@@ -98,6 +103,9 @@ class SourceConditioning:
                 if key not in self._source_cache:
                     pixels, pre = self.adapter.prepare_sources([load_source(s) for s in entry])
                     cond = self.adapter.encode_sources(prompt, pre)
+                    if self.adapter.negative_sees_sources:  # the unconditional branch of this pair
+                        negative = self.adapter.encode_source_text(self.negative_prompt, pre)
+                        cond.update({NEGATIVE + k: v for k, v in negative.items()})
                     self._source_cache[key] = (pixels.float().cpu(), cond)
         shapes = {tuple(self._source_cache[k][0].shape) for k in unique}
         if len(shapes) > 1:

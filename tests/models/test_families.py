@@ -20,8 +20,10 @@ GUIDANCE = 3.5
 
 def _options(family) -> dict:
     """Short T5 prompts where the family has that option."""
-    fields = {f.name for f in dataclasses.fields(MODEL_FAMILIES.get(family).Options)}
-    options = {"max_sequence_length": 16} if "max_sequence_length" in fields else {}
+    cls = MODEL_FAMILIES.get(family)
+    fields = {f.name for f in dataclasses.fields(cls.Options)}
+    length = 32 if cls.pipeline_needs_sources else 16  # (Qwen-Image-Edit-Plus: "Picture 1: " and its delimiters)
+    options = {"max_sequence_length": length} if "max_sequence_length" in fields else {}
     return {**options, "num_frames": 5} if "num_frames" in fields else options  # video families: 5 frames
 
 
@@ -44,6 +46,38 @@ def _guidance(family, batch_size, pipe=None) -> dict:
 
 def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
+
+
+def _sources(family, n) -> dict:
+    """`source_images` for `n` prompts where the family's pipeline refuses a call without one (else nothing)."""
+    if not MODEL_FAMILIES.get(family).pipeline_needs_sources:
+        return {}
+    from flowrl.prompts.edit_shapes import draw
+
+    return {"source_images": [draw("square", "blue", (10, 12, 40, 42))] * n}
+
+
+@pytest.fixture(autouse=True)
+def _small_sources(monkeypatch):
+    """Qwen-Image-Edit's pipelines size sources at about 1024^2 (and Plus's vision copy 384^2) pixels: here 64^2 and
+    32^2, for the pipeline and flowrl's adapter alike (the adapter reads the pipeline module's rules)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: (64, 64, None))
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 32 * 32)
+
+
+def _pipeline_images(family, pipe, prompts, latents, **kwargs) -> torch.Tensor:
+    """The pipeline's images from `_gen()` (the rollout's generator), or where the family needs source images, from
+    the rollout's initial `latents` with them (one call per prompt: Qwen-Image-Edit-Plus's pipeline takes one
+    prompt per call)."""
+    sources = _sources(family, len(prompts)).get("source_images")
+    if sources is None:
+        return _pixels(pipe(prompt=list(prompts), generator=_gen(), **kwargs))
+    calls = [pipe(prompt=[p], image=s, latents=latents[i : i + 1], **{**kwargs, **_guidance(family, 1)})
+             for i, (p, s) in enumerate(zip(prompts, sources))]  # fmt: skip
+    return torch.cat([_pixels(c) for c in calls])
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -76,10 +110,10 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(family):
     name, pipe = family
     policy = DiffusionPolicy.from_pipeline(pipe, options=_options(name))
     rollout = policy.rollout(PROMPTS, num_steps=4, guidance_scale=GUIDANCE, sampler="ode", generator=_gen(),
-                             height=64, width=64)  # fmt: skip
-    images = pipe(prompt=list(PROMPTS), height=64, width=64, num_inference_steps=4, output_type="pt", generator=_gen(),
-                  **_guidance(name, len(PROMPTS), pipe), **_options(name))  # fmt: skip
-    images = _pixels(images)
+                             height=64, width=64, **_sources(name, len(PROMPTS)))  # fmt: skip
+    latents = policy.adapter.initial_latents(len(PROMPTS), 64, 64, _gen())  # the rollout's initial noise
+    images = _pipeline_images(name, pipe, PROMPTS, latents, height=64, width=64, num_inference_steps=4,
+                              output_type="pt", **_guidance(name, len(PROMPTS), pipe), **_options(name))  # fmt: skip
     assert rollout.images.shape[:2] == (4, 3) and rollout.images.shape[-2:] == (64, 64)
     assert rollout.images.shape == images.shape
     assert 0 <= rollout.images.min() and rollout.images.max() <= 1
@@ -93,7 +127,7 @@ def test_the_default_sampler_rescores_exactly(family):
     policy = DiffusionPolicy.from_pipeline(pipe, options=_options(name))
     sampler = MODEL_FAMILIES.get(name).default_sampler
     rollout = policy.rollout(PROMPTS, num_steps=4, guidance_scale=GUIDANCE, sampler=sampler, noise_level=0.8,
-                             generator=_gen(1), height=64, width=64)  # fmt: skip
+                             generator=_gen(1), height=64, width=64, **_sources(name, len(PROMPTS)))  # fmt: skip
     steps = rollout.sde_steps
     assert len(steps) >= 3
     assert torch.equal(policy.log_prob(rollout, steps.expand(4, -1)), rollout.log_probs[:, steps])
@@ -110,20 +144,22 @@ def test_lora_round_trip_through_diffusers_load_lora_weights(family, tmp_path):
         for param_name, param in policy.model.named_parameters():
             if "lora_B" in param_name:
                 param.normal_(0, 0.05)
-    trained = policy.rollout(["a cat", "a dog"], num_steps=3, guidance_scale=GUIDANCE, sampler="ode",
-                             generator=_gen(), height=64, width=64).images  # fmt: skip
+    prompts, sources = ["a cat", "a dog"], _sources(name, 2)
+    trained = policy.rollout(prompts, num_steps=3, guidance_scale=GUIDANCE, sampler="ode", generator=_gen(),
+                             height=64, width=64, **sources).images  # fmt: skip
     path = policy.save_lora(tmp_path)
     assert path.name == "pytorch_lora_weights.safetensors" and path.is_file()
     fresh = build(seed=7)
     fresh.set_progress_bar_config(disable=True)
+    latents = policy.adapter.initial_latents(2, 64, 64, _gen())
     kwargs = dict(height=64, width=64, num_inference_steps=3, output_type="pt", **_guidance(name, 2, fresh),
                   **_options(name))  # fmt: skip
-    base = _pixels(fresh(prompt=["a cat", "a dog"], generator=_gen(), **kwargs))
+    base = _pipeline_images(name, fresh, prompts, latents, **kwargs)
     MODEL_FAMILIES.get(name).load_lora_into(fresh, tmp_path)  # `load_lora_weights`, or the family's `lora_loader`
-    loaded = _pixels(fresh(prompt=["a cat", "a dog"], generator=_gen(), **kwargs))
+    loaded = _pipeline_images(name, fresh, prompts, latents, **kwargs)
     torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-5)
     assert (base - trained).abs().max() > 1e-3  # the adapter did change the outputs
     again = DiffusionPolicy.from_pipeline(build(seed=7), options=_options(name))
     again.load_lora(tmp_path)
-    assert torch.equal(again.rollout(["a cat", "a dog"], num_steps=3, guidance_scale=GUIDANCE, sampler="ode",
-                                     generator=_gen(), height=64, width=64).images, trained)  # fmt: skip
+    assert torch.equal(again.rollout(prompts, num_steps=3, guidance_scale=GUIDANCE, sampler="ode", generator=_gen(),
+                                     height=64, width=64, **sources).images, trained)  # fmt: skip

@@ -162,7 +162,7 @@ class QwenImageAdapter(ModelAdapter):
         return size, size
 
     @staticmethod
-    def tiny(seed: int = 0, latent_channels: int = 16):
+    def tiny(seed: int = 0, latent_channels: int = 16, tokenizer=None):
         """A `QwenImagePipeline` with a 2-layer `QwenImageTransformer2DModel`, a 2-layer Qwen2.5-VL text encoder, a
         2-level `AutoencoderKLQwenImage` (`vae_scale_factor` 4: 64x64 images are 8x8 = 64 packed tokens) and the real
         Qwen-Image scheduler settings; the byte-level tokenizer, built in code, spends exactly the real tokenizer's
@@ -175,7 +175,7 @@ class QwenImageAdapter(ModelAdapter):
         )
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-        tokenizer = tiny_qwen_image_tokenizer()
+        tokenizer = tokenizer or tiny_qwen_image_tokenizer()  # (the edit families' keeps their template's words)
         text_dim = 32
         torch.manual_seed(seed)
         transformer = QwenImageTransformer2DModel(
@@ -256,15 +256,19 @@ whole: with them as single tokens the prefix before the prompt is 34 tokens, the
 suffix after it 5."""
 
 
-def tiny_qwen_image_tokenizer():
+def tiny_qwen_image_tokenizer(extra_words: tuple = ()):
     """A byte-level BPE `Qwen2Tokenizer` (every string tokenizes) with the Qwen special tokens, a ChatML template and
-    merges that keep the Qwen-Image template's words whole, built in memory."""
+    merges that keep the Qwen-Image template's words (and `extra_words`: words, or `(a, b)` merges) whole, built in
+    memory."""
     from transformers import Qwen2Tokenizer
 
     chars = _bytes_to_unicode()
     vocab = {c: i for i, c in enumerate(chars)}
     merges = [("Ġ", "a"), ("c", "a"), ("ca", "t"), ("d", "o"), ("do", "g")]
-    for word in _TEMPLATE_WORDS:  # left to right: each prefix merges with its next character
+    for word in _TEMPLATE_WORDS + tuple(extra_words):  # left to right: each prefix merges with its next character
+        if isinstance(word, tuple):  # a merge of two tokens
+            merges += [word]
+            continue
         merges += [(word[:i], word[i]) for i in range(1, len(word)) if (word[:i], word[i]) not in merges]
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))

@@ -80,7 +80,12 @@ def _pipeline_images(family, pipe, prompts, latents, **kwargs) -> torch.Tensor:
     return torch.cat([_pixels(c) for c in calls])
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+TIERED = [f if f in ("sd3", "flux", "unet") else pytest.param(f, marks=pytest.mark.models) for f in FAMILIES]
+"""A flow transformer, a guidance-embedding one and a DDIM UNet in the default tier; every other family runs these
+checks in the `models` tier (`.ci/run`'s second step), as its export and gradient-checkpointing tests do."""
+
+
+@pytest.fixture(scope="module", params=TIERED)
 def family(request):
     """`(family name, its tiny pipeline)`."""
     pipe = MODEL_FAMILIES.get(request.param).tiny(seed=7)

@@ -58,14 +58,25 @@ class PolicyWeights:
             raise ValueError("saving LoRA in the diffusers format needs a pipeline-based policy")
         return type(self.adapter.pipeline)
 
-    def save_lora(self, directory: str | Path) -> Path:
-        """Write the adapter as `pytorch_lora_weights.safetensors`, loadable by `pipe.load_lora_weights(dir)`."""
-        from peft.utils import get_peft_model_state_dict
+    def _lora_parts(self) -> list[tuple[str, torch.nn.Module]]:
+        """`(subfolder, network)` of each network with its own LoRA file: the model itself, or the parts a model
+        made of several networks names (Wan 2.2 with both experts training: `experts()`)."""
+        parts = getattr(self.model, "experts", None)
+        return parts() if callable(parts) else [("", self.model)]
 
+    def save_lora(self, directory: str | Path) -> Path:
+        """Write the adapter as `pytorch_lora_weights.safetensors`, loadable by `pipe.load_lora_weights(dir)` (a model
+        of several networks: one file per network, the others in the subfolders it names)."""
         if not self.has_lora:
             raise ValueError("this policy has no LoRA adapter to save (call add_lora first)")
-        state = get_peft_model_state_dict(self.model)
-        metadata = self.model.peft_config["default"].to_dict()
+        written = [self._save_lora_of(module, Path(directory) / sub) for sub, module in self._lora_parts()]
+        return written[0]
+
+    def _save_lora_of(self, module: torch.nn.Module, directory: Path) -> Path:
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(module)
+        metadata = module.peft_config["default"].to_dict()
         metadata["target_modules"] = sorted(metadata["target_modules"])
         key = self.adapter.lora_prefix
         pipeline_class = self._pipeline_class()
@@ -73,24 +84,26 @@ class PolicyWeights:
             from diffusers.loaders.lora_base import LoraBaseMixin  # mixins' file, for `<component>.load_lora_adapter`
 
             LoraBaseMixin._save_lora_weights(str(directory), {key: state}, {key: metadata})
-            return Path(directory) / "pytorch_lora_weights.safetensors"
+            return directory / "pytorch_lora_weights.safetensors"
         pipeline_class.save_lora_weights(
             str(directory), **{f"{key}_lora_layers": state, f"{key}_lora_adapter_metadata": metadata}
         )
-        return Path(directory) / "pytorch_lora_weights.safetensors"
+        return directory / "pytorch_lora_weights.safetensors"
 
     def load_lora(self, directory: str | Path) -> None:
         """Load an adapter saved by `save_lora` (or any diffusers-format LoRA for this family) and train it."""
-        path = Path(directory)
-        if not (path / "pytorch_lora_weights.safetensors").is_file():
-            raise FileNotFoundError(f"no pytorch_lora_weights.safetensors in {path}")
+        parts = [(Path(directory) / sub, module) for sub, module in self._lora_parts()]
+        for path, _ in parts:
+            if not (path / "pytorch_lora_weights.safetensors").is_file():
+                raise FileNotFoundError(f"no pytorch_lora_weights.safetensors in {path}")
         if self.has_lora:
             self.model.delete_adapters("default")
         self.model.requires_grad_(False)
         prefix = self.adapter.lora_prefix
-        self.model.load_lora_adapter(
-            str(path), weight_name="pytorch_lora_weights.safetensors", prefix=prefix, adapter_name="default"
-        )
+        for path, module in parts:
+            module.load_lora_adapter(
+                str(path), weight_name="pytorch_lora_weights.safetensors", prefix=prefix, adapter_name="default"
+            )
         for name, param in self.model.named_parameters():
             if "lora_" in name:
                 param.requires_grad_(True)

@@ -141,13 +141,64 @@ def test_wan22_trains_the_chosen_expert_only():
         DiffusionPolicy.from_pipeline(pipe, options={"num_frames": 4})
 
 
-@pytest.mark.parametrize("two_experts", [False, True], ids=["wan21", "wan22"])
+def test_wan22_trains_both_experts_as_one_module_and_exports_a_lora_for_each(tmp_path):
+    """`trained_expert: both`: the rollout still equals the pipeline's, re-scores exactly with a LoRA on each expert,
+    one backward reaches both LoRAs, and the export loads into diffusers (the low-noise expert's with
+    `load_into_transformer_2`) to give the same video."""
+    pipe = WanAdapter.tiny(seed=3, two_experts=True)
+    pipe.set_progress_bar_config(disable=True)
+    options = {**OPTIONS, "trained_expert": "both", "guidance_scale_2": 2.0}
+    policy = DiffusionPolicy.from_pipeline(pipe, options=options, forward_batch_size=2)
+    kwargs = dict(num_steps=4, guidance_scale=4.0, height=32, width=32)
+    call = dict(height=32, width=32, num_frames=5, num_inference_steps=4, guidance_scale=4.0, guidance_scale_2=2.0,
+                output_type="pt", max_sequence_length=16)  # fmt: skip
+    plain = policy.rollout(["a cat"], sampler="ode", generator=_gen(), **kwargs).images
+    torch.testing.assert_close(plain, pipe(["a cat"], generator=_gen(), **call).frames.transpose(1, 2), rtol=0,
+                               atol=1e-5)  # fmt: skip
+    policy.add_lora(rank=2)
+    lora = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert {n.split(".")[0] for n in lora} == {"transformer", "transformer_2"}
+    with torch.no_grad():  # a stand-in for trained adapters
+        for name, param in lora.items():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    rollout = policy.rollout(["a cat", "a dog", "a cat"], sampler="flow_sde", noise_level=0.8, generator=_gen(1),
+                             **kwargs)  # fmt: skip
+    steps = rollout.sde_steps.expand(3, -1)
+    assert policy.adapter.high_noise(rollout.timesteps[rollout.sde_steps]).unique().numel() == 2  # both experts
+    logp = policy.log_prob(rollout, steps)
+    assert torch.equal(logp.detach(), rollout.log_probs[:, rollout.sde_steps])
+    logp.sum().backward()
+    grads = {n.split(".")[0] for n, p in lora.items() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads == {"transformer", "transformer_2"}
+    trained = policy.rollout(["a cat"], sampler="ode", generator=_gen(), **kwargs).images
+    assert (trained - plain).abs().max() > 1e-4
+    policy.save_lora(tmp_path)
+    assert (tmp_path / "pytorch_lora_weights.safetensors").is_file()
+    assert (tmp_path / "transformer_2" / "pytorch_lora_weights.safetensors").is_file()
+    fresh = WanAdapter.tiny(seed=3, two_experts=True)
+    fresh.set_progress_bar_config(disable=True)
+    WanAdapter.load_lora_into(fresh, tmp_path)
+    assert "load_into_transformer_2=True" in WanAdapter.lora_load_line(tmp_path)
+    loaded = fresh(["a cat"], generator=_gen(), **call).frames.transpose(1, 2)
+    torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-5)
+    again = DiffusionPolicy.from_pipeline(
+        WanAdapter.tiny(seed=3, two_experts=True), options=options, forward_batch_size=2
+    )
+    again.load_lora(tmp_path)
+    assert torch.equal(again.rollout(["a cat"], sampler="ode", generator=_gen(), **kwargs).images, trained)
+    with pytest.raises(ValueError, match="trained_expert='both' needs a Wan 2.2 pipeline"):
+        DiffusionPolicy.from_pipeline(WanAdapter.tiny(seed=3), options={"trained_expert": "both"})
+
+
+@pytest.mark.parametrize("two_experts", [False, True, "both"], ids=["wan21", "wan22", "wan22_both"])
 def test_grpo_guard_updates_a_wan_lora(two_experts, tmp_path):
     """Two optimizer steps of GRPO-Guard on tiny Wan videos scored per frame: finite loss, the LoRA moves, and the
     rollout re-scores exactly (ratio 1) at the sampling weights."""
-    pipe = WanAdapter.tiny(seed=1, two_experts=two_experts)
+    pipe = WanAdapter.tiny(seed=1, two_experts=bool(two_experts))
     pipe.set_progress_bar_config(disable=True)
-    policy = DiffusionPolicy.from_pipeline(pipe, options=OPTIONS, forward_batch_size=2)
+    options = {**OPTIONS, "trained_expert": "both"} if two_experts == "both" else OPTIONS
+    policy = DiffusionPolicy.from_pipeline(pipe, options=options, forward_batch_size=2)
     policy.add_lora(rank=4)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cat\na blue dog\n")

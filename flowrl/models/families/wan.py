@@ -7,13 +7,14 @@ more axis of the same `[B, K]` steps.
 
 Wan 2.2 A14B has two experts: `transformer` denoises the high-noise steps (`t >= boundary_ratio *
 num_train_timesteps`), `transformer_2` the low-noise ones, each with its own CFG scale (`guidance_scale`,
-`guidance_scale_2`), exactly as `WanPipeline.__call__` routes them. One of them trains (`Options.trained_expert`);
-the other runs frozen.
+`guidance_scale_2`), exactly as `WanPipeline.__call__` routes them. One of them trains (`Options.trained_expert`)
+and the other runs frozen, or both train as one module (`trained_expert: both`, `WanExperts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -31,10 +32,12 @@ class WanOptions:
     pipeline's default; Flow-Factory trains with 5 and evaluates with 13-21). Latents hold `(F - 1) / 4 + 1` frames."""
     max_sequence_length: int = 512
     """UMT5 text tokens (the pipeline's default 512); embeddings are zero-padded to this length."""
-    trained_expert: Literal["high_noise", "low_noise"] = "high_noise"
+    trained_expert: Literal["high_noise", "low_noise", "both"] = "high_noise"
     """Wan 2.2 (two experts): which one trains, `high_noise` (`transformer`, the steps with `t >= boundary_ratio *
-    1000`) or `low_noise` (`transformer_2`); the other runs frozen. A LoRA of `low_noise` loads into diffusers with
-    `pipe.load_lora_weights(dir, load_into_transformer_2=True)`. Wan 2.1 has one transformer: `high_noise` only."""
+    1000`) or `low_noise` (`transformer_2`), the other running frozen; or `both` (one optimizer over both, a LoRA
+    on each). A LoRA of `low_noise` loads into diffusers with `pipe.load_lora_weights(dir,
+    load_into_transformer_2=True)`; `both` writes the low-noise expert's beside the other, in `dir/transformer_2`.
+    Wan 2.1 has one transformer: `high_noise` only."""
     guidance_scale_2: float | None = None
     """Wan 2.2: the CFG scale of the low-noise expert (None: the run's `guidance_scale`, as the pipeline)."""
 
@@ -58,7 +61,7 @@ class WanAdapter(ModelAdapter):
     video = True
     real_models = (
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers: 1.3B", "Wan-AI/Wan2.1-T2V-14B-Diffusers: 14B",
-        "Wan-AI/Wan2.2-T2V-A14B-Diffusers: 2 x 14B experts (one trains)", "Wan-AI/Wan2.2-TI2V-5B-Diffusers: 5B",
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers: 2 x 14B experts (one or both train)", "Wan-AI/Wan2.2-TI2V-5B-Diffusers: 5B",
     )  # fmt: skip
     lora_targets = (
         "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
@@ -70,9 +73,13 @@ class WanAdapter(ModelAdapter):
 
     def __init__(self, pipeline, *, options=None):
         super().__init__(pipeline, options=options)
+        expert = self.options.trained_expert
+        if expert != "high_noise" and pipeline.config.boundary_ratio is None:
+            raise ValueError(f"model.options.trained_expert={expert!r} needs a Wan 2.2 pipeline (boundary_ratio set)")
+        self.experts = None
+        if expert == "both":
+            self.experts = WanExperts(pipeline.transformer, pipeline.transformer_2, pipeline.config.expand_timesteps)
         frozen = self.frozen_expert
-        if self.trained_expert_name == "transformer_2" and pipeline.config.boundary_ratio is None:
-            raise ValueError("model.options.trained_expert='low_noise' needs a Wan 2.2 pipeline (boundary_ratio set)")
         if self.model is None:
             raise ValueError(f"this WanPipeline has no {self.trained_expert_name} to train")
         if frozen is not None:
@@ -88,7 +95,7 @@ class WanAdapter(ModelAdapter):
 
     @property
     def model(self):
-        return getattr(self.pipeline, self.trained_expert_name)
+        return self.experts if self.experts is not None else getattr(self.pipeline, self.trained_expert_name)
 
     @property
     def lora_load_kwargs(self) -> dict:
@@ -97,8 +104,8 @@ class WanAdapter(ModelAdapter):
 
     @property
     def frozen_expert(self) -> torch.nn.Module | None:
-        """The Wan 2.2 expert that does not train (None for Wan 2.1)."""
-        if self.boundary_timestep is None:
+        """The Wan 2.2 expert that does not train (None for Wan 2.1, or when both train)."""
+        if self.boundary_timestep is None or self.experts is not None:
             return None
         other = "transformer_2" if self.trained_expert_name == "transformer" else "transformer"
         return getattr(self.pipeline, other)
@@ -138,13 +145,7 @@ class WanAdapter(ModelAdapter):
         return {"prompt_embeds": embeds.to(self.dtype)}  # [P, L, D], zero-padded to L: batch-independent
 
     def _call(self, net, latents, timesteps, cond):
-        t = timesteps
-        if self.pipeline.config.expand_timesteps:  # Wan 2.2 TI2V: a timestep per latent token (all equal for T2V)
-            p = net.config.patch_size
-            tokens = latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
-            t = timesteps[:, None].expand(-1, tokens)
-        return net(hidden_states=latents, timestep=t, encoder_hidden_states=cond["prompt_embeds"],
-                   return_dict=False)[0]  # fmt: skip
+        return _expert_call(net, latents, timesteps, cond, self.pipeline.config.expand_timesteps)
 
     def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
         """The velocity `[N, C, F', h, w]`; Wan 2.2 routes each row to its expert by its timestep (the trained expert
@@ -152,6 +153,8 @@ class WanAdapter(ModelAdapter):
         chunk's full size and are selected row-wise, so each call keeps the shapes it has at rollout."""
         trained = model or self.model
         high = self.high_noise(timesteps)
+        if self.experts is not None:  # both train: the module routes (so a DDP/FSDP wrapper sees one call)
+            return trained(latents, timesteps, cond, high)
         if high is None:
             return self._call(trained, latents, timesteps, cond)
         frozen = self.frozen_expert
@@ -189,6 +192,21 @@ class WanAdapter(ModelAdapter):
     def default_size(self):
         """480x832, the pipeline's default (Wan 2.1 480p)."""
         return 480, 832
+
+    @classmethod
+    def load_lora_into(cls, pipeline, directory) -> None:
+        """`pipe.load_lora_weights(dir)`, and the low-noise expert's LoRA from `dir/transformer_2` when both
+        experts trained (with `load_into_transformer_2=True`)."""
+        super().load_lora_into(pipeline, directory)
+        if (Path(directory) / LOW_NOISE / LORA_FILE).is_file():
+            pipeline.load_lora_weights(str(Path(directory) / LOW_NOISE), load_into_transformer_2=True)
+
+    @classmethod
+    def lora_load_line(cls, directory, extra: str = "") -> str:
+        line = super().lora_load_line(directory, extra)
+        if (Path(directory) / LOW_NOISE / LORA_FILE).is_file():
+            line += f"; pipe.load_lora_weights({str(Path(directory) / LOW_NOISE)!r}, load_into_transformer_2=True)"
+        return line
 
     @staticmethod
     def tiny(seed: int = 0, two_experts: bool = False):
@@ -234,3 +252,93 @@ class WanAdapter(ModelAdapter):
                 boundary_ratio=0.875 if two_experts else None,
             )
         )
+
+
+LOW_NOISE = "transformer_2"
+"""The subfolder of a LoRA export holding the low-noise expert's LoRA when both experts trained."""
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def _expert_call(net, latents, timesteps, cond, expand_timesteps: bool) -> torch.Tensor:
+    """One expert's velocity `[N, C, F', h, w]` (Wan 2.2 TI2V, `expand_timesteps`: a timestep per latent token)."""
+    t = timesteps
+    if expand_timesteps:  # all equal for text-to-video
+        p = net.config.patch_size
+        tokens = latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
+        t = timesteps[:, None].expand(-1, tokens)
+    return net(hidden_states=latents, timestep=t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+
+
+class WanExperts(torch.nn.Module):
+    """Wan 2.2's two experts as the one trained module (`trained_expert: both`): `transformer` (high noise) and
+    `transformer_2` (low noise), the pipeline's own modules. `forward` routes each row by its step as the pipeline
+    does (a chunk with rows of both kinds runs both experts at its full size and selects row-wise), so the
+    optimizer, EMA, checkpoints, DDP and FSDP2 (each expert's blocks) see one module. The LoRA and gradient-
+    checkpointing calls flowrl makes on a diffusers model go to both experts."""
+
+    def __init__(self, transformer, transformer_2, expand_timesteps: bool = False):
+        super().__init__()
+        self.transformer, self.transformer_2 = transformer, transformer_2
+        self.expand_timesteps = bool(expand_timesteps)
+
+    def forward(self, latents, timesteps, cond, high: torch.Tensor) -> torch.Tensor:
+        def call(net):
+            return _expert_call(net, latents, timesteps, cond, self.expand_timesteps)
+
+        if bool(high.all()):
+            return call(self.transformer)
+        if not bool(high.any()):
+            return call(self.transformer_2)
+        return torch.where(
+            high.view(-1, 1, 1, 1, 1).to(latents.device), call(self.transformer), call(self.transformer_2)
+        )
+
+    def experts(self) -> list[tuple[str, torch.nn.Module]]:
+        """`(subfolder of a LoRA export, expert)`: the high-noise expert's LoRA at the top, the other's in
+        `transformer_2/` (`load_into_transformer_2=True`)."""
+        return [("", self.transformer), (LOW_NOISE, self.transformer_2)]
+
+    # what flowrl calls on a diffusers model, for both experts
+    @property
+    def config(self):
+        return self.transformer.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def peft_config(self):
+        return self.transformer.peft_config  # AttributeError without an adapter, as a diffusers model
+
+    def add_adapter(self, config) -> None:
+        for _, expert in self.experts():
+            expert.add_adapter(config)
+
+    def delete_adapters(self, name) -> None:
+        for _, expert in self.experts():
+            expert.delete_adapters(name)
+
+    def disable_adapters(self) -> None:
+        for _, expert in self.experts():
+            expert.disable_adapters()
+
+    def enable_adapters(self) -> None:
+        for _, expert in self.experts():
+            expert.enable_adapters()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return all(expert.is_gradient_checkpointing for _, expert in self.experts())
+
+    def enable_gradient_checkpointing(self) -> None:
+        for _, expert in self.experts():
+            expert.enable_gradient_checkpointing()
+
+    def set_attention_backend(self, backend: str) -> None:
+        for _, expert in self.experts():
+            expert.set_attention_backend(backend)

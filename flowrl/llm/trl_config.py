@@ -108,6 +108,9 @@ def _check_objective(name: str, kwargs: dict[str, Any]) -> None:
             raise ValueError("objective_kwargs cannot set 'weights': FlowrlGRPOTrainer sets them per batch")
         if key not in valid:
             raise unknown_name_error("hyper-parameter", key, sorted(valid), where=f"for objective {name!r}")
+    unbridged = _unbridged(name, objective)
+    if unbridged:
+        raise ValueError(unbridged)
     missing = [k for k in objective.required if k not in kwargs]
     if missing:
         raise ValueError(f"objective {name!r} needs objective_kwargs {', '.join(missing)}")
@@ -179,3 +182,21 @@ def trl_loss_as_objective(args: GRPOConfig) -> dict[str, Any]:
         kwargs = {k: v for k, v in candidates.items() if k in hparams}
         return {"objective": loss_type, "objective_kwargs": kwargs, "token_mean_normalizer": "global"}
     raise ValueError(f"unknown trl loss_type {loss_type!r}")
+
+
+GROUP_INPUTS = ("group", "token_ids", "ref_logp")
+"""Per-completion inputs of the group objectives (`flowrl.core.llm_group_objectives`) that trl's loss never gets."""
+
+
+def _unbridged(name: str, objective) -> str | None:
+    """Why trl's `GRPOTrainer` cannot feed objective `name` its inputs (a one-line message), or None."""
+    train = f"train it with flowrl's own trainer (flowrl train configs/llm/arith_{name}.yaml)"
+    if {"topk_logp", "old_topk_logp"} & set(objective.inputs):
+        return (f"objective {name!r} needs the top-k next-token log-probs of the old and new policies, and trl's "
+                f"GRPOTrainer computes only the sampled tokens' log-probs: {train}")  # fmt: skip
+    group = [k for k in objective.required if k in GROUP_INPUTS]
+    if group:
+        return (f"objective {name!r} compares a prompt's completions ({', '.join(group)} per completion), and "
+                "trl's GRPOTrainer shuffles each generation batch and splits it into steps_per_generation "
+                f"micro-batches, so a loss call does not hold whole groups: {train}")  # fmt: skip
+    return None

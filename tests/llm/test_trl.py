@@ -429,6 +429,15 @@ def test_config_validation(tmp_path):
         FlowrlGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, loss_type="grpo")
 
 
+@pytest.mark.parametrize(("objective", "reason"), [("troll", "top-k next-token log-probs"), ("trpa", "group"),
+                                                    ("reg_grpo", "group"), ("gtpo", "group")])  # fmt: skip
+def test_objectives_trl_cannot_feed_are_refused_in_one_line(tmp_path, objective, reason):
+    """TROLL needs top-k supports trl never computes; the group objectives need whole groups in one loss call,
+    which trl's shuffled micro-batches do not give: refused with the reason and where they do train."""
+    with pytest.raises(ValueError, match=rf"{objective}.*{reason}.*configs/llm/arith_{objective}\.yaml\)$"):
+        FlowrlGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, objective=objective)
+
+
 def test_plain_grpo_config_is_rejected(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, num_generations=2)
     with pytest.raises(TypeError, match="FlowrlGRPOConfig"):

@@ -1,7 +1,7 @@
 """All image trainers on the digits world, several seeds: alignment, gold metrics, wall time, reward budget.
 
     python benchmarks/digits_table.py [--seeds 0,1,2] [--trainers flow_grpo,grpo_guard,...] [--eval-every 2] [--keep]
-                                     [--merge]
+                                     [--merge] [--busy]
 
 Runs `configs/digits/<trainer>.yaml` for every trainer and seed (sequentially, one process, the shipped
 settings; `--eval-every` overrides every config's evaluation period) through `flowrl.ablate`, and writes
@@ -34,7 +34,8 @@ from flowrl import ablate  # noqa: E402
 
 
 TRAINERS = ["flow_grpo", "grpo_guard", "loop", "dpok", "find", "acflow", "mix_grpo", "mix_grpo_flash",
-            "flow_grpo_fast", "dance_grpo", "tempflow_grpo", "diffusion_nft", "awm", "image_fpo"]  # fmt: skip
+            "flow_grpo_fast", "dance_grpo", "tempflow_grpo", "diffusion_nft", "awm", "image_fpo", "diffusion_dpo",
+            "dgpo", "flow_dppo", "gardo"]  # fmt: skip
 METRICS = ["eval/digits_accuracy", "eval/digits_gold", "eval/digits_realism", "eval/diversity", "eval/reward"]
 
 
@@ -55,6 +56,9 @@ def main():
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "digits_table"))
     parser.add_argument("--merge", action="store_true", help="keep the other trainers' rows of the existing --out")
+    parser.add_argument(
+        "--busy", action="store_true", help="record that other work shared the machine (wall columns not comparable)"
+    )
     args = parser.parse_args()
     configs = [str(ROOT / "configs" / "digits" / f"{name}.yaml") for name in args.trainers.split(",")]
     missing = [c for c in configs if not Path(c).is_file()]
@@ -67,7 +71,8 @@ def main():
                       overrides=[f"eval.every={args.eval_every}"] if args.eval_every else [],
                       threshold=("eval/digits_alignment", args.threshold))  # fmt: skip
     stamp = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-             "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+             "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),
+             "quiet_machine": not args.busy}  # fmt: skip
     rows = [{**row, **stamp} for row in rows]
     existing = Path(args.out + ".json")
     if args.merge and existing.is_file():
@@ -91,9 +96,25 @@ def main():
         "Digits world, shipped configs, mean ± std over seeds "
         "(accuracy: reward classifier; gold: independent classifier; realism: lower is better). "
         f"'reached': seeds whose test alignment reached {args.threshold}, "
-        "with the reward evaluations and wall seconds (evaluations included) until it first did.\n\n" + markdown
+        "with the reward evaluations and wall seconds (evaluations included) until it first did.\n\n"
+        + markdown
+        + "\n"
+        + provenance(rows)
     )
     print(markdown)
+
+
+def provenance(rows: list[dict]) -> str:
+    """When each variant's rows ran and whether the machine was quiet (rows merged from several runs differ: the
+    start values show which base model they trained from)."""
+    runs = {}
+    for row in rows:
+        date = row.get("date") or "undated (before 2026-11-23)"
+        quiet = row.get("quiet_machine", True)
+        runs.setdefault((date, quiet), []).append(row["variant"])
+    lines = [f"- {date}{'' if quiet else ' (other work shared the machine: wall columns not comparable)'}: "
+             f"{', '.join(dict.fromkeys(names))}" for (date, quiet), names in sorted(runs.items())]  # fmt: skip
+    return "Runs:\n" + "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

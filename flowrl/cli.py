@@ -173,6 +173,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demos(args: argparse.Namespace) -> int:
+    """Record a control run's policy as demonstrations (`flowrl.control.demos`)."""
+    from flowrl.control.demos import record
+    from flowrl.trainers.inference import load_run
+
+    run = load_run(args.run, args.checkpoint or "latest", device="cpu")
+    if not hasattr(run.modality, "normalizer"):
+        raise ValueError(f"{args.run} is a {run.config.trainer} run: demonstrations come from a control run")
+    env = run.config.env
+    demos = record(run.algorithm.policy.actor, run.modality.normalizer, env.id, env.kwargs, episodes=args.episodes,
+                   noise=args.noise, seed=args.seed)  # fmt: skip
+    path = demos.save(args.out)
+    returns = demos.episode_returns
+    print(f"{len(demos)} transitions of {args.episodes} {env.id} episodes (return {returns.mean():.1f} ± "
+          f"{returns.std():.1f}, action noise {args.noise}) in {path}")  # fmt: skip
+    return 0
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from flowrl.sample import sample
 
@@ -305,6 +323,19 @@ def build_parser() -> argparse.ArgumentParser:
     p_export.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
                           help="export the EMA weights (default: when the run kept them)")  # fmt: skip
     p_export.set_defaults(func=cmd_export)
+    p_demos = sub.add_parser("demos", help="record a control run's policy as demonstrations (.npz) for `trainer: bc`")
+    p_demos.add_argument("run", help="a control run folder (or one of its checkpoint folders)")
+    p_demos.add_argument("--out", required=True, help="the .npz file to write")
+    p_demos.add_argument("--episodes", type=int, default=20, help="whole episodes to record (default 20)")
+    p_demos.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        help="std of Gaussian noise added to each action, in action units (default 0)",
+    )
+    p_demos.add_argument("--seed", type=int, default=0, help="first episode's seed (then seed + 1, ...)")
+    p_demos.add_argument("--checkpoint", help="a checkpoint folder (default: the run's latest)")
+    p_demos.set_defaults(func=cmd_demos)
     p_sample = sub.add_parser("sample", help="images (PNGs and a captioned grid) from a run's checkpoint")
     p_sample.add_argument("target", help="a run folder or one of its checkpoint folders")
     p_sample.add_argument("--prompts", required=True,

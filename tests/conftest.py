@@ -62,7 +62,8 @@ def tiny_config(trainer="grpo_guard", tmp_path=None, overrides=(), **sections):
     `overrides` (`key=value` strings), its run folder `tmp_path`."""
     from flowrl.trainers import TRAINERS, load_config
 
-    modality = {"ImageModality": "image", "ControlModality": "control", "TextModality": "text"}[
+    modality = {"ImageModality": "image", "ControlModality": "control", "DemoModality": "control",
+                "TextModality": "text"}[
         TRAINERS.get(trainer).modality_class.__name__
     ]
     data = {"trainer": trainer, **TINY[modality]}

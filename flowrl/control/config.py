@@ -67,6 +67,10 @@ class ControlCriticConfig:
     """Hidden layers."""
     activation: Literal["tanh", "relu", "silu"] = "tanh"
     """Activation."""
+    warmup_epochs: int = 0
+    """Epochs at the start of a run in which only the value network trains (the policy loss carries no gradient):
+    DPPO's critic warm-up (`n_critic_warmup_itr`) before fine-tuning a pre-trained policy (`init_from`), so the first
+    advantages do not come from an untrained critic."""
     ortho_init: bool = True
     """Orthogonal init (gain sqrt(2), 1 for the output), else PyTorch's default. SB3's `ortho_init` covers the
     policy and the value network alike: a zoo config with `ortho_init: False` sets it here and in `policy`."""
@@ -140,6 +144,11 @@ class ControlConfig(HasObjective, BaseConfig):
     """Clip the value prediction to `values_old +- clip_vf` (CleanRL's value clipping; SB3: off)."""
     ent_coef: float = 0.0
     """Entropy bonus (policies with an entropy: the Gaussian)."""
+    init_from: str | None = None
+    """A control run folder (its latest checkpoint) or one of its checkpoint folders whose policy network starts
+    this run: a behaviour-cloning run (`bc`) fine-tuned by `fpo` or `dppo`, or any run of the same policy network on
+    the same environment. Its actor's weights (the EMA ones when it kept them) are copied; the value network starts
+    fresh. Runs that normalise observations cannot be a source or a target (their statistics would not carry)."""
 
     def __post_init__(self):
         if self.total_env_steps is not None:
@@ -154,8 +163,11 @@ class ControlConfig(HasObjective, BaseConfig):
             *super().checks(),
             (e.num_envs >= 1 and e.steps_per_env >= 1, "env.num_envs and env.steps_per_env must be >= 1"),
             (self.vf_coef >= 0 and self.ent_coef >= 0, "vf_coef and ent_coef must be >= 0"),
+            (self.critic.warmup_epochs >= 0, "critic.warmup_epochs must be >= 0"),
             (self.eval.episodes >= 1, "eval.episodes must be >= 1"),
             (not (e.continue_episodes and self.run.mode == "async"),
              "env.continue_episodes keeps episodes running in the process that steps them; run.mode=async samples "
              "epochs on any rollout worker: use one or the other"),
+            (self.init_from is None or not e.normalize_obs,
+             "init_from: a policy trained on raw observations cannot start a run with env.normalize_obs"),
         ]  # fmt: skip

@@ -43,6 +43,28 @@ class ControlAlgorithm(Algorithm):
         super().__init__(config, modality, engine)
         torch.manual_seed(config.run.seed)  # the initial weights are the seed's
         modality.attach(self.build_actor(modality.obs_dim, modality.act_dim))
+        if config.init_from:
+            self.init_actor(config.init_from)
+
+    def init_actor(self, source: str) -> None:
+        """Copy the policy network of the run or checkpoint `source` (`init_from`) into this run's actor."""
+        from flowrl.trainers.inference import load_run
+
+        loaded = load_run(source, device="cpu", overrides=["init_from=null"])
+        theirs, cfg = loaded.algorithm.policy.actor, loaded.config
+        mine = self.policy.actor
+        if cfg.env.id != self.config.env.id:
+            raise ValueError(f"init_from {source}: that run's policy acts in {cfg.env.id}, this run's in "
+                             f"{self.config.env.id}")  # fmt: skip
+        if cfg.env.normalize_obs:
+            raise ValueError(f"init_from {source}: that run normalised its observations; its policy cannot start "
+                             "this one (the statistics do not carry)")  # fmt: skip
+        shapes = {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
+        if type(theirs) is not type(mine) or shapes != {k: tuple(v.shape) for k, v in mine.state_dict().items()}:
+            raise ValueError(f"init_from {source}: its {cfg.trainer} policy ({type(theirs).__name__}) is not this "
+                             f"run's network ({type(mine).__name__}); match the policy section's sizes")  # fmt: skip
+        with torch.no_grad():
+            mine.load_state_dict(theirs.state_dict())
 
     # ------------------------------------------------------------------------------------------
     # the algorithm's hooks
@@ -104,6 +126,8 @@ class ControlAlgorithm(Algorithm):
         """The policy's terms plus `vf_coef` times the value loss, a per-row loss (logged as `value_loss`)."""
         data = batch.data
         terms = self.policy_terms(data, index)
+        if self.epoch < self.config.critic.warmup_epochs:  # critic warm-up: the value network trains alone
+            terms.logp = terms.logp.detach()
         values = self.policy.value(data.obs)
         per_row = (values - data.returns).square()
         if self.config.clip_vf is not None:

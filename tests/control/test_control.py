@@ -374,8 +374,13 @@ def test_vector_env_bootstraps_time_limits_in_same_step_mode():
 @pytest.mark.parametrize("path", sorted(Path("configs/control").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_control_config_trains_one_short_epoch(path, tmp_path):
     shipped = load_config(path)
+    demos = []  # behaviour cloning: a small demonstrations file stands in for the expert's
+    if shipped.trainer == "bc":
+        from tests.control.test_bc import write_demos
+
+        demos = [f"demonstrations={write_demos(tmp_path / 'demos.npz')}"]
     config = load_config(path, ["env.steps_per_env=16", "total_env_steps=null", "run.epochs=1", "eval.episodes=1",
-                                "run.log_with=[]", "run.samples_every=0"])  # fmt: skip
+                                "run.log_with=[]", "run.samples_every=0", *demos])  # fmt: skip
     assert config.env == dataclasses.replace(shipped.env, steps_per_env=16)
     summary = build_trainer(config, output_dir=tmp_path).train()
     assert summary["epochs"] == 1 and np.isfinite(summary["reward_end"])

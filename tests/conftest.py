@@ -62,10 +62,12 @@ def tiny_config(trainer="grpo_guard", tmp_path=None, overrides=(), **sections):
     `overrides` (`key=value` strings), its run folder `tmp_path`."""
     from flowrl.trainers import TRAINERS, load_config
 
-    modality = {"ImageModality": "image", "ControlModality": "control", "DemoModality": "control",
-                "TextModality": "text"}[
-        TRAINERS.get(trainer).modality_class.__name__
-    ]
+    modality = {
+        "ImageModality": "image",
+        "ControlModality": "control",
+        "DemoModality": "control",
+        "TextModality": "text",
+    }[TRAINERS.get(trainer).modality_class.__name__]
     data = {"trainer": trainer, **TINY[modality]}
     if trainer in PPO_TRAINERS:
         data["objective"] = {"clip_eps_low": 1e-2}

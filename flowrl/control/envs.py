@@ -5,8 +5,9 @@
 observation is already the next episode's first one and the last one is in `info["final_obs"]` (what SB3 does,
 so a time-limit truncation can be bootstrapped with `V(final_obs)`).
 
-flowrl registers its own environments here (`flowrl/BimodalPointMass-v0`: `flowrl.control.bimodal`). Gymnasium is
-the `rl` extra and is imported only when an environment is built.
+flowrl registers its own environments here (`flowrl/BimodalPointMass-v0`: `flowrl.control.bimodal`;
+`flowrl/ObstaclePointMass-v0`: `flowrl.control.obstacle`). Gymnasium is the `rl` extra and is imported only when an
+environment is built.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import numpy as np
 
 
 BIMODAL_ID = "flowrl/BimodalPointMass-v0"
+OBSTACLE_ID = "flowrl/ObstaclePointMass-v0"
+"""Two routes around an obstacle (`flowrl.control.obstacle`)."""
 
 
 def _gym():
@@ -30,6 +33,8 @@ def register_envs() -> None:
     gym = _gym()
     if BIMODAL_ID not in gym.registry:
         gym.register(BIMODAL_ID, entry_point="flowrl.control.bimodal:BimodalPointMass", max_episode_steps=50)
+    if OBSTACLE_ID not in gym.registry:
+        gym.register(OBSTACLE_ID, entry_point="flowrl.control.obstacle:ObstaclePointMass", max_episode_steps=60)
 
 
 def make_vec_env(env_id: str, num_envs: int, kwargs: dict | None = None):

@@ -8,7 +8,7 @@ import torch
 
 from flowrl.control.collect import ControlCollector, ControlEvaluator
 from flowrl.control.config import ControlConfig
-from flowrl.control.envs import BIMODAL_ID, Normalizer, make_vec_env
+from flowrl.control.envs import BIMODAL_ID, OBSTACLE_ID, Normalizer, make_vec_env
 from flowrl.control.policies import ActorCritic
 from flowrl.runtime import RunContext
 
@@ -83,6 +83,10 @@ class ControlModality:
             from flowrl.control.bimodal import bimodal_metrics
 
             extra = lambda act: bimodal_metrics(act, seed=ev.seed)  # noqa: E731
+        elif env.id == OBSTACLE_ID:
+            from flowrl.control.obstacle import obstacle_metrics
+
+            extra = lambda act: obstacle_metrics(act, seed=ev.seed)  # noqa: E731
         return ControlEvaluator(env.id, env.kwargs, ev.episodes, ev.seed, self.normalizer, self.policy,
                                 deterministic=ev.deterministic, chain=chain, extra=extra)  # fmt: skip
 

@@ -16,7 +16,7 @@ as every control run does (`eval/reward`). A fine-tuning run starts from the clo
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -30,6 +30,7 @@ from flowrl.policies.rollout import Collected
 from flowrl.runtime import seeded
 from flowrl.trainers.control import ControlAlgorithm
 from flowrl.trainers.fpo import FlowPolicyConfig
+from flowrl.trainers.ppo import GaussianPolicyConfig
 from flowrl.trainers.registry import register
 
 
@@ -67,8 +68,13 @@ class DemoCollector:
 class BCConfig(ControlConfig):
     demonstrations: str = ""
     """The `.npz` file of `(obs, actions)` pairs (`flowrl demos RUN --out FILE`; raw observations)."""
+    actor: Literal["flow", "gaussian"] = "flow"
+    """The cloned policy: `flow` (the `policy` section: `fpo`'s and `dppo`'s network, by flow matching) or
+    `gaussian` (the `gaussian` section: `ppo`'s network, by maximum likelihood; a unimodal baseline)."""
     policy: FlowPolicyConfig = dataclasses.field(default_factory=FlowPolicyConfig)
     """The flow policy (the one a fine-tuning `fpo` / `dppo` run loads with `init_from`)."""
+    gaussian: GaussianPolicyConfig = dataclasses.field(default_factory=GaussianPolicyConfig)
+    """The Gaussian policy (`actor: gaussian`; the one a `ppo` run loads with `init_from`)."""
     num_draws: int = 8
     """`(tau, eps)` draws per demonstration and epoch."""
 
@@ -100,6 +106,8 @@ class BC(ControlAlgorithm):
         self.demos = load_demonstrations(config.demonstrations, modality.obs_dim, modality.act_dim)
 
     def build_actor(self, obs_dim, act_dim):
+        if self.config.actor == "gaussian":
+            return self.config.gaussian.build(obs_dim, act_dim)
         return self.config.policy.build(obs_dim, act_dim)
 
     def collector(self):
@@ -108,6 +116,8 @@ class BC(ControlAlgorithm):
     @torch.no_grad()
     def behaviour(self, rollout, rows, size):
         """The epoch's draws (per demonstration, the same on any process) and zero "log-probs" `[B, N]`."""
+        if self.config.actor == "gaussian":
+            return torch.zeros(len(rows), 1), None  # one element per pair: its log-likelihood
         n = self.config.num_draws
         generator = seeded(self.config.run.seed, self.epoch, 17, 0)
         taus = sample_taus((size, n), generator=generator)[rows]
@@ -120,8 +130,11 @@ class BC(ControlAlgorithm):
     def terms(self, batch, index):
         """The per-draw flow-matching loss (no value loss: the critic is not trained here)."""
         data = batch.data
-        fn = self.policy.actor.velocity.velocity_fn(data.obs, data.draws.taus.shape[1])
-        losses = cfm_losses(fn, data.actions, data.draws.taus, data.draws.noises)  # [b, N]
+        if self.config.actor == "gaussian":  # the negative log-likelihood per action dimension
+            losses = -self.policy.actor.log_prob(data.obs, data.actions)[:, None] / data.actions.shape[1]  # [b, 1]
+        else:
+            fn = self.policy.actor.velocity.velocity_fn(data.obs, data.draws.taus.shape[1])
+            losses = cfm_losses(fn, data.actions, data.draws.taus, data.draws.noises)  # [b, N]
         picked = losses.gather(1, index)
         return Terms(loss=picked, logs={"bc_loss": picked.detach()})
 

@@ -39,6 +39,10 @@ class GaussianPolicyConfig:
     ortho_init: bool = True
     """Orthogonal init (gain sqrt(2), 0.01 for the action head)."""
 
+    def build(self, obs_dim: int, act_dim: int) -> GaussianPolicy:
+        return GaussianPolicy(obs_dim, act_dim, hidden=self.hidden, depth=self.depth, activation=self.activation,
+                              log_std_init=self.log_std_init, ortho_init=self.ortho_init)  # fmt: skip
+
 
 @dataclasses.dataclass
 class PPOConfig(ControlConfig):
@@ -55,9 +59,7 @@ class PPO(ControlAlgorithm):
     config_class = PPOConfig
 
     def build_actor(self, obs_dim: int, act_dim: int) -> GaussianPolicy:
-        p = self.config.policy
-        return GaussianPolicy(obs_dim, act_dim, hidden=p.hidden, depth=p.depth, activation=p.activation,
-                              log_std_init=p.log_std_init, ortho_init=p.ortho_init)  # fmt: skip
+        return self.config.policy.build(obs_dim, act_dim)
 
     @torch.no_grad()
     def behaviour(self, rollout, rows, size):

@@ -113,3 +113,37 @@ def test_record_keeps_whole_episodes_with_noise():
     noisy = record(Zero(), raw, "Pendulum-v1", episodes=2, noise=1.0, seed=3)
     assert len(plain) == len(noisy) == 400 and torch.equal(plain.obs[:2], noisy.obs[:2])  # same seeds
     assert plain.actions.abs().max() == 0 and noisy.actions.std() > 0.5
+
+
+def test_the_two_route_task_punishes_the_mean_route_and_its_expert_takes_both():
+    from flowrl.control.obstacle import expert_action, obstacle_metrics, scripted_demonstrations
+
+    straight = obstacle_metrics(lambda obs, g: torch.tensor([[1.0, 0.0]]).expand(len(obs), 2), episodes=50)
+    assert straight == {"success": 0.0, "collided": 1.0, "above": 0.0}  # the average of the two routes
+
+    def expert(obs, g):  # one route per row, alternating
+        route = np.where(np.arange(len(obs)) % 2 == 0, 1.0, -1.0)
+        return torch.as_tensor(expert_action(obs.numpy().astype(np.float64), route), dtype=torch.float32)
+
+    both = obstacle_metrics(expert, episodes=50)
+    assert both["success"] == 1.0 and both["collided"] == 0.0 and both["above"] == 0.5
+    demos = scripted_demonstrations(40, seed=0, noise=0.0)
+    assert demos.episode_returns.mean() == 1.0 and demos.env_id == "flowrl/ObstaclePointMass-v0"
+    near_start = demos.obs[:, 0] < -0.3  # the routes split 2 steps before the disc: bimodal actions there
+    split = demos.actions[near_start & (demos.obs[:, 0] > -0.55)]
+    assert (split[:, 1] > 0.3).any() and (split[:, 1] < -0.3).any()
+
+
+def test_bc_of_a_gaussian_fits_by_maximum_likelihood(tmp_path):
+    demos = write_demos(tmp_path / "demos.npz")
+    config = bc_config(tmp_path / "run", demos, **{"actor": "gaussian", "run.epochs": 30, "optim.lr": 3e-3})
+    trainer = build_trainer(config)
+    assert type(trainer.policy.actor).__name__ == "GaussianPolicy"
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["bc_loss"] for r in rows if "bc_loss" in r]
+    assert losses[-1] < losses[0] - 0.5  # the negative log-likelihood per action dimension falls
+    held = load_demonstrations(write_demos(tmp_path / "held.npz", n=256, seed=1))
+    with torch.no_grad():
+        mean = trainer.policy.actor.act(held.obs, deterministic=True)
+    assert float((mean - held.actions).square().mean()) < 0.05

@@ -376,9 +376,12 @@ def test_every_control_config_trains_one_short_epoch(path, tmp_path):
     shipped = load_config(path)
     demos = []  # behaviour cloning: a small demonstrations file stands in for the expert's
     if shipped.trainer == "bc":
+        from flowrl.control.obstacle import scripted_demonstrations
         from tests.control.test_bc import write_demos
 
-        demos = [f"demonstrations={write_demos(tmp_path / 'demos.npz')}"]
+        file = tmp_path / "demos.npz"
+        written = scripted_demonstrations(4).save(file) if "Obstacle" in shipped.env.id else write_demos(file)
+        demos = [f"demonstrations={written}"]
     config = load_config(path, ["env.steps_per_env=16", "total_env_steps=null", "run.epochs=1", "eval.episodes=1",
                                 "run.log_with=[]", "run.samples_every=0", *demos])  # fmt: skip
     assert config.env == dataclasses.replace(shipped.env, steps_per_env=16)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,16 +32,28 @@ CONFIGS = ROOT / "configs" / "control"
 
 
 def flowrl(*args: str) -> None:
+    """`python -m flowrl ARGS` on one torch thread; a failure ends the benchmark with its stderr's tail."""
     cmd = [sys.executable, "-m", "flowrl", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", **_env()})
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
 
 
-def _env() -> dict:
-    import os
+def mean_sd(values, digits: int = 1) -> str:
+    """`mean ± sd` of the values that are not None (`n/a` without any)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
 
-    return dict(os.environ)
+
+def write_result(result: dict, out: str, table: str) -> None:
+    """`out.json` (the result) and `out.md` (the table), printed."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out + ".json").write_text(json.dumps(result, indent=1))
+    Path(out + ".md").write_text(table)
+    print(table)
 
 
 def curve(run: Path) -> list[tuple[int, float]]:
@@ -133,27 +146,16 @@ def main():
               "demonstrations": {"episodes": args.episodes, "noise": args.noise}, "bc_epochs": args.bc_epochs,
               "steps": args.steps, "seeds": seeds, "wall_s": round(time.time() - start), "rows": rows,
               "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(result, indent=1))
-    table = markdown(result)
-    Path(args.out + ".md").write_text(table)
-    print(table)
+    write_result(result, args.out, markdown(result))
 
 
 def markdown(result: dict) -> str:
-    def stat(values):
-        values = [v for v in values if v is not None]
-        if not values:
-            return "n/a"
-        sd = statistics.stdev(values) if len(values) > 1 else 0.0
-        return f"{statistics.mean(values):.1f} ± {sd:.1f}"
-
     rows, seeds = result["rows"], result["seeds"]
     clones = [next(r["bc_return"] for r in rows if r["seed"] == s) for s in seeds]
     lines = [
         f"Pendulum-v1: expert (Gaussian PPO, 100k steps) {result['expert_return']:.1f}; demonstrations: "
         f"{result['demonstrations']['episodes']} episodes with action noise {result['demonstrations']['noise']}; "
-        f"behaviour cloning {result['bc_epochs']} epochs: {stat(clones)} over seeds {seeds}. Then "
+        f"behaviour cloning {result['bc_epochs']} epochs: {mean_sd(clones)} over seeds {seeds}. Then "
         f"{result['steps']} environment steps from the clone (critic warm-up 2 epochs) or from scratch. Mean ± std "
         "over seeds; 'beat BC': seeds whose evaluation (every 2 epochs) first exceeded the clone's own return, and "
         "the environment steps it took.",
@@ -167,9 +169,9 @@ def markdown(result: dict) -> str:
             above = sum(r["final_return"] > r["bc_return"] for r in mine)
             reached = [r["steps_to_beat_bc"] for r in mine if r["steps_to_beat_bc"] is not None]
             start = "BC clone" if kind == "finetune" else "scratch"
-            final = stat([r["final_return"] for r in mine])
+            final = mean_sd([r["final_return"] for r in mine])
             lines.append(f"| {trainer} | {start} | {final} | {above}/{len(mine)} | {len(reached)}/{len(mine)} "
-                         f"| {stat(reached)} |")  # fmt: skip
+                         f"| {mean_sd(reached)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

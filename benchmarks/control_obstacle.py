@@ -13,10 +13,6 @@ reaches the goal, the share that hits the disc, and of the successful ones the s
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,17 +21,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from control_finetune import flowrl, mean_sd, write_result  # noqa: E402
 
 from flowrl.control.obstacle import obstacle_metrics, scripted_demonstrations  # noqa: E402
 
 
 def train(demos: Path, actor: str, seed: int, out: Path) -> Path:
-    cmd = [sys.executable, "-m", "flowrl", "train", str(ROOT / "configs" / "control" / "obstacle_bc.yaml"), "--set",
-           f"demonstrations={demos}", "--set", f"actor={actor}", "--set", f"run.seed={seed}", "--output-dir",
-           str(out), "--overwrite"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if done.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    config = str(ROOT / "configs" / "control" / "obstacle_bc.yaml")
+    flowrl("train", config, "--set", f"demonstrations={demos}", "--set", f"actor={actor}", "--set", f"run.seed={seed}",
+           "--output-dir", str(out), "--overwrite")  # fmt: skip
     return out
 
 
@@ -77,17 +73,12 @@ def main():
                                  "expert_success": float(demos.episode_returns.mean())},
               "eval_episodes": args.eval_episodes, "rows": rows, "wall_s": round(time.time() - start),
               "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(result, indent=1))
-    table = markdown(result)
-    Path(args.out + ".md").write_text(table)
-    print(table)
+    write_result(result, args.out, markdown(result))
 
 
 def markdown(result: dict) -> str:
     def stat(values):
-        sd = statistics.stdev(values) if len(values) > 1 else 0.0
-        return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+        return mean_sd(values, digits=3)
 
     demos = result["demonstrations"]
     lines = [

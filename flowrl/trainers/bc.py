@@ -127,19 +127,20 @@ class BC(ControlAlgorithm):
     def mini_batch_advantages(self, advantages):
         return advantages  # (zeros: no advantage enters the loss)
 
-    def terms(self, batch, index):
-        """The per-draw flow-matching loss (no value loss: the critic is not trained here)."""
-        data = batch.data
-        if self.config.actor == "gaussian":  # the negative log-likelihood per action dimension
-            losses = -self.policy.actor.log_prob(data.obs, data.actions)[:, None] / data.actions.shape[1]  # [b, 1]
+    def policy_terms(self, batch, index):
+        """The cloning loss of the pairs `batch` at the elements `index`: per-draw flow matching `[b, N]`, or the
+        Gaussian's negative log-likelihood per action dimension `[b, 1]`."""
+        if self.config.actor == "gaussian":
+            losses = -self.policy.actor.log_prob(batch.obs, batch.actions)[:, None] / batch.actions.shape[1]
         else:
-            fn = self.policy.actor.velocity.velocity_fn(data.obs, data.draws.taus.shape[1])
-            losses = cfm_losses(fn, data.actions, data.draws.taus, data.draws.noises)  # [b, N]
+            fn = self.policy.actor.velocity.velocity_fn(batch.obs, batch.draws.taus.shape[1])
+            losses = cfm_losses(fn, batch.actions, batch.draws.taus, batch.draws.noises)  # [b, N]
         picked = losses.gather(1, index)
         return Terms(loss=picked, logs={"bc_loss": picked.detach()})
 
-    def policy_terms(self, batch, index):  # (terms is the whole loss)
-        raise NotImplementedError
+    def terms(self, batch, index):
+        """The cloning loss alone: no value loss (the critic is not trained here)."""
+        return self.policy_terms(batch.data, index)
 
     def finish(self, batch, epoch):
         return {}

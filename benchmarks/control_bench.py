@@ -11,7 +11,9 @@ machine: each job one core); wall time and env-steps/s are those of training alo
     python benchmarks/control_bench.py --envs pendulum --seeds 0 --steps 20000   # a quick look
 
 Writes `benchmarks/results/control_bench.json` (every run) and `control_bench.md` (mean +- std over seeds), and
-for the bimodal task `control_bimodal.png` (sampled actions and trajectories of each method, seed 0).
+`control_bench.png` (learning curves: training-episode return against env steps, mean over seeds with a band of one
+standard error), and for the bimodal task `control_bimodal.png` (sampled actions and trajectories of each method,
+seed 0).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +33,14 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-ENVS = {"pendulum": 60_000, "bimodal": 30_000, "halfcheetah": 60_000, "hopper": 60_000, "halfcheetah_zoo": 300_000}
+ENVS = {
+    "pendulum": 60_000,
+    "bimodal": 30_000,
+    "halfcheetah": 60_000,
+    "hopper": 60_000,
+    "halfcheetah_zoo": 300_000,
+    "hopper_zoo": 300_000,
+}
 """Default env-step budget per environment (2 CPU cores: see docs/control.md)."""
 METHODS = ["fpo", "dppo", "ppo", "sb3"]
 LABELS = {"fpo": "flowrl FPO", "dppo": "flowrl denoising-MDP PPO", "ppo": "flowrl Gaussian PPO", "sb3": "SB3 PPO"}
@@ -52,8 +62,11 @@ def run_flowrl(env: str, method: str, seed: int, steps: int, out: Path) -> dict:
     summary = trainer.train(overwrite=True)
     history = trainer.log.history
     train_s = sum(r.get("time_s", 0.0) for r in history if r.get("epoch", 0) > 0)
+    per_epoch = config.env.num_envs * config.env.steps_per_env
+    curve = [[r["epoch"] * per_epoch, r["reward/mean"]] for r in history
+             if r.get("epoch", 0) > 0 and math.isfinite(r.get("reward/mean", float("nan")))]  # fmt: skip
     row = {"return": summary["eval_end"]["eval/reward"], "train_s": train_s,
-           "env_steps": trainer.state.samples_scored}  # fmt: skip
+           "env_steps": trainer.state.samples_scored, "curve": curve}  # fmt: skip
     if env == "bimodal":
         row.update({k.removeprefix("eval/"): v for k, v in summary["eval_end"].items()
                     if k in ("eval/saddle_up", "eval/top_fraction", "eval/saddle_success")})  # fmt: skip
@@ -93,10 +106,12 @@ def run_sb3(env: str, seed: int, steps: int, out: Path) -> dict:
                        "activation_fn": activation, "log_std_init": p.log_std_init, "ortho_init": p.ortho_init},
     )  # fmt: skip
     budget = c.run.epochs * e.num_envs * e.steps_per_env  # whole rollouts, as flowrl's epochs
+    curve = _curve_callback()
     start = time.time()
-    model.learn(budget)
+    model.learn(budget, callback=curve)
     train_s = time.time() - start
-    row = {"return": _sb3_eval(model, venv, c), "train_s": train_s, "env_steps": int(model.num_timesteps)}
+    row = {"return": _sb3_eval(model, venv, c), "train_s": train_s, "env_steps": int(model.num_timesteps),
+           "curve": curve.points}  # fmt: skip
     if env == "bimodal":
         from flowrl.control.bimodal import bimodal_metrics
 
@@ -104,6 +119,27 @@ def run_sb3(env: str, seed: int, steps: int, out: Path) -> dict:
         row.update(bimodal_metrics(act, seed=c.eval.seed))
         _panel(act, "sb3", seed, out)
     return row
+
+
+def _curve_callback():
+    """An SB3 callback: `points` = [env steps, mean raw return of the episodes that ended in the rollout]."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class Curve(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.points, self._returns = [], []
+
+        def _on_step(self) -> bool:
+            self._returns += [info["episode"]["r"] for info in self.locals["infos"] if "episode" in info]
+            return True
+
+        def _on_rollout_end(self) -> None:
+            if self._returns:
+                self.points.append([int(self.model.num_timesteps), float(np.mean(self._returns))])
+            self._returns = []
+
+    return Curve()
 
 
 def _normalise(venv, obs):
@@ -190,6 +226,50 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot_curves(rows: list[dict], path: Path, bins: int = 30) -> None:
+    """Training-episode return against env steps per environment: each method's mean over seeds with a band of one
+    standard error (each seed's episodes averaged in `bins` equal windows of the budget first)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    envs = [
+        env for env in dict.fromkeys(r["env"] for r in rows) if any(r.get("curve") for r in rows if r["env"] == env)
+    ]
+    if not envs:
+        return
+    fig, axes = plt.subplots(1, len(envs), figsize=(4.2 * len(envs), 3.2), squeeze=False)
+    for ax, env in zip(axes[0], envs):
+        for method in METHODS:
+            group = [r for r in rows if r["env"] == env and r["method"] == method and r.get("curve")]
+            if not group:
+                continue
+            edges = np.linspace(0, group[0]["budget"], bins + 1)
+            per_seed = []
+            for r in group:
+                steps, ret = np.array(r["curve"], dtype=float).T
+                idx = np.clip(np.searchsorted(edges, steps, side="left") - 1, 0, bins - 1)
+                per_seed.append([ret[idx == b].mean() if (idx == b).any() else np.nan for b in range(bins)])
+            y = np.array(per_seed)
+            mid = (edges[:-1] + edges[1:]) / 2
+            n = np.sum(np.isfinite(y), axis=0)
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # empty windows and single seeds give NaN
+                mean = np.nanmean(y, axis=0)
+                se = np.nan_to_num(np.nanstd(y, axis=0, ddof=1) / np.sqrt(np.maximum(n, 1)))
+            keep = n > 0  # windows where no seed finished an episode are left out
+            ax.plot(mid[keep], mean[keep], label=f"{LABELS[method]} ({len(group)} seeds)")
+            ax.fill_between(mid[keep], (mean - se)[keep], (mean + se)[keep], alpha=0.25)
+        ax.set_title(env)
+        ax.set_xlabel("env steps")
+        ax.set_ylabel("training episode return")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def stitch(rows: list[dict], runs: Path) -> None:
     """The seed-0 bimodal panels of every method side by side."""
     from PIL import Image
@@ -209,7 +289,7 @@ def stitch(rows: list[dict], runs: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # halfcheetah_zoo (the zoo tuned PPO settings) has ppo and sb3 configs only: --methods ppo,sb3
+    # halfcheetah_zoo and hopper_zoo (the zoo's tuned PPO settings) have ppo and sb3 configs only: --methods ppo,sb3
     parser.add_argument("--envs", default="pendulum,bimodal,halfcheetah,hopper")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--seeds", default="0,1,2")
@@ -270,6 +350,7 @@ def main() -> int:
     text = table(rows)
     out.with_suffix(".md").write_text(text + "\n")
     stitch(rows, runs)
+    plot_curves(rows, out.with_suffix(".png"))
     print(text)
     return 0 if not math.isnan(sum(r["return"] for r in rows)) else 1
 

@@ -475,12 +475,12 @@ def vespo(ratio, adv, *, logp, log_ratio, mask, k_pos: float = 2.0, lambda_pos: 
     w = log_w.exp()
     nonneg = adv >= 0  # [B, 1] or [B, K]
     k = torch.full_like(adv, k_neg).masked_fill_(nonneg, k_pos)
-    lam = torch.full_like(adv, lambda_neg).masked_fill_(nonneg, lambda_pos).clamp_min(1e-4)
+    lam = torch.full_like(adv, max(lambda_neg, 1e-4)).masked_fill_(nonneg, max(lambda_pos, 1e-4))
     phi = torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [B, 1] or [B, K]
     coef = (-adv * phi).expand_as(ratio)  # [B, K]
     if phi.shape[-1] == 1:  # one weight per sequence: each counted once per real token
         n = mask.sum(-1, keepdim=True).to(phi.dtype)  # [B, 1]
-        weight_mean = (phi * n).sum() / n.sum().clamp_min(1.0)
+        weight_mean = torch.dot(phi.reshape(-1), n.reshape(-1)) / n.sum().clamp_min(1.0)
     else:
         fmask = mask.to(phi.dtype)
         weight_mean = (phi * fmask).sum() / fmask.sum().clamp_min(1.0)  # over real tokens only

@@ -28,12 +28,18 @@ def select_valid(x: torch.Tensor, mask: torch.Tensor, fmask: torch.Tensor) -> to
     product `x * fmask` is used when it is finite everywhere, `torch.where` otherwise (and on accelerators,
     where `where` is as fast as a product and a host sync is not).
     """
+    return select_valid_checked(x, mask, fmask)[0]
+
+
+def select_valid_checked(x: torch.Tensor, mask: torch.Tensor, fmask: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """`(select_valid(x, mask, fmask), finite)`: `finite` is True only when `x` was seen finite everywhere (the
+    CPU product path), so anything `x` was computed from elementwise may be masked by a product alone."""
     if x.device.type == "cpu":
         product = x * fmask  # [B, K]; exact: x * 1 = x, x * 0 = 0 for finite x
         # a finite sum means no NaN/inf anywhere (an overflowing sum only takes the where path)
         if math.isfinite(product.sum().item()):
-            return product
-    return torch.where(mask.bool(), x, 0.0)
+            return product, True
+    return torch.where(mask.bool(), x, 0.0), False
 
 
 def greater(a: torch.Tensor, b, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flowrl.core.aggregation import AGGREGATIONS, aggregate, aggregation_weights
+from flowrl.core.aggregation import AGGREGATIONS, aggregation_weights, linearised_loss
 from flowrl.core.dist import gather_valid
-from flowrl.core.masking import float_mask, greater, less, select_valid
+from flowrl.core.masking import float_mask, greater, less, select_valid, select_valid_checked
 from flowrl.core.ratios import LOG_RATIO_CLAMP, compute_dtype, grpo_guard_log_ratio, sequence_log_ratio
 from flowrl.registry import Registry, first_line, unknown_name_error
 
@@ -421,8 +421,9 @@ def sapo(ratio, adv, *, tau_pos: float = 1.0, tau_neg: float = 1.05):
         raise ValueError(f"tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
     tau = torch.full_like(adv, tau_neg).masked_fill_(adv > 0, tau_pos)  # adv's shape: [B, 1] or [B, K]
     gate = torch.addcmul(-tau, tau, ratio).sigmoid_()  # [B, K] sigmoid(tau (r - 1)), one pass and one buffer
-    value = (-adv * 4 / tau) * gate
-    coef = torch.addcmul(gate, gate, gate, value=-1.0).mul_(ratio).mul_(-adv * 4)  # -4 A sigma (1 - sigma) r
+    scale = adv * -4.0  # -4 A
+    value = gate * (scale / tau)
+    coef = torch.addcmul(gate, gate, gate, value=-1.0).mul_(ratio).mul_(scale)  # -4 A sigma (1 - sigma) r
     return Surrogate(value, coef, None, None)
 
 
@@ -653,7 +654,7 @@ def compute_policy_loss(
     fmask = float_mask(mask, dtype)  # [B, K] 0/1
     mask = mask.bool()
     # padding may hold NaN/inf: select it away before any arithmetic so it cannot reach the loss or grads
-    log_ratio = select_valid(logp.to(dtype) - old_logp.detach().to(dtype), mask, fmask)  # [B, K]
+    log_ratio, finite = select_valid_checked(logp.to(dtype) - old_logp.detach().to(dtype), mask, fmask)  # [B, K]
     adv = advantages.detach().to(dtype)  # [B, 1] or [B, K]
     if adv.shape == shape:
         adv = select_valid(adv, mask, fmask)
@@ -662,7 +663,9 @@ def compute_policy_loss(
     wanted_inputs = {*objective.ratio_inputs, *objective.surrogate_inputs}
     for key, value in (("logp", logp), ("old_logp", old_logp)):
         if key in wanted_inputs:
-            inputs[key] = select_valid(value.detach().to(dtype), mask, fmask)
+            value = value.detach().to(dtype)
+            # a log-ratio finite everywhere needs both log-probs finite everywhere: the product alone masks them
+            inputs[key] = value * fmask if finite else select_valid(value, mask, fmask)
     for key, value in (("entropy", entropy), ("segment_ids", segment_ids)):
         if value is not None:
             _check_shape(key, value, shape)
@@ -713,24 +716,25 @@ def compute_policy_loss(
         metrics.update(terms.metrics or {})
         metrics.update({k: v.detach() for k, v in (extra.metrics or {}).items()})
 
-    # value v, gradient g * grad(x): (x - sg(x)) is exactly 0 in the forward pass
-    per_element = torch.addcmul(terms.value, terms.coef, x - x.detach())  # [B, K] = v + g * (x - sg(x))
-    if extra.penalty is not None:  # an estimator's own differentiable per-element loss (TROLL's regression)
-        per_element = per_element + extra.penalty
-    if weights is None and not row_level:
-        return aggregate(per_element, fmask, agg, norm_len=norm_len), metrics
-    # aggregate(l * w) = sum(a * w * l) with a = aggregation_weights(mask): one dot product
+    # aggregate(l * w) = sum(a * w * l) with a = aggregation_weights(mask)
     coeffs = aggregation_weights(fmask, agg, norm_len=norm_len)  # [B, K]
     if weights is not None:
         weights = torch.as_tensor(weights, dtype=dtype, device=logp.device).detach().expand(shape)
         coeffs = coeffs * select_valid(weights, mask, fmask)
     if row_level:
         coeffs = coeffs.sum(-1, keepdim=True)  # [B, 1]
-    return torch.dot(per_element.reshape(-1), coeffs.reshape(-1)), metrics
+    # the per-element loss v + g * (x - sg(x)): value v, gradient g * grad(x)
+    loss = linearised_loss(x, terms.value, terms.coef, coeffs)
+    if extra.penalty is not None:  # an estimator's own differentiable per-element loss (TROLL's regression)
+        loss = loss + torch.dot(extra.penalty.reshape(-1), coeffs.expand(shape).reshape(-1))
+    return loss, metrics
 
 
 def _clip_metrics(terms: Surrogate, fmask, row_level: bool) -> dict[str, torch.Tensor]:
     """The clip fractions alone (`diagnostics="clip"`): masked means of the three flags."""
+    if all(f is None for f in terms[2:5]):  # an objective without a clip (SAPO, CISPO's IS clamp, ...)
+        zero = fmask.new_zeros(())
+        return dict.fromkeys(("clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_dual"), zero)
     weight = fmask.sum(-1, keepdim=True) if row_level else fmask  # row-level flags are [B, 1], counted n_i times
     count = weight.sum().clamp_min(1.0)  # clamp: an all-masked batch reports zeros
     zero = weight.new_zeros(())

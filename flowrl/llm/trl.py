@@ -138,10 +138,10 @@ class FlowrlGRPOTrainer(GRPOTrainer):
             if "num_items_in_batch" in inputs:
                 # num_items_in_batch counts the tokens of the whole generation batch (steps_per_generation
                 # micro-batches, every process): rescale it to one accumulation window of one process, as trl does
-                normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+                per_window = self.accelerator.num_processes
                 if mode == "train":
-                    normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-                return "sum", 1.0 / normalizer, 1.0
+                    per_window *= self.args.steps_per_generation / self.current_gradient_accumulation_steps
+                return "sum", inputs["num_items_in_batch"].clamp(min=1.0).reciprocal().mul_(per_window), 1.0
             return "token_mean", 1.0 / accumulation, 1.0
         factor = 1.0 / accumulation
         if agg.startswith("seq_mean"):
@@ -291,21 +291,26 @@ class FlowrlGRPOTrainer(GRPOTrainer):
 
     def _global_masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         """Mean of `x [B, T]` over the valid tokens of every process (trl's `global_masked_mean`)."""
-        totals = self._reduce_sum(torch.stack([torch.dot(x.reshape(-1), mask.reshape(-1)), mask.sum()]).detach())
-        return (totals[0] / totals[1].clamp(min=1.0)).item()
+        total, count = torch.dot(x.reshape(-1), mask.reshape(-1)).detach(), mask.sum()
+        if self.accelerator.num_processes > 1:
+            total, count = self.accelerator.reduce(torch.stack([total, count]), reduction="sum").unbind()
+        return (total / count.clamp(min=1.0)).item()
 
     def _log_flowrl_metrics(self, metrics: dict[str, torch.Tensor], mask: torch.Tensor, mode: str) -> None:
         """flowrl's scalar diagnostics as `flowrl/<name>`: token-weighted means over processes, min/max for extremes.
 
         `ratio_std` is the token-weighted mean of the processes' standard deviations (exact on one process).
         """
-        scalars = {k: v.detach().float() for k, v in metrics.items() if v.ndim == 0}
+        scalars = {k: v.float() for k, v in metrics.items() if v.ndim == 0}  # compute_policy_loss's are detached
         extremes = {k: scalars.pop(k) for k in ("ratio_min", "ratio_max") if k in scalars}
         logged = self._metrics[mode]
         if scalars:
-            count = mask.sum().detach()
-            totals = self._reduce_sum(torch.stack([*scalars.values(), torch.ones_like(count)]) * count)
-            means = dict(zip(scalars, (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()))
+            if self.accelerator.num_processes == 1:  # one process: the means are the metrics themselves
+                means = dict(zip(scalars, torch.stack(list(scalars.values())).tolist()))
+            else:
+                count = mask.sum().detach()
+                totals = self._reduce_sum(torch.stack([*scalars.values(), torch.ones_like(count)]) * count)
+                means = dict(zip(scalars, (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()))
             for key, value in means.items():
                 logged[f"flowrl/{key}"].append(value)
             if "clipfrac_low" in means and "clipfrac_high" in means:  # trl's names, for dashboards

@@ -353,13 +353,15 @@ def test_spo_never_zeroes_the_gradient():
     assert torch.all(grad != 0)
 
 
-def test_padding_never_reaches_the_loss_or_gradient():
+@pytest.mark.parametrize("name", ["ppo", "cispo", "vespo", "sapo"])  # cispo, vespo: the surrogate reads logp too
+@pytest.mark.parametrize("dirty", ["both", "logp", "old"])
+def test_padding_never_reaches_the_loss_or_gradient(name, dirty):
     logp, old, adv, mask, _ = random_batch(5)
-    clean_loss, _ = compute_policy_loss("ppo", logp, old, adv, mask)
+    clean_loss, _ = compute_policy_loss(name, logp, old, adv, mask)
     (clean_grad,) = torch.autograd.grad(clean_loss, logp)
-    dirty_old = torch.where(mask, old, torch.full_like(old, float("nan")))
-    dirty_logp = torch.where(mask, logp, torch.full_like(old, -float("inf")))
-    loss, metrics = compute_policy_loss("ppo", dirty_logp, dirty_old, adv, mask)
+    dirty_old = torch.where(mask, old, torch.full_like(old, float("nan"))) if dirty != "logp" else old
+    dirty_logp = torch.where(mask, logp, torch.full_like(old, -float("inf"))) if dirty != "old" else logp
+    loss, metrics = compute_policy_loss(name, dirty_logp, dirty_old, adv, mask)
     (grad,) = torch.autograd.grad(loss, logp)
     assert loss.item() == clean_loss.item()
     torch.testing.assert_close(grad, clean_grad)

@@ -460,7 +460,7 @@ def dppo_mask(
     return Surrogate(coef * logp, coef, dropped_high, dropped_low)
 
 
-def vespo(ratio, adv, *, logp, log_ratio, mask, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
+def vespo(ratio, adv, *, logp, log_ratio, fmask, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
           lambda_neg: float = 2.0):  # fmt: skip
     """VESPO (Shen et al. 2026; trl's `vespo`): `l = -phi(w) A log pi` with `w` the sequence's product ratio
     `exp(sum_t log r_t)` and the detached Gamma-kernel weight `phi(w) = w^k exp(lambda (1 - w))` (`phi(1) = 1`),
@@ -477,12 +477,11 @@ def vespo(ratio, adv, *, logp, log_ratio, mask, k_pos: float = 2.0, lambda_pos: 
     k = torch.full_like(adv, k_neg).masked_fill_(nonneg, k_pos)
     lam = torch.full_like(adv, max(lambda_neg, 1e-4)).masked_fill_(nonneg, max(lambda_pos, 1e-4))
     phi = torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [B, 1] or [B, K]
-    coef = (-adv * phi).expand_as(ratio)  # [B, K]
+    coef = adv * -phi  # [B, 1] (or [B, K]): broadcast over the row, no expanded copy
     if phi.shape[-1] == 1:  # one weight per sequence: each counted once per real token
-        n = mask.sum(-1, keepdim=True).to(phi.dtype)  # [B, 1]
+        n = fmask.sum(-1, keepdim=True)  # [B, 1]
         weight_mean = torch.dot(phi.reshape(-1), n.reshape(-1)) / n.sum().clamp_min(1.0)
     else:
-        fmask = mask.to(phi.dtype)
         weight_mean = (phi * fmask).sum() / fmask.sum().clamp_min(1.0)  # over real tokens only
     return Surrogate(coef * logp, coef, None, None, metrics={"vespo_weight_mean": weight_mean})
 

@@ -46,10 +46,11 @@ DIAGNOSTICS = ("full", "clip", "none")
 """What `compute_policy_loss` reports: every ratio statistic, the clip fractions only (trl's and verl's set), or
 only the objective's own metrics."""
 
-INPUTS = ("logp", "old_logp", "log_ratio", "mask", "adv", "entropy", "segment_ids", "state", "topk_logp",
+INPUTS = ("logp", "old_logp", "log_ratio", "mask", "fmask", "adv", "entropy", "segment_ids", "state", "topk_logp",
           "old_topk_logp")  # fmt: skip
 """Keyword parameters of a surrogate or log-ratio estimator that are inputs, not hyper-parameters: `logp`,
-`old_logp` and the element `log_ratio` (`[B, K]`, detached, padding zeroed), `mask`, `adv` (estimators only),
+`old_logp` and the element `log_ratio` (`[B, K]`, detached, padding zeroed), `mask` (bool) and `fmask` (the same
+as 0/1 floats of the compute dtype: sums over it are 10x faster on CPU than over bools), `adv` (estimators only),
 and the extra inputs a caller
 passes to `compute_policy_loss`: `entropy` (`[B, K]` token entropies), `segment_ids` (`[B, K]` integer segment
 of each element: turns, sentences), `state` (the objective's controller state, a dict it updates) and
@@ -653,13 +654,16 @@ def compute_policy_loss(
     dtype = compute_dtype(logp, old_logp)
     fmask = float_mask(mask, dtype)  # [B, K] 0/1
     mask = mask.bool()
-    # padding may hold NaN/inf: select it away before any arithmetic so it cannot reach the loss or grads
-    log_ratio, finite = select_valid_checked(logp.to(dtype) - old_logp.detach().to(dtype), mask, fmask)  # [B, K]
+    # element ratios: the loss's gradient goes straight to logp (below), the log-ratio needs no graph
+    element = objective.log_ratio is element_log_ratio
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not element):
+        # padding may hold NaN/inf: select it away before any arithmetic so it cannot reach the loss or grads
+        log_ratio, finite = select_valid_checked(logp.to(dtype) - old_logp.detach().to(dtype), mask, fmask)  # [B, K]
     adv = advantages.detach().to(dtype)  # [B, 1] or [B, K]
     if adv.shape == shape:
         adv = select_valid(adv, mask, fmask)
 
-    inputs = {"mask": mask, "adv": adv, "state": state, "log_ratio": log_ratio.detach()}
+    inputs = {"mask": mask, "fmask": fmask, "adv": adv, "state": state, "log_ratio": log_ratio.detach()}
     wanted_inputs = {*objective.ratio_inputs, *objective.surrogate_inputs}
     for key, value in (("logp", logp), ("old_logp", old_logp)):
         if key in wanted_inputs:
@@ -723,8 +727,9 @@ def compute_policy_loss(
         coeffs = coeffs * select_valid(weights, mask, fmask)
     if row_level:
         coeffs = coeffs.sum(-1, keepdim=True)  # [B, 1]
-    # the per-element loss v + g * (x - sg(x)): value v, gradient g * grad(x)
-    loss = linearised_loss(x, terms.value, terms.coef, coeffs)
+    # the per-element loss v + g * (x - sg(x)): value v, gradient g * grad(x); for element ratios grad(x) is the
+    # mask, which coeffs already carries (0 off the mask), so the gradient is taken at logp itself
+    loss = linearised_loss(logp.to(dtype) if element else x, terms.value, terms.coef, coeffs)
     if extra.penalty is not None:  # an estimator's own differentiable per-element loss (TROLL's regression)
         loss = loss + torch.dot(extra.penalty.reshape(-1), coeffs.expand(shape).reshape(-1))
     return loss, metrics

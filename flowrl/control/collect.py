@@ -59,18 +59,19 @@ class ControlCollector:
         processes (`Processes`, *optional*): this process's share of the environments (None: all of them).
         continue_episodes (`bool`): carry each environment's episode into the next `collect` (only the first one
             resets, from its epoch's seeds) instead of starting fresh episodes every epoch.
+        vectorization (`str`): `"sync"` or `"async"` (`EnvConfig.vectorization`); `close()` ends async workers.
     """
 
     def __init__(self, env_id: str, num_envs: int, steps_per_env: int, env_kwargs: dict, normalizer: Normalizer,
                  policy, *, chain: bool = False, gamma: float, lam: float, seed: int, processes=None,
-                 continue_episodes: bool = False):  # fmt: skip
+                 continue_episodes: bool = False, vectorization: str = "sync"):  # fmt: skip
         self.processes = processes
         world, rank = (processes.world, processes.rank) if processes is not None else (1, 0)
         if num_envs % world:
             raise ValueError(f"env.num_envs={num_envs} environments do not split over {world} processes")
         share = num_envs // world
         self.mine = slice(rank * share, (rank + 1) * share)  # this process's environments
-        self.envs = make_vec_env(env_id, share, env_kwargs)
+        self.envs = make_vec_env(env_id, share, env_kwargs, vectorization)
         space = self.envs.single_action_space
         self.low, self.high = space.low.astype(np.float64), space.high.astype(np.float64)
         self.num_envs, self.steps = num_envs, steps_per_env
@@ -78,6 +79,10 @@ class ControlCollector:
         self.gamma, self.lam, self.seed = gamma, lam, seed
         self.continue_episodes = continue_episodes
         self.carry = None  # (raw observations [E, O], episode returns [E], lengths [E]) of the running episodes
+
+    def close(self) -> None:
+        """Close the environments (an `async` vector environment's worker processes)."""
+        self.envs.close()
 
     def _everyone(self, *parts: np.ndarray) -> list[np.ndarray]:
         """This process's `[e, ...]` arrays -> every process's `[E, ...]` (one all-gather of them all)."""

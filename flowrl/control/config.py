@@ -20,6 +20,11 @@ class EnvConfig:
     """Keyword arguments of `gymnasium.make`."""
     num_envs: int = 4
     """Environments stepped together, over every process (each steps its share)."""
+    vectorization: Literal["sync", "async"] = "sync"
+    """How a process steps its environments: `sync` one after another in the process (gymnasium's
+    `SyncVectorEnv`), `async` each in its own worker process (`AsyncVectorEnv`, shared memory). The same
+    transitions either way; `async` pays when one environment's step costs more than the round trip to a worker
+    (heavy simulators, many cores), not for Pendulum or HalfCheetah (`docs/control.md`). Evaluation steps sync."""
     steps_per_env: int = 1024
     """Steps per environment per epoch: an epoch's rollout has `num_envs * steps_per_env` transitions."""
     continue_episodes: bool = False

@@ -12,6 +12,8 @@ environment is built.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -37,20 +39,29 @@ def register_envs() -> None:
         gym.register(OBSTACLE_ID, entry_point="flowrl.control.obstacle:ObstaclePointMass", max_episode_steps=60)
 
 
-def make_vec_env(env_id: str, num_envs: int, kwargs: dict | None = None):
-    """`num_envs` copies of `env_id` in one `SyncVectorEnv` with same-step autoreset."""
+def _make_env(env_id: str, kwargs: dict):
+    """One environment (in a worker process too: flowrl's own ids are registered there first)."""
+    register_envs()
+    return _gym().make(env_id, **kwargs)
+
+
+def make_vec_env(env_id: str, num_envs: int, kwargs: dict | None = None, vectorization: str = "sync"):
+    """`num_envs` copies of `env_id` in one vector environment with same-step autoreset: a `SyncVectorEnv`, or with
+    `vectorization="async"` an `AsyncVectorEnv` (one worker process per environment)."""
     gym = _gym()
     register_envs()
-    from gymnasium.vector import AutoresetMode, SyncVectorEnv
+    from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 
     try:
         gym.spec(env_id)
     except gym.error.Error as err:
         raise ValueError(f"unknown Gymnasium environment {env_id!r} ({err}); MuJoCo ids need "
                          "pip install 'flowrl-toolkit[rl]'") from None  # fmt: skip
-    kwargs = dict(kwargs or {})
-    envs = SyncVectorEnv([lambda: gym.make(env_id, **kwargs) for _ in range(num_envs)],
-                         autoreset_mode=AutoresetMode.SAME_STEP)  # fmt: skip
+    if vectorization not in ("sync", "async"):
+        raise ValueError(f"env.vectorization must be 'sync' or 'async', got {vectorization!r}")
+    fns = [functools.partial(_make_env, env_id, dict(kwargs or {})) for _ in range(num_envs)]
+    vector = AsyncVectorEnv if vectorization == "async" else SyncVectorEnv
+    envs = vector(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     space = envs.single_action_space
     if not isinstance(space, gym.spaces.Box):
         envs.close()

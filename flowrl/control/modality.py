@@ -74,7 +74,8 @@ class ControlModality:
         cfg, env = self.config, self.config.env
         return ControlCollector(env.id, env.num_envs, env.steps_per_env, env.kwargs, self.normalizer, self.policy,
                                 chain=chain, gamma=cfg.advantage.gamma, lam=cfg.advantage.lam, seed=cfg.run.seed,
-                                processes=self.context.processes, continue_episodes=env.continue_episodes)  # fmt: skip
+                                processes=self.context.processes, continue_episodes=env.continue_episodes,
+                                vectorization=env.vectorization)  # fmt: skip
 
     def evaluator(self, *, chain: bool = False) -> ControlEvaluator:
         env, ev = self.config.env, self.config.eval

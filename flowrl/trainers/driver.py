@@ -206,8 +206,9 @@ class Trainer:
         try:
             return RunLoop(self).run(resume, overwrite)
         finally:
-            if self.config.run.mode == "async":
-                self.collector.close()
+            close = getattr(self.collector, "close", None)  # rollout workers, environment worker processes
+            if close is not None:
+                close()
 
     def _async_collector(self):
         """`run.mode: async`: the collector that takes each epoch's batch from rollout workers (Ray actors, or one

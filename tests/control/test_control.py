@@ -421,3 +421,22 @@ def test_continue_episodes_carries_episodes_across_epochs(tmp_path, continue_epi
 def test_continue_episodes_is_refused_in_the_async_mode():
     with pytest.raises(ConfigError, match="env.continue_episodes keeps episodes running"):
         tiny("ppo", **{"env.continue_episodes": True, "run.mode": "async"})
+
+
+@pytest.mark.parametrize("env", ["Pendulum-v1", "flowrl/ObstaclePointMass-v0"])  # a flowrl id: registered in workers
+def test_async_environments_give_the_sync_transitions_and_training(tmp_path, env):
+    """`env.vectorization: async` steps each environment in its own process: the same rollouts (episodes carried
+    across epochs, so resets inside an epoch are exercised too) and the same update as `sync`."""
+    runs = {}
+    for mode in ("sync", "async"):
+        config = tiny("ppo", env, **{"env.vectorization": mode, "env.continue_episodes": True, "run.epochs": 2})
+        trainer = build_trainer(config, output_dir=tmp_path / mode)
+        trainer.train()
+        runs[mode] = trainer
+        assert trainer.collector.envs.closed  # train() closes the environments (async: ends the workers)
+    sync, other = (dict(t.policy.named_parameters()) for t in (runs["sync"], runs["async"]))
+    assert type(runs["async"].collector.envs).__name__ == "AsyncVectorEnv"
+    for name, value in sync.items():
+        assert torch.equal(value, other[name]), name
+    with pytest.raises(ConfigError, match="vectorization"):
+        tiny("ppo", **{"env.vectorization": "threads"})

@@ -66,14 +66,15 @@ def aggregation_weights(mask: torch.Tensor, agg: str = "token_mean", *, norm_len
     computed over part of the K axis at a time (one denoising step's graph in memory) can be weighted exactly.
     """
     m = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
+    # products by reciprocals: one pass over [B, K] at multiply speed, bit-identical to the divisions for 0/1 masks
     if agg == "token_mean":
-        return m / m.sum().clamp_min(1.0)
+        return m * m.sum().clamp_min(1.0).reciprocal()
     if agg == "sum":
         return m
     n_i = m.sum(-1, keepdim=True)  # [B, 1]
     num_seqs = (n_i > 0).sum().clamp_min(1)  # B'
     if agg == "seq_mean_token_mean":
-        return m / (n_i.clamp_min(1.0) * num_seqs)
+        return m * (n_i.clamp_min(1.0) * num_seqs).reciprocal()
     if agg == "seq_mean_token_sum":
         return m / num_seqs
     if agg == "seq_mean_token_sum_norm":

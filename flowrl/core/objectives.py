@@ -737,7 +737,7 @@ def compute_policy_loss(
 
 def _clip_metrics(terms: Surrogate, fmask, row_level: bool) -> dict[str, torch.Tensor]:
     """The clip fractions alone (`diagnostics="clip"`): masked means of the three flags."""
-    if all(f is None for f in terms[2:5]):  # an objective without a clip (SAPO, CISPO's IS clamp, ...)
+    if all(f is None for f in terms[2:5]):  # an objective without a clip (SAPO, VESPO, REINFORCE, ...)
         zero = fmask.new_zeros(())
         return dict.fromkeys(("clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_dual"), zero)
     weight = fmask.sum(-1, keepdim=True) if row_level else fmask  # row-level flags are [B, 1], counted n_i times

@@ -1,9 +1,10 @@
 """One training epoch against the network work it cannot avoid (the digits world, CPU).
 
 The reference is the bare transformer calls an epoch must make, with the same shapes: for each sampling step
-and forward chunk one no-grad forward of `2 x chunk` rows (CFG), and for each trained step and minibatch one
-forward + backward of `2 x chunk` rows. Everything else (step kernels, log-probs, rewards, advantages, the
-objective, optimizer steps, bookkeeping) is overhead. Both are measured side by side in one process.
+and forward chunk one no-grad forward of `chunk` rows (`2 x chunk` under CFG), and for each trained step and
+micro-batch one forward + backward of `min(chunk, mini-batch)` rows (doubled under CFG). Everything else (step
+kernels, log-probs, rewards, advantages, the objective, optimizer steps, bookkeeping) is overhead. Both are
+measured side by side in one process.
 
     python benchmarks/train_bench.py [--config configs/digits/grpo_guard.yaml] [--epochs 3]
 """
@@ -39,24 +40,31 @@ def network_work(trainer, collected, optimizer_steps: int) -> float:
     n = collected.size
     model = trainer.policy.model
     cond = {k: v[rollout.prompt_ids] for k, v in rollout.cond.items()}
-    rows = 2 * chunk if rollout.null_cond is not None else chunk
-    x = rollout.latents[:chunk, 0].repeat(rows // chunk, 1, 1, 1)
-    t = rollout.timesteps[:1].expand(rows)
-    c = {k: v[:chunk].repeat(rows // chunk, *([1] * (v.ndim - 1))) for k, v in cond.items()}
-    call = lambda: trainer.policy.adapter.forward(x, t, c, cfg.sampling.guidance_scale, model=model)  # noqa: E731
+    branches = 2 if rollout.null_cond is not None else 1
+
+    def network_call(size: int):
+        """A call on `size` rows (both CFG branches in one batch, as the policy makes it)."""
+        rows = torch.arange(size) % n  # a batch smaller than the chunk is padded to it, as the policy pads
+        x = rollout.latents[rows, 0].repeat(branches, 1, 1, 1)
+        t = rollout.timesteps[:1].expand(branches * size)
+        c = {k: v[rows].repeat(branches, *([1] * (v.ndim - 1))) for k, v in cond.items()}
+        return lambda: trainer.policy.adapter.forward(x, t, c, cfg.sampling.guidance_scale, model=model)
+
+    call = network_call(chunk)  # sampling: chunks of exactly `chunk` rows (padded)
     batch = UpdateBatch(data=rollout, rows=collected.rows, size=n, advantages=torch.zeros(n),
                         trainable=torch.ones(n, dtype=torch.bool))  # fmt: skip
     index, _ = trainer.algorithm.elements(batch, 0)
     trained_steps = index.shape[1]
     # each optimizer step's mini-batch in micro-batches of `chunk` rows
-    mini = cfg.batch.mini_batch_size or n
-    train_calls = optimizer_steps * -(-min(mini, n) // chunk)
+    mini = min(cfg.batch.mini_batch_size or n, n)
+    train_calls = optimizer_steps * -(-mini // chunk)
+    train_call = network_call(min(chunk, mini))  # the update's calls: a mini-batch smaller than a chunk is one call
     start = time.perf_counter()
     with torch.no_grad():
         for _ in range(steps * -(-n // chunk)):
             call()
     for _ in range(trained_steps * train_calls):
-        call().float().square().mean().backward()
+        train_call().float().square().mean().backward()
     model.zero_grad(set_to_none=True)
     return time.perf_counter() - start
 

@@ -51,7 +51,8 @@ def test_a_smaller_micro_batch_changes_no_step_of_a_shipped_config(tiny_world, t
     assert config.batch.micro_batch_size != micro
     _, small, small_weights = _epoch(tiny_world, path, tmp_path / "small", micro)
     assert shipped["optimizer_steps"] == small["optimizer_steps"] >= 2
-    assert shipped["reward/mean"] == small["reward/mean"]  # the same samples (episodes, completions)
+    # the same samples (episodes, completions), up to reduction order: the chunk size changes the matmul blocking
+    assert float(small["reward/mean"]) == pytest.approx(float(shipped["reward/mean"]), rel=1e-5, abs=1e-7)
     for key in STATISTICS:
         if key in shipped:
             assert small[key] == pytest.approx(shipped[key], rel=1e-4, abs=1e-6), key

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from flowrl.core.aggregation import aggregation_weights
-from flowrl.core.objectives import compute_policy_loss
+from flowrl.core.policy_loss import compute_policy_loss
 
 
 @dataclasses.dataclass

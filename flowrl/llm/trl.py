@@ -52,7 +52,8 @@ import torch
 
 from flowrl.core.aggregation import aggregation_weights
 from flowrl.core.masking import float_mask
-from flowrl.core.objectives import compute_policy_loss, get_objective, gspo_log_ratio
+from flowrl.core.objectives import get_objective, gspo_log_ratio
+from flowrl.core.policy_loss import compute_policy_loss
 from flowrl.core.ratios import sequence_log_ratio
 from flowrl.llm.trl_config import FlowrlGRPOConfig, trl_loss_as_objective
 

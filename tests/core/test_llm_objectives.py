@@ -636,11 +636,11 @@ def _long_batch(seed=0, B=6, K=100):
 def test_sequence_objectives_run_their_surrogate_per_row_with_the_same_loss_gradient_and_metrics(
     name, agg, monkeypatch
 ):
-    from flowrl.core import objectives
+    from flowrl.core import policy_loss
 
     calls = []
-    row_metrics = objectives._row_metrics
-    monkeypatch.setattr(objectives, "_row_metrics", lambda *a: calls.append(1) or row_metrics(*a))
+    row_metrics = policy_loss._row_metrics
+    monkeypatch.setattr(policy_loss, "_row_metrics", lambda *a: calls.append(1) or row_metrics(*a))
     logp, old, adv, mask, weights = _long_batch()
     results = []
     for advantages in (adv, adv[:, None].expand_as(logp)):  # [B, K] advantages take the element path

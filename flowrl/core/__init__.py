@@ -3,6 +3,7 @@
 import flowrl.core.humanline  # noqa: F401  (registers humanline)
 import flowrl.core.troll  # noqa: F401  (registers troll)
 from flowrl.core import (  # noqa: F401  (register the text-literature and preference objectives)
+    llm_entropy_objectives,  # noqa: F401  (register Clip-Cov, KL-Cov, R2VPO, SSPO, ESPO, the 80/20 rule)
     llm_group_objectives,  # noqa: F401  (register TRPA, Reg-GRPO, GTPO, ST-PPO)
     llm_objectives,
     preference,

@@ -1,7 +1,7 @@
 """All image trainers on the digits world, several seeds: alignment, gold metrics, wall time, reward budget.
 
     python benchmarks/digits_table.py [--seeds 0,1,2] [--trainers flow_grpo,grpo_guard,...] [--eval-every 2] [--keep]
-                                     [--merge] [--busy]
+                                     [--merge] [--busy] [--beside-busy-loop]
 
 Runs `configs/digits/<trainer>.yaml` for every trainer and seed (sequentially, one process, the shipped
 settings; `--eval-every` overrides every config's evaluation period) through `flowrl.ablate`, and writes
@@ -10,6 +10,8 @@ the test alignment (`eval/digits_alignment`, the training reward on held-out pro
 `--threshold` (0.9), read from the eval curve; its resolution is `eval.every` epochs of each trainer's batch
 (the table's `resolution` column, in reward evaluations). `--merge` replaces the rows of the trainers run in
 the existing JSON and keeps the others (each row records its own machine, threads and date).
+`--beside-busy-loop` runs every training beside a CPU-bound Python loop (a busy machine: on 2 cores the run's
+thread governor leaves it one), the same competitor as `benchmarks/contention_bench.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,6 +62,9 @@ def main():
     parser.add_argument(
         "--busy", action="store_true", help="record that other work shared the machine (wall columns not comparable)"
     )
+    parser.add_argument(
+        "--beside-busy-loop", action="store_true", help="run beside a CPU-bound Python loop (a busy machine)"
+    )
     args = parser.parse_args()
     configs = [str(ROOT / "configs" / "digits" / f"{name}.yaml") for name in args.trainers.split(",")]
     missing = [c for c in configs if not Path(c).is_file()]
@@ -67,12 +73,18 @@ def main():
     if not args.keep:
         shutil.rmtree(args.runs, ignore_errors=True)
     seeds = [int(s) for s in args.seeds.split(",")]
-    rows = ablate.run(configs, seeds=seeds, output_dir=args.runs, skip_done=args.keep,
-                      overrides=[f"eval.every={args.eval_every}"] if args.eval_every else [],
-                      threshold=("eval/digits_alignment", args.threshold))  # fmt: skip
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.beside_busy_loop else None
+    try:
+        rows = ablate.run(configs, seeds=seeds, output_dir=args.runs, skip_done=args.keep,
+                          overrides=[f"eval.every={args.eval_every}"] if args.eval_every else [],
+                          threshold=("eval/digits_alignment", args.threshold))  # fmt: skip
+    finally:
+        if loop is not None:
+            loop.kill()
     stamp = {"torch": torch.__version__, "threads": torch.get_num_threads(),
              "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),
-             "quiet_machine": not args.busy}  # fmt: skip
+             "quiet_machine": not (args.busy or args.beside_busy_loop),
+             "beside_busy_loop": args.beside_busy_loop}  # fmt: skip
     rows = [{**row, **stamp} for row in rows]
     existing = Path(args.out + ".json")
     if args.merge and existing.is_file():
@@ -110,10 +122,15 @@ def provenance(rows: list[dict]) -> str:
     runs = {}
     for row in rows:
         date = row.get("date") or "undated (before 2026-11-23)"
-        quiet = row.get("quiet_machine", True)
-        runs.setdefault((date, quiet), []).append(row["variant"])
-    lines = [f"- {date}{'' if quiet else ' (other work shared the machine: wall columns not comparable)'}: "
-             f"{', '.join(dict.fromkeys(names))}" for (date, quiet), names in sorted(runs.items())]  # fmt: skip
+        if row.get("beside_busy_loop"):
+            where = " (beside a CPU-bound Python loop: a busy machine, on purpose)"
+        elif not row.get("quiet_machine", True):
+            where = " (other work shared the machine: wall columns not comparable)"
+        else:
+            where = ""
+        runs.setdefault((date, where), []).append(row["variant"])
+    lines = [f"- {date}{where}: {', '.join(dict.fromkeys(names))}"
+             for (date, where), names in sorted(runs.items())]  # fmt: skip
     return "Runs:\n" + "\n".join(lines) + "\n"
 
 

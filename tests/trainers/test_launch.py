@@ -65,8 +65,8 @@ def test_launch_shard_refusals():
 
 
 def test_offload_without_a_sharded_model_is_refused(tiny_world, tmp_path):
-    from flowrl.trainers import build_trainer
     from tests.conftest import tiny_config
+    from tests.trainers.conftest import make_trainer
 
     with pytest.raises(ValueError, match=r"run.offload moves the shards of a sharded model: it needs run.shard"):
-        build_trainer(tiny_config("flow_grpo", tmp_path, overrides=["run.offload=true"]))
+        make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=["run.offload=true"]))

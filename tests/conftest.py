@@ -26,6 +26,11 @@ TINY_DIGITS_RUN = {
 """A `flowrl` run config on a 2-step digits base model, run by the CLI in a subprocess (tests add their `run`
 section); in-process tests take `tiny_config` on the tiny world instead."""
 
+DIGITS_BASE = ["model.digits_pretrain_steps=2"]
+"""Overrides for runs on the shipped digits architecture that do not need its trained base: pretrained 2 steps
+instead of 220 (what such tests compare does not depend on the base, and the full base costs about 40 s to build
+in a fresh cache)."""
+
 PPO_TRAINERS = ("flow_grpo", "grpo_guard", "loop")
 """Image trainers whose tiny configs clip at 1e-2 (the tiny world's log-ratios move that far)."""
 

@@ -16,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from .conftest import TINY_DIGITS_RUN
+from .conftest import DIGITS_BASE, TINY_DIGITS_RUN
 
 
 pytestmark = pytest.mark.distributed
@@ -163,7 +163,6 @@ SHIPPED_RUN = ["run.epochs=2", "run.save_every=1", "run.samples_every=0", "run.t
 evaluation at the end; the algorithm (prompts, groups, steps, mini-batches, inner epochs, objective) and the digits
 model's architecture as shipped, its base pretrained for 2 steps instead of 220 (`DIGITS_BASE`: the equality of one
 and two processes does not depend on the base, and the full build would cost this tier about a minute)."""
-DIGITS_BASE = ["model.digits_pretrain_steps=2"]
 
 
 @pytest.mark.parametrize(

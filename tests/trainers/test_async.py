@@ -14,7 +14,7 @@ import torch
 from flowrl.config import save_config
 from flowrl.trainers import build_trainer
 from flowrl.trainers.async_rollouts import AsyncCollector, AsyncError
-from tests.conftest import tiny_config
+from tests.conftest import DIGITS_BASE, tiny_config
 
 
 pytestmark = pytest.mark.distributed
@@ -25,9 +25,6 @@ ray = pytest.importorskip("ray", reason="the asynchronous mode needs Ray (the `a
 # and two updates make that 1e-4). The tests' FLOWRL_THREADING=torch makes trainers keep torch's count, so the
 # `cluster` fixture sets it to 1 in this process; the workers set their own from `worker_threads`.
 ASYNC = ["run.mode=async", "asynchrony.worker_cpus=0", "asynchrony.worker_threads=1", "run.log_with=[]"]
-BASE = ["model.digits_pretrain_steps=2"]
-"""The digits runs' base: the shipped architecture pretrained 2 steps (what is compared does not depend on it, and
-the full base would be built, about 40 s, in the first test that needs it)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,7 +52,9 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
 def synchronous(tmp_path_factory):
     """The synchronous tiny Flow-GRPO run every comparison is against: (metrics rows, final weights)."""
     folder = tmp_path_factory.mktemp("sync")
-    trainer = build_trainer(tiny_config("flow_grpo", folder, overrides=[*BASE, "run.epochs=3", "run.log_with=[]"]))
+    trainer = build_trainer(
+        tiny_config("flow_grpo", folder, overrides=[*DIGITS_BASE, "run.epochs=3", "run.log_with=[]"])
+    )
     trainer.train()
     return _rows(folder), _weights(trainer)
 
@@ -71,7 +70,7 @@ def _assert_same_run(rows, weights, synchronous):
 
 
 def test_staleness_zero_is_the_synchronous_run(tmp_path, synchronous):
-    trainer = build_trainer(tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, *BASE, "run.epochs=3",
+    trainer = build_trainer(tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, *DIGITS_BASE, "run.epochs=3",
                                                                           "asynchrony.max_staleness=0"]))  # fmt: skip
     trainer.train()
     rows = _rows(tmp_path)
@@ -84,7 +83,7 @@ def test_drop_resamples_a_batch_that_arrives_too_stale(tmp_path, synchronous):
     """`on_stale: drop` at staleness 0: the worker samples epoch e + 1 with the old weights while epoch e trains;
     that batch arrives one version stale, is dropped and sampled again: still the synchronous run."""
     trainer = build_trainer(tiny_config("flow_grpo", tmp_path, overrides=[
-        *ASYNC, *BASE, "run.epochs=3", "asynchrony.max_staleness=0", "asynchrony.on_stale=drop"]))  # fmt: skip
+        *ASYNC, *DIGITS_BASE, "run.epochs=3", "asynchrony.max_staleness=0", "asynchrony.on_stale=drop"]))  # fmt: skip
     trainer.train()
     rows = _rows(tmp_path)
     assert [r["async/staleness"] for r in rows[1:]] == [0.0, 0.0, 0.0]
@@ -106,7 +105,7 @@ def test_a_killed_worker_is_replaced_and_its_batch_sampled_again(tmp_path, synch
             killed.append(epoch)
 
     monkeypatch.setattr(AsyncCollector, "_dispatch", dispatch_then_kill)
-    trainer = build_trainer(tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, *BASE, "run.epochs=3",
+    trainer = build_trainer(tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, *DIGITS_BASE, "run.epochs=3",
                                                                           "asynchrony.max_staleness=0"]))  # fmt: skip
     trainer.train()
     rows = _rows(tmp_path)
@@ -123,7 +122,7 @@ def test_every_worker_dead_ends_the_run_with_one_line(tmp_path, monkeypatch):
         os.kill(pids[self.tasks[epoch].worker], signal.SIGKILL)
 
     monkeypatch.setattr(AsyncCollector, "_dispatch", dispatch_then_kill)
-    config = tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, *BASE, "asynchrony.max_restarts=1"])
+    config = tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, *DIGITS_BASE, "asynchrony.max_restarts=1"])
     with pytest.raises(AsyncError, match=r"^every rollout worker died \(1 replaced before\)") as err:
         build_trainer(config).train()
     assert "\n" not in str(err.value)
@@ -141,8 +140,8 @@ def test_control_and_text_sample_ahead_by_one_version(tmp_path, trainer_name):
 
 def test_a_killed_driver_resumes_with_nothing_lost(tmp_path, synchronous):
     """kill -9 the `flowrl train` process after its first checkpoint, `--resume`: the synchronous run's numbers."""
-    config = tiny_config("flow_grpo", tmp_path / "run", overrides=[*ASYNC, *BASE, "run.epochs=3", "run.save_every=1",
-                                                                   "asynchrony.max_staleness=0"])  # fmt: skip
+    config = tiny_config("flow_grpo", tmp_path / "run", overrides=[
+        *ASYNC, *DIGITS_BASE, "run.epochs=3", "run.save_every=1", "asynchrony.max_staleness=0"])  # fmt: skip
     save_config(config, tmp_path / "config.yaml")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "flowrl", "train", str(tmp_path / "config.yaml")]

@@ -9,13 +9,10 @@ import pytest
 import torch
 
 from flowrl.trainers import build_trainer
-from tests.conftest import tiny_config
+from tests.conftest import DIGITS_BASE, tiny_config
 
 
 INLINE = ["run.mode=async", "asynchrony.backend=inline", "run.log_with=[]"]
-BASE = ["model.digits_pretrain_steps=2"]
-"""The digits runs' base: the shipped architecture pretrained 2 steps (what is compared does not depend on it, and
-the full base would be built, about 40 s, in the first test that needs it)."""
 
 
 def _rows(folder) -> list[dict]:
@@ -39,7 +36,7 @@ def _same_run(a, b):
 
 
 def _train(trainer_name, folder, overrides):
-    trainer = build_trainer(tiny_config(trainer_name, folder, overrides=["run.log_with=[]", *BASE, *overrides]))
+    trainer = build_trainer(tiny_config(trainer_name, folder, overrides=["run.log_with=[]", *DIGITS_BASE, *overrides]))
     trainer.train()
     return _rows(folder), _weights(trainer)
 
@@ -62,11 +59,11 @@ def test_staleness_zero_is_the_synchronous_run(tmp_path, trainer_name, epochs, e
 def test_staleness_k_samples_with_the_weights_published_k_versions_before(tmp_path):
     """Epoch 1 at staleness 1 is sampled with version 0 whatever the learner's weights became: the batch equals the
     synchronous collector's at the initial weights; at staleness 0 it does not."""
-    reference = build_trainer(tiny_config("flow_grpo", tmp_path / "ref", overrides=["run.log_with=[]", *BASE]))
+    reference = build_trainer(tiny_config("flow_grpo", tmp_path / "ref", overrides=["run.log_with=[]", *DIGITS_BASE]))
     expected = reference.collector.collect(1).data
     for staleness in (1, 0):
         trainer = build_trainer(tiny_config("flow_grpo", tmp_path / str(staleness), overrides=[
-            *INLINE, *BASE, f"asynchrony.max_staleness={staleness}"]))  # fmt: skip
+            *INLINE, *DIGITS_BASE, f"asynchrony.max_staleness={staleness}"]))  # fmt: skip
         trainer.collector.collect(0)
         with torch.no_grad():  # the learner's update, made large: version 1 samples visibly otherwise
             for p in trainer.algorithm.trained_module().parameters():

@@ -85,6 +85,7 @@ def run_sb3(env: str, seed: int, steps: int, out: Path) -> dict:
     from flowrl.trainers import load_config
 
     torch.set_num_threads(1)
+    os.environ.setdefault("SB3_LOGDIR", str(out / "sb3_logs"))  # SB3 makes a log folder per run, in /tmp by default
     register_envs()
     c = load_config(config_path(env, "sb3"), [f"total_env_steps={steps}"])
     e = c.env

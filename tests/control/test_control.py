@@ -173,6 +173,7 @@ def test_ppo_update_matches_stable_baselines3_on_its_own_rollout(tmp_path, monke
     from flowrl.control.rollout import ControlRollout
     from flowrl.core import gae
 
+    monkeypatch.setenv("SB3_LOGDIR", str(tmp_path / "sb3"))  # else SB3 leaves an empty log folder in /tmp per run
     T, E = 128, 2  # Pendulum's 200-step limit falls inside: one truncation per environment is bootstrapped
     venv = VecNormalize(sb3_vec_env("Pendulum-v1", n_envs=E, seed=3), gamma=0.99)
     model = sb3.PPO("MlpPolicy", venv, n_steps=T, batch_size=64, n_epochs=2, seed=3, device="cpu")

@@ -66,7 +66,9 @@ def _config(tmp_path, trainer: str, processes: int, shard: str = "none"):
 
 
 def _train(config, out, cache, processes: int, resume: bool = False, overrides=()) -> dict:
-    env = {**os.environ, "FLOWRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    scratch = out.parent / "tmp"  # torchrun's agent leaves a log folder in the temporary folder: keep it in the test's
+    scratch.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "FLOWRL_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}
     sets = [arg for item in overrides for arg in ("--set", item)]
     base = ["-m", "flowrl", "train", str(config), "--output-dir", str(out), *sets, *(["--resume"] if resume else [])]
     if processes == 1:

@@ -282,9 +282,13 @@ class AsyncCollector:
             return
         import ray
 
-        for worker in self.workers:
-            if worker is not None:
-                ray.kill(worker)
+        live = [worker for worker in self.workers if worker is not None]
+        try:  # each live worker removes its scratch run folder; a hung one is killed anyway
+            ray.get([worker.close.remote() for worker in live], timeout=10)
+        except Exception:  # noqa: BLE001 - a worker that died meanwhile has nothing left to close
+            pass
+        for worker in live:
+            ray.kill(worker)
         self.workers, self.tasks = [], {}
         if self.started_ray:
             ray.shutdown()

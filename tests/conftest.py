@@ -10,7 +10,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # trainers keep torch's thread count in tests: exactness tests compare runs, and a busy CI machine must not
 # change the count between them (tests/test_threads.py and test_shared_loop.py cover `run.threads`)
 os.environ.setdefault("FLOWRL_THREADING", "torch")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# under pytest-xdist each worker takes one thread: two workers on two cores, no oversubscription
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's test command): a worker per core, at most 8 (each builds the session's tiny worlds
+    and holds its own models)."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
 
 TEXT = {"max_sequence_length": 16}
 
@@ -117,19 +125,24 @@ def unet_pipe():
 TINY_MODEL = TransformerConfig(num_layers=1, attention_head_dim=8, num_attention_heads=2, caption_projection_dim=16)
 
 
-@pytest.fixture(scope="session")
-def tiny_world(tmp_path_factory):
-    """A tiny digits world (1-layer flow model, briefly trained classifiers) built once into a temporary cache."""
-    from flowrl.digits import BuildConfig, DigitClassifiers, DigitsWorld, build_classifiers, build_model
-
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory):
+    """One temporary `$FLOWRL_CACHE` for the whole session: what the tests build (the arith base, digits bases and
+    classifiers, prompt conditionings) is built once, and the user's own cache is neither read nor written."""
     old = os.environ.get("FLOWRL_CACHE")
     os.environ["FLOWRL_CACHE"] = str(tmp_path_factory.mktemp("flowrl-cache"))
-    try:
-        config = BuildConfig(pretrain_steps=3, classifier_epochs=3, transformer=TINY_MODEL)
-        model_path = build_model(config, log=None)
-        yield DigitsWorld(model_path, DigitClassifiers(build_classifiers(config, log=None)))
-    finally:
-        if old is None:
-            os.environ.pop("FLOWRL_CACHE", None)
-        else:
-            os.environ["FLOWRL_CACHE"] = old
+    yield os.environ["FLOWRL_CACHE"]
+    if old is None:
+        os.environ.pop("FLOWRL_CACHE", None)
+    else:
+        os.environ["FLOWRL_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_world(session_cache):
+    """A tiny digits world (1-layer flow model, briefly trained classifiers) built once into the session's cache."""
+    from flowrl.digits import BuildConfig, DigitClassifiers, DigitsWorld, build_classifiers, build_model
+
+    config = BuildConfig(pretrain_steps=3, classifier_epochs=3, transformer=TINY_MODEL)
+    model_path = build_model(config, log=None)
+    return DigitsWorld(model_path, DigitClassifiers(build_classifiers(config, log=None)))

@@ -1,4 +1,4 @@
-"""`flowrl ablate` and `flowrl eval` end to end on a 2-step digits base model built into a temporary cache."""
+"""`flowrl ablate` and `flowrl eval` end to end on a 2-step digits base model (built once, in the session's cache)."""
 
 import csv
 import json
@@ -21,8 +21,7 @@ TINY = {
 
 
 @pytest.fixture
-def tiny_yaml(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache"))
+def tiny_yaml(tmp_path):
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(TINY))
     return path

@@ -2,7 +2,6 @@
 their checkpoints; the run folder shows the baseline, readable grids and integer epochs."""
 
 import json
-import os
 import shutil
 
 import pytest
@@ -14,18 +13,6 @@ from .conftest import TINY_DIGITS_RUN
 
 
 TINY = {**TINY_DIGITS_RUN, "run": {"epochs": 2, "save_every": 1, "samples_every": 1, "log_with": []}}
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A digits cache shared by this module's runs (the tiny base model is built once)."""
-    old = os.environ.get("FLOWRL_CACHE")
-    os.environ["FLOWRL_CACHE"] = str(tmp_path_factory.mktemp("cli-cache"))
-    yield
-    if old is None:
-        os.environ.pop("FLOWRL_CACHE", None)
-    else:
-        os.environ["FLOWRL_CACHE"] = old
 
 
 def _yaml(tmp_path, **changes):
@@ -61,11 +48,11 @@ def _fails(capsys, argv, match):
         ({"run.log_with": ["wandb"]}, "run.log_with lists wandb, which is not installed"),
     ],
 )
-def test_config_and_data_mistakes_are_one_line(cache, tmp_path, capsys, changes, match):
+def test_config_and_data_mistakes_are_one_line(tmp_path, capsys, changes, match):
     _fails(capsys, ["train", str(_yaml(tmp_path, **changes)), "--output-dir", str(tmp_path / "run")], match)
 
 
-def test_prompt_file_mistakes_name_the_file_before_any_model_loads(cache, tmp_path, capsys, monkeypatch):
+def test_prompt_file_mistakes_name_the_file_before_any_model_loads(tmp_path, capsys, monkeypatch):
     import flowrl.image.modality
     import flowrl.models.build
 
@@ -86,7 +73,7 @@ def test_prompt_file_mistakes_name_the_file_before_any_model_loads(cache, tmp_pa
            "prompts.train does not suit reward 'digits_alignment': digits prompt 'a cat' names no digit")  # fmt: skip
 
 
-def test_run_folders_keep_their_checkpoints(cache, tmp_path, capsys):
+def test_run_folders_keep_their_checkpoints(tmp_path, capsys):
     config, run = str(_yaml(tmp_path)), tmp_path / "run"
     _fails(capsys, ["train", config, "--output-dir", str(run), "--resume"], "holds no run to resume")
     assert main(["train", config, "--output-dir", str(run)]) == 0
@@ -114,7 +101,7 @@ def test_run_folders_keep_their_checkpoints(cache, tmp_path, capsys):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch_1", "epoch_2"]
 
 
-def test_interrupted_training_says_where_it_stopped(cache, tmp_path, capsys, monkeypatch):
+def test_interrupted_training_says_where_it_stopped(tmp_path, capsys, monkeypatch):
     from flowrl.trainers import Trainer
 
     real = Trainer.train_epoch
@@ -131,7 +118,7 @@ def test_interrupted_training_says_where_it_stopped(cache, tmp_path, capsys, mon
     assert "interrupted at epoch 1 of 2" in err and "epoch_1" in err and "--resume" in err and "Traceback" not in err
 
 
-def test_a_full_disk_keeps_earlier_checkpoints(cache, tmp_path, capsys, monkeypatch):
+def test_a_full_disk_keeps_earlier_checkpoints(tmp_path, capsys, monkeypatch):
     from accelerate import Accelerator
 
     real = Accelerator.save_state
@@ -172,7 +159,7 @@ def test_version_and_debug(capsys, tmp_path):
         main(["--debug", "eval", str(tmp_path / "nope.yaml")])
 
 
-def test_the_run_folder_shows_the_baseline_and_integer_epochs(cache, tmp_path):
+def test_the_run_folder_shows_the_baseline_and_integer_epochs(tmp_path):
     run = tmp_path / "run"
     assert main(["train", str(_yaml(tmp_path, **{"run.log_with": ["tensorboard"]})), "--output-dir", str(run)]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

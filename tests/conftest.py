@@ -129,13 +129,9 @@ TINY_MODEL = TransformerConfig(num_layers=1, attention_head_dim=8, num_attention
 def session_cache(tmp_path_factory):
     """One temporary `$FLOWRL_CACHE` for the whole session: what the tests build (the arith base, digits bases and
     classifiers, prompt conditionings) is built once, and the user's own cache is neither read nor written."""
-    old = os.environ.get("FLOWRL_CACHE")
-    os.environ["FLOWRL_CACHE"] = str(tmp_path_factory.mktemp("flowrl-cache"))
-    yield os.environ["FLOWRL_CACHE"]
-    if old is None:
-        os.environ.pop("FLOWRL_CACHE", None)
-    else:
-        os.environ["FLOWRL_CACHE"] = old
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLOWRL_CACHE", str(tmp_path_factory.mktemp("flowrl-cache")))
+        yield os.environ["FLOWRL_CACHE"]
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ memory: built on the `meta` device, or as fake CPU tensors inside a caller's `Fa
 traces). Tokenizers and processors come from the family's tiny pipeline (built in code, no hub).
 
     pipe = build_pipeline("stabilityai/stable-diffusion-3.5-medium")      # meta, bf16
-    parameter_counts("black-forest-labs/FLUX.1-dev")["transformer"]       # 11_901_408_320
+    parameter_counts("black-forest-labs/FLUX.1-dev")["transformer"]       # 11.9e9 (docs/models.md's table)
 """
 
 from __future__ import annotations

@@ -19,12 +19,12 @@ def load_policy(model: ModelConfig, *, forward_batch_size: int | None, device="c
         forward_batch_size (`int`): rows per network forward (`batch.micro_batch_size`).
         device: where the model lives.
     """
+    from flowrl.models.attention import configure_attention
     from flowrl.policies import DiffusionPolicy
 
     policy = DiffusionPolicy.from_pretrained(model.name, family=model.family, dtype=DTYPES[model.dtype], device=device,
                                              options=model.options, forward_batch_size=forward_batch_size)  # fmt: skip
-    if model.attention_backend is not None:
-        policy.model.set_attention_backend(model.attention_backend)
+    configure_attention(policy.model, model.attention_backend, family=policy.family)  # `auto`: self-tested on CUDA
     if model.cache_text:
         policy.store_text(text_store_folder(model, policy))
     return policy

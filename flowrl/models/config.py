@@ -33,21 +33,23 @@ class ModelConfig:
     offload_text_encoders: bool = False
     """Keep the frozen text encoders in CPU memory: every prompt of the train and test sets is encoded once at the
     start (or read from `cache_text`), and an unseen prompt moves them to the device for its encode only."""
-    attention_backend: str | None = None
-    """diffusers' attention backend for the trained network (`set_attention_backend`: `native`, `flash`, `_flash_3`,
-    `sage`, `xformers`, `flex`, ...; None: diffusers' default). The rollout and the update use the same one, so the
-    ratio stays exactly 1; the kernels other than `native`/`_native_*` need their packages and a GPU."""
+    attention_backend: str | None = "auto"
+    """diffusers' attention backend for the trained network: `auto` (off CUDA diffusers' default, untouched; on CUDA
+    the best kernel for the GPU and the family that passes a start-up self-test, never PyTorch's cuDNN SDPA:
+    `flowrl.models.attention`, docs/models.md), a diffusers backend set as given (`set_attention_backend`: `native`,
+    `flash`, `_native_flash`, `xformers`, ...), or None (diffusers' default, untouched). The rollout and the update
+    use the same one, so the ratio stays exactly 1."""
     digits_pretrain_steps: int = 220
     """Digits world only: pretraining steps of the base model (few, so RL has headroom)."""
 
     def __post_init__(self):
-        if self.attention_backend is not None:
+        if self.attention_backend not in (None, "auto"):
             from diffusers.models.attention_dispatch import AttentionBackendName
 
-            valid = [b.value for b in AttentionBackendName]
+            valid = ["auto"] + [b.value for b in AttentionBackendName]
             if self.attention_backend not in valid:
                 raise ValueError(f"model.attention_backend {self.attention_backend!r} is not one of diffusers' "
-                                 f"backends: {', '.join(valid)}")  # fmt: skip
+                                 f"backends or auto: {', '.join(valid)}")  # fmt: skip
         if self.family is not None:
             from flowrl.models.families import family_options
 

@@ -284,7 +284,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from flowrl.score import format_table, parse_kwargs, score_files, to_json
 
     record = score_files(args.reward, args.images, prompt=args.prompt, prompts_file=args.prompts,
-                         server=args.server, kwargs=parse_kwargs(args.kwargs))  # fmt: skip
+                         server=args.server, kwargs=parse_kwargs(args.kwargs), image=args.image)  # fmt: skip
     print(to_json(record) if args.json else format_table(record))
     return 0
 
@@ -399,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_score.add_argument("--kwargs", metavar="JSON",
                          help='the reward\'s constructor arguments, e.g. \'{"device": "cuda"}\' (with --server: the '
                          "http client's, e.g. timeout_s, deadline_s (10 s here), token)")  # fmt: skip
+    p_score.add_argument("--image", metavar="IMAGE", help="the conditioning image of every file (an image-to-video "
+                         "start frame, an edit's source) for the rewards that read it")  # fmt: skip
     p_score.add_argument("--json", action="store_true", help="print the scores as JSON (NaN as null)")
     p_score.set_defaults(func=cmd_score)
     p_digits = sub.add_parser("digits", help="the digits world: `flowrl digits build [--force]`")

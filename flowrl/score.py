@@ -8,6 +8,8 @@ reward's per-component scores, the mean over the finite scores. `format_table` p
 Prompts: one `prompt` for every file, or a prompt file (`.txt` / `.jsonl` / a shipped set, `flowrl.prompts.load`)
 with one row per file whose metadata goes to the reward as keyword arguments (as a trainer passes it); neither:
 the empty prompt. With `server`, the `http` reward scores through `flowrl serve-reward` (the reward is the server's).
+A conditioning image (`image`, or a prompt file's `image` column: an image-to-video start frame, an edit's source)
+goes to the rewards that read it (`first_frame_fidelity`, `edit_consistency`, ...).
 """
 
 from __future__ import annotations
@@ -139,20 +141,48 @@ def _groups(tensors: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
+def conditioning_images(rows: list, image: str | None = None) -> list[torch.Tensor] | None:
+    """Each file's conditioning images `[N, 3, H, W]` (an image-to-video start frame, an edit's sources): `image` for
+    every file, else each prompt row's own (`Prompt.images`, a jsonl row's `image`); None when there are none."""
+    from flowrl.policies.sources import load_source
+
+    if image is not None:
+        return [load_file(image)[None]] * len(rows)
+    entries = [tuple(getattr(row, "images", ())) for row in rows]
+    if not any(entries):
+        return None
+    if not all(entries):
+        raise ValueError("some rows of --prompts have an `image` and some do not: give every row one (or --image)")
+    return [torch.stack([_pixels(load_source(i)) for i in entry]) for entry in entries]
+
+
+def _pixels(image) -> torch.Tensor:
+    """A PIL image as `[3, H, W]` floats in [0, 1]."""
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1).float().div_(255)
+
+
 def score_files(reward: str, paths: list[str], prompt: str | None = None, prompts_file: str | None = None,
-                server: str | None = None, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+                server: str | None = None, kwargs: dict[str, Any] | None = None,
+                image: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Score image/video files with the reward `reward` (see the module doc); the record `format_table` prints.
+
+    `image` (or a prompt file's rows' `image`): each file's conditioning image (an image-to-video start frame, an
+    edit's source), given as `source_images [B, N, 3, H, W]` to the rewards that read them (`needs_source_images`;
+    images of one batch are resized to the first one's size).
 
     Returns `{"reward", "server", "components": [labels of a multi reward], "weights": {label: weight}, "files":
     [{"file", "prompt", "score", "components": {label: score}}], "count", "nan", "mean"}` (NaN scores are
     `float("nan")`; `mean` is over the finite ones, NaN when none is).
     """
     from flowrl.rewards import MultiReward
-    from flowrl.rewards.scoring import call_reward, texts_and_metadata
+    from flowrl.rewards.scoring import call_reward, source_kwargs, texts_and_metadata
 
     if not paths:
         raise ValueError("give at least one image file")
     rows = file_prompts(len(paths), prompt, prompts_file)  # a count mismatch fails before any file is read
+    sources = conditioning_images(rows, image)
     tensors = [load_file(path) for path in paths]
     fn = build_reward(reward, dict(kwargs or {}), server)
     multi = isinstance(fn, MultiReward)
@@ -169,7 +199,8 @@ def score_files(reward: str, paths: list[str], prompt: str | None = None, prompt
                 for i, value in zip(index, values.tolist()):
                     parts[i][label] = value
         else:
-            out = call_reward(reward, partial(fn, batch, texts, **metadata), len(index))
+            given = None if sources is None else _stack([sources[i] for i in index])
+            out = call_reward(reward, partial(fn, batch, texts, **metadata, **source_kwargs(fn, given)), len(index))
         for i, value in zip(index, out.tolist()):
             totals[i] = value
     finite = [s for s in totals if math.isfinite(s)]
@@ -178,6 +209,15 @@ def score_files(reward: str, paths: list[str], prompt: str | None = None, prompt
     return {"reward": reward, "server": server, "components": labels, "weights": dict(fn.weights) if multi else {},
             "files": files, "count": len(files), "nan": len(files) - len(finite),
             "mean": sum(finite) / len(finite) if finite else math.nan}  # fmt: skip
+
+
+def _stack(images: list[torch.Tensor]) -> torch.Tensor:
+    """`[B, N, 3, H, W]` from `B` tensors `[N, 3, H_i, W_i]`, each resized to the first one's size (bilinear)."""
+    size = images[0].shape[-2:]
+    resize = torch.nn.functional.interpolate
+    return torch.stack(
+        [i if i.shape[-2:] == size else resize(i, size=size, mode="bilinear", antialias=True) for i in images]
+    )
 
 
 def _evaluate(fn, batch: torch.Tensor, texts: list[str], metadata: dict, components: dict) -> torch.Tensor:

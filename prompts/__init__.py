@@ -35,8 +35,8 @@ class Prompt:
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
     images: tuple = ()
-    """Editing: the source images the prompt edits (paths or PIL images; a jsonl row's `image`, a path or a list of
-    paths relative to the file). Empty: text-to-image."""
+    """Conditioning images: the source images the prompt edits, or the start frame of an image-to-video prompt (paths
+    or PIL images; a jsonl row's `image`, a path or a list of paths relative to the file). Empty: text only."""
 
     def __str__(self) -> str:
         return self.text
@@ -51,9 +51,11 @@ def quoted_text(prompt: str) -> str | None:
 BUILT_SETS = {
     "edit_shapes/train": "flowrl.prompts.edit_shapes:train",
     "edit_shapes/test": "flowrl.prompts.edit_shapes:test",
+    "motion_shapes/train": "flowrl.prompts.motion_shapes:train",
+    "motion_shapes/test": "flowrl.prompts.motion_shapes:test",
 }
 """Shipped sets built in code (name -> `module:function` returning `list[Prompt]`): the editing set's source images
-are drawn with PIL, so no image files ship."""
+and the image-to-video set's start frames are drawn with PIL, so no image files ship."""
 
 
 def group_key(prompt) -> str:

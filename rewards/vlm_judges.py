@@ -85,6 +85,13 @@ _VIDEO_CRITERIA = (
     '"{prompt}".\nEvaluate the video on: alignment with the caption; visual quality of the frames; temporal '
     "coherence (smooth, consistent motion and identities across frames).\n"
 )
+_I2V_CRITERIA = (
+    "The first image is the start frame a video was generated from; the next {frames} images are frames sampled "
+    'evenly, in order, from that video, generated with the text caption: "{prompt}".\nEvaluate the video on: '
+    "fidelity to the start frame (the video begins from it and keeps its subjects, identities, layout and style); "
+    "alignment with the caption (the motion and events it asks for happen); visual quality of the frames; temporal "
+    "coherence (smooth, consistent motion across frames).\n"
+)
 _PAIRWISE = (
     "You are given a text caption and two {item}s generated from it: {item_cap} 1 is shown first, {item_cap} 2 second."
     "{frames_note}\nThe caption is: \u300c{prompt}\u300d\n"
@@ -108,6 +115,11 @@ TEMPLATES: dict[str, tuple[str, str | None]] = {
     "edit_yes_no": (_EDIT_CRITERIA + "Does the edit meet both criteria? Answer Yes or No.", None),
     "video": (_VIDEO_CRITERIA + "Based on the above, assign a score from 1 to 5 after 'Final Score:'.", FINAL_SCORE),
     "video_yes_no": (_VIDEO_CRITERIA + "Is this a good video for the caption on all three? Answer Yes or No.", None),
+    "i2v": (_I2V_CRITERIA + "Based on the above, assign a score from 1 to 5 after 'Final Score:'.", FINAL_SCORE),
+    "i2v_yes_no": (
+        _I2V_CRITERIA + "Is this a good video for its start frame and caption on all four? Answer Yes or No.",
+        None,
+    ),
     "pairwise": (_PAIRWISE, None),
 }
 """Named prompt templates (`template=` takes a name or your own text): `(text, score pattern)`. `{prompt}` is replaced

@@ -31,6 +31,7 @@ SHRINK = {
     "flow_grpo_fast": ["sampling.window_size=2", "sampling.window_span=[0, 3]"],
     "dance_grpo": ["sampling.sde_window=[0, 2]", "steps.k=1"],
     "wan": ["sampling.window_span=[1, 3]"],  # configs/wan: Flow-Factory's one SDE step drawn from steps 1..3
+    "wan_i2v": ["sampling.window_span=[1, 3]"],
     # configs/flux_kontext: the same window; source images at the shrunk target size, not 384 px
     "flux_kontext": ["sampling.window_span=[1, 3]", "model.options.condition_size=[64, 64]"],
     # configs/qwen_image_edit*: sources at the target size, few vision tokens, room for the tiny tokenizer's prompts
@@ -106,7 +107,8 @@ def test_recipe_trains_one_epoch_on_tiny_stand_ins(path, tiny_folders, tmp_path)
     # ImageReward on a tiny checkpoint in the official layout and a BERT vocabulary
     clip = {"model": str(tiny_folders["clip"]), "processor": None}
     imagereward = {"checkpoint": str(tiny_folders["imagereward"]), "tokenizer": str(tiny_folders["bert"])}
-    weights = {"imagereward": imagereward, "ocr": {}}  # ocr: no weights to swap (its models ship in its wheel)
+    # no weights to swap: ocr (its models ship in its wheel) and the pixel rewards of conditioned video
+    weights = {"imagereward": imagereward, "ocr": {}, "first_frame_fidelity": {}, "motion": {}}
     rewards = [{"name": r.name, "weight": r.weight, "kwargs": {**weights.get(r.name, clip), "device": "cpu",
                 "dtype": "fp32"}} for r in shipped.rewards]  # fmt: skip
     if [r["name"] for r in rewards] == ["ocr"]:  # tiny models draw no text: OCR scores 0 everywhere, every group has

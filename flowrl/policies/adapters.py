@@ -246,10 +246,15 @@ class ModelAdapter(ABC):
         size = sample * pipe.vae_scale_factor
         return size, size
 
-    # editing families (source images; `flowrl.policies.sources`) override these two
+    # conditioning images (`flowrl.policies.sources`): editing sources and image-to-video start frames
 
-    edits: bool = False
-    """Whether the family conditions on source images (an editing model: `prepare_sources`, `encode_sources`)."""
+    conditioning: str | None = None
+    """What the family's conditioning images are: None (text only), `"edit"` (the source images an edit starts from:
+    FLUX.1 Kontext, Qwen-Image-Edit) or `"start_frame"` (image-to-video: the image the video starts from). Either
+    way a sample is a (prompt, images) pair, prepared by `prepare_sources` and encoded by `encode_sources`."""
+    conditions_at_size: bool = False
+    """Whether the conditioning images are prepared at the sample's size (image-to-video: the start frame is the
+    video's first frame): `prepare_sources` then takes `size=(height, width)` and a pair's key includes the size."""
     negative_sees_sources: bool = False
     """Whether the negative prompt is encoded with each pair's source images too (`encode_source_text`;
     Qwen-Image-Edit: its vision-language encoder sees them), so the unconditional branch is per pair
@@ -257,18 +262,42 @@ class ModelAdapter(ABC):
     pipeline_needs_sources: bool = False
     """Whether the diffusers pipeline refuses a call without a source image (its tests then pass one)."""
 
-    def prepare_sources(self, images: list) -> tuple[torch.Tensor, object]:
-        """One sample's source images (PIL images or `[3, H, W]` tensors in [0, 1]) as the pipeline prepares them:
-        `(pixels [N, 3, H', W'] in [0, 1], inputs)`: the resized images (what rewards compare with) and what
-        `encode_sources` takes (FLUX.1 Kontext: the pipeline's normalised `[1, 3, H', W']` tensors, one per image)."""
-        raise ValueError(f"model family {self.family!r} is not an editing model: it takes no source images")
+    @property
+    def edits(self) -> bool:
+        """Whether the family conditions on images (an editing or image-to-video model)."""
+        return self.conditioning is not None
+
+    def prepare_sources(self, images: list, size: tuple[int, int] | None = None) -> tuple[torch.Tensor, object]:
+        """One sample's conditioning images (PIL images or `[3, H, W]` tensors in [0, 1]) as the pipeline prepares
+        them: `(pixels [N, 3, H', W'] in [0, 1], inputs)`: the resized images (what rewards compare with) and what
+        `encode_sources` takes (FLUX.1 Kontext: the pipeline's normalised `[1, 3, H', W']` tensors, one per image).
+        `size`: the sample's `(height, width)`, given to families with `conditions_at_size`."""
+        raise ValueError(
+            f"model family {self.family!r} takes no conditioning images (it is not an editing or image-to-video model)"
+        )
+
+    def place_conditions(self, latents: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The initial state from the initial noise `latents [B, ...]` and each row's conditioning `cond` (default:
+        the noise; an image-to-video family whose pipeline keeps the start frame's clean latent in the state, as
+        LTX-2's and Wan 2.2 TI2V's do, writes it there)."""
+        return latents
+
+    def ode_elements(self, latents: torch.Tensor) -> torch.Tensor | None:
+        """`[...]` bool over one sample's latent elements (`latents [B, ...]`'s trailing shape) that every step moves
+        by the deterministic ODE, also on stochastic steps: no noise, no log-probability (they are not the
+        policy's action). None (default, and for any other shape): every element follows the step's kernel.
+        Image-to-video families mark the start frame's latent (its velocity is 0: it stays the clean image latent);
+        LTX-2 its audio latents."""
+        return None
 
     def encode_sources(self, prompt: str, inputs) -> dict[str, torch.Tensor]:
         """The conditioning of one (prompt, source images) pair from `prepare_sources`'s `inputs`, unbatched
         (FLUX.1 Kontext: packed VAE latents `[L_c, 4C]` and their image ids `[L_c, 3]`). The policy adds these to the
         prompt's text conditioning row by row (a key named like a text key replaces it: a family whose text encoder
         sees the image, as Qwen-Image-Edit's does, returns its prompt embeddings here); `forward` reads them."""
-        raise ValueError(f"model family {self.family!r} is not an editing model: it takes no source images")
+        raise ValueError(
+            f"model family {self.family!r} takes no conditioning images (it is not an editing or image-to-video model)"
+        )
 
     def encode_source_text(self, prompt: str, inputs) -> dict[str, torch.Tensor]:
         """The text conditioning of `prompt` shown with one pair's prepared sources (families with

@@ -32,6 +32,21 @@ def _unconditional(key: str, value: torch.Tensor, cond: dict, null_cond: dict, s
     return null_cond[key].expand(size, *value.shape[1:]) if key in null_cond else value
 
 
+def _partly_ode(kind, fixed, output, sigma, sigma_next, sample, *, prev_sample, noise, **kwargs) -> StepOutput:
+    """The step `kind` on the elements outside `fixed` (`[...]`, bool over one sample's elements) and the ODE on those
+    inside: noise, log-probability (reduced over the free elements only), mean and std are the free elements' (`mean
+    [n, k]`), the next state is the whole state."""
+    free = ~fixed
+    noise = None if noise is None else noise[:, free]
+    given = None if prev_sample is None else prev_sample[:, free]
+    out = sde_step(kind, output[:, free], sigma, sigma_next, sample[:, free], noise=noise, prev_sample=given, **kwargs)
+    if prev_sample is None:
+        prev_sample = torch.empty_like(sample)
+        prev_sample[:, free] = out.prev_sample
+        prev_sample[:, fixed] = sde_step("ode", output[:, fixed], sigma, sigma_next, sample[:, fixed]).prev_sample
+    return StepOutput(prev_sample, out.log_prob, out.mean, out.std)
+
+
 class ChunkedCalls:
     """The calls part of `DiffusionPolicy` (a mixin: it reads the policy's `adapter`, `reduce`, `text_batch_size` and
     keeps `_text_cache`)."""
@@ -133,6 +148,11 @@ class ChunkedCalls:
             return ddim_step(self.adapter.scheduler, output, timesteps[step], sample, eta=eta,
                              prev_sample=prev_sample, noise=noise, reduce=self.reduce,
                              num_steps=len(timesteps))  # fmt: skip
+        fixed = None if kind == "ode" else self.adapter.ode_elements(sample)
+        if fixed is not None:  # some elements are not the policy's action (a start frame, LTX-2's audio)
+            return _partly_ode(kind, fixed.to(sample.device), output, sigmas[step], sigmas[step + 1], sample,
+                               prev_sample=prev_sample, noise=noise, noise_level=noise_level, reduce=self.reduce,
+                               sigma_max=sigmas[1])  # fmt: skip
         return sde_step(kind, output, sigmas[step], sigmas[step + 1], sample, prev_sample=prev_sample,
                         noise=noise, noise_level=noise_level, reduce=self.reduce, sigma_max=sigmas[1])  # fmt: skip
 

@@ -95,14 +95,14 @@ class RolloutSampling:
         self.encode(unique + [self.negative_prompt] if cfg else unique)  # one pass over the text encoders
         unique_cond = self.encode(unique)
         cond = {k: v[prompt_ids.to(v.device)] for k, v in unique_cond.items()}
-        edits = None if source_images is None else self.encode_edits(prompts, source_images)
-        if edits is not None:  # each row's (prompt, source images) conditioning beside its prompt's
+        default_h, default_w = self.adapter.default_size()
+        height, width = height or default_h, width or default_w
+        edits = None if source_images is None else self.encode_edits(prompts, source_images, (height, width))
+        if edits is not None:  # each row's (prompt, conditioning images) conditioning beside its prompt's
             cond.update({k: v[edits.ids.to(v.device)] for k, v in edits.cond.items()})
         null_cond = self.encode([self.negative_prompt], negative=True) if cfg else None
         plan = self._plan(batch, chunk, cond, null_cond)
 
-        default_h, default_w = self.adapter.default_size()
-        height, width = height or default_h, width or default_w
         static = self.adapter.static_inputs(height, width)
         if latents is None:
             x = self.adapter.initial_latents(batch, height, width, generator)
@@ -110,6 +110,7 @@ class RolloutSampling:
             if latents.shape[0] != batch:
                 raise ValueError(f"latents has {latents.shape[0]} rows for {batch} prompts")
             x = latents.to(device=self.device, dtype=self.dtype)
+        x = self.adapter.place_conditions(x, cond)  # image-to-video: the start frame's latent, where the state has it
         timesteps, sigmas = self.adapter.schedule(num_steps, x.shape)
         if len(timesteps) != num_steps:
             raise ValueError(f"the scheduler produced {len(timesteps)} steps for num_steps={num_steps}")

@@ -75,6 +75,8 @@ def _pipeline_images(family, pipe, prompts, latents, **kwargs) -> torch.Tensor:
     sources = _sources(family, len(prompts)).get("source_images")
     if sources is None:
         return _pixels(pipe(prompt=list(prompts), generator=_gen(), **kwargs))
+    if MODEL_FAMILIES.get(family).conditioning == "start_frame":  # image-to-video: one start image for the batch
+        return _pixels(pipe(prompt=list(prompts), image=sources[0], generator=_gen(), **kwargs))
     calls = [pipe(prompt=[p], image=s, latents=latents[i : i + 1], **{**kwargs, **_guidance(family, 1)})
              for i, (p, s) in enumerate(zip(prompts, sources))]  # fmt: skip
     return torch.cat([_pixels(c) for c in calls])

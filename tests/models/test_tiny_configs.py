@@ -35,7 +35,13 @@ def test_a_tiny_config_trains_exports_and_samples(path, tmp_path, monkeypatch):
     trained = [r for r in rows if r.get("optimizer_steps")]
     assert len(trained) == config.run.epochs and all(torch.isfinite(torch.tensor(r["loss"])) for r in trained)
     assert main(["export", str(run), "--out", str(tmp_path / "lora")]) == 0
-    assert main(["sample", str(run), "--prompts", "a cat", "--out", str(tmp_path / "samples")]) == 0
+    start = []  # image-to-video: a start frame to sample from
+    if MODEL_FAMILIES.get(config.model.name[5:].split("@")[0]).conditioning == "start_frame":
+        from flowrl.prompts.edit_shapes import draw
+
+        draw("circle", "red", (12, 10, 40, 38)).save(tmp_path / "start.png")
+        start = ["--image", str(tmp_path / "start.png")]
+    assert main(["sample", str(run), "--prompts", "a cat", "--out", str(tmp_path / "samples"), *start]) == 0
     record = json.loads((tmp_path / "samples" / "sample.json").read_text())
     assert record["files"] and all((tmp_path / "samples" / f["file"]).is_file() for f in record["files"])
     pipe = load_pipeline(config.model.name)

@@ -51,7 +51,7 @@ class FluxKontextAdapter(FluxAdapter):
         "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
         "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff_context.net.0.proj", "ff.net.2", "ff_context.net.2",
     )  # fmt: skip
-    edits = True
+    conditioning = "edit"
 
     @classmethod
     def pipeline_size_kwargs(cls, height: int, width: int) -> dict:

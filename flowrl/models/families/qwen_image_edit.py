@@ -103,7 +103,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     pipeline_class = "QwenImageEditPipeline"
     real_models = ("Qwen/Qwen-Image-Edit: 20B",)
     """The model card's 20B MMDiT (Qwen-Image's transformer, trained for editing)."""
-    edits = True
+    conditioning = "edit"
     negative_sees_sources = True
     pipeline_needs_sources = True
     multi_source = False

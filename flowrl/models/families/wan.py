@@ -260,13 +260,32 @@ LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
 def _expert_call(net, latents, timesteps, cond, expand_timesteps: bool) -> torch.Tensor:
-    """One expert's velocity `[N, C, F', h, w]` (Wan 2.2 TI2V, `expand_timesteps`: a timestep per latent token)."""
-    t = timesteps
-    if expand_timesteps:  # all equal for text-to-video
+    """One expert's velocity `[N, C, F', h, w]` (Wan 2.2 TI2V, `expand_timesteps`: a timestep per latent token).
+
+    Image-to-video (`cond["condition"]`, `flowrl.models.families.wan_i2v`): Wan 2.1 / 2.2 A14B see the latents
+    concatenated on channels with the start frame's mask and latents (and Wan 2.1 its CLIP embeddings,
+    `cond["image_embeds"]`); TI2V-5B's state holds the start frame's latent as its first frame, whose tokens see
+    timestep 0, as `WanImageToVideoPipeline.__call__` builds them."""
+    t, hidden = timesteps, latents
+    if "condition" in cond and not expand_timesteps:
+        hidden = torch.cat([latents, cond["condition"].to(latents.dtype)], dim=1)
+    if expand_timesteps:  # all equal for text-to-video; 0 on the start frame's tokens for image-to-video
         p = net.config.patch_size
-        tokens = latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
-        t = timesteps[:, None].expand(-1, tokens)
-    return net(hidden_states=latents, timestep=t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+        f, h, w = latents.shape[2] // p[0], latents.shape[3] // p[1], latents.shape[4] // p[2]
+        t = timesteps[:, None].expand(-1, f * h * w)
+        if "condition" in cond:  # the pipeline's `(first_frame_mask[0][0][:, ::2, ::2] * t).flatten()`
+            mask = torch.ones(f, h, w, dtype=torch.float32, device=latents.device)
+            mask[0] = 0
+            t = mask.flatten()[None] * timesteps[:, None]
+    image = cond.get("image_embeds")
+    out = net(
+        hidden_states=hidden,
+        timestep=t,
+        encoder_hidden_states=cond["prompt_embeds"],
+        encoder_hidden_states_image=image,
+        return_dict=False,
+    )
+    return out[0]
 
 
 class WanExperts(torch.nn.Module):

@@ -214,14 +214,15 @@ class HunyuanVideoAdapter(ModelAdapter):
         return tuple(pipe.video_processor.calculate_default_height_width(height, width, pipe.target_size))
 
     @staticmethod
-    def tiny(seed: int = 0):
+    def tiny(seed: int = 0, task_type: str = "t2v"):
         """A `HunyuanVideo15Pipeline` with diffusers' test transformer (1 dual-stream block, 1 refiner block; 4 latent
         channels: `in_channels` 9 = 4 + 4 + 1), a 3-layer Qwen2.5-VL text model, a 2-layer ByT5-sized T5, and a
         4-level `AutoencoderKLHunyuanVideo15` with the real compression (16x spatial, 4x temporal: 64x64, 5 frames
         -> latents 4x2x4x4). The Qwen tokenizer, built in code, spends exactly the pipeline's `crop_start` (108)
         tokens on the template before the prompt, as the real one does, so the crop drops the same text.
         `FlowMatchEulerDiscreteScheduler(shift=7.0)` and `ClassifierFreeGuidance(guidance_scale=1.0)`, as diffusers'
-        test; the pipeline's own loop is then the Euler ODE flowrl's `ode` sampler takes."""
+        test; the pipeline's own loop is then the Euler ODE flowrl's `ode` sampler takes. `task_type`: the
+        transformer's (`"i2v"` for the image-to-video family's components, `flowrl.models.families.hunyuan_video_i2v`)."""
         from diffusers import (
             AutoencoderKLHunyuanVideo15,
             ClassifierFreeGuidance,
@@ -239,7 +240,7 @@ class HunyuanVideoAdapter(ModelAdapter):
             in_channels=2 * latent_channels + 1, out_channels=latent_channels, num_attention_heads=2,
             attention_head_dim=8, num_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1,
             text_embed_dim=text_dim, text_embed_2_dim=glyph_dim, image_embed_dim=12, rope_axes_dim=(2, 2, 4),
-            target_size=64, task_type="t2v",
+            target_size=64, task_type=task_type,
         )  # fmt: skip
         torch.manual_seed(seed + 1)
         text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(

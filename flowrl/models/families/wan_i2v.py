@@ -42,8 +42,8 @@ class WanI2VAdapter(WanAdapter):
     conditions_at_size = True
     pipeline_needs_sources = True
     real_models = (
-        "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers: 14B (+ CLIP ViT-H/14 image encoder 0.6B)",
-        "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers: 14B (+ CLIP ViT-H/14 image encoder 0.6B)",
+        "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers: 16.4B (the card's 14B and its image cross-attention; + CLIP 0.6B)",
+        "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers: 16.4B (the card's 14B and its image cross-attention; + CLIP 0.6B)",
         "Wan-AI/Wan2.2-I2V-A14B-Diffusers: 2 x 14B experts (one or both train)",
     )
     """Wan2.2-TI2V-5B (5B) runs here too: its folder names `WanPipeline` (family `wan`), so load it with

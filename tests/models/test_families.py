@@ -25,6 +25,8 @@ def _options(family) -> dict:
     fields = {f.name for f in dataclasses.fields(cls.Options)}
     length = 32 if cls.pipeline_needs_sources else 16  # (Qwen-Image-Edit-Plus: "Picture 1: " and its delimiters)
     options = {"max_sequence_length": length} if "max_sequence_length" in fields else {}
+    if "image_crf" in fields:  # LTX-2 image-to-video: no H.264 re-compression of the start image (it needs PyAV)
+        options["image_crf"] = 0
     return {**options, "num_frames": 5} if "num_frames" in fields else options  # video families: 5 frames
 
 

@@ -352,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_sample.add_argument("--out", help="output folder (default: RUN/samples/<checkpoint>)")
     p_sample.add_argument("--image", action="append", metavar="PATH",
                           help="editing models: a source image every prompt edits (repeat for several; default: an "
-                               "editing prompt set's own, e.g. edit_shapes/test)")  # fmt: skip
+                               "editing prompt set's own, e.g. edit_shapes/test); image-to-video models: the start "
+                               "frame of every prompt, or repeated, one per prompt")  # fmt: skip
     p_sample.set_defaults(func=cmd_sample)
     p_eval = sub.add_parser("eval", help="evaluate a run folder's checkpoint, or a config's base model")
     p_eval.add_argument("target", help="a run folder (with config.yaml and checkpoints/) or a YAML config")

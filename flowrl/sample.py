@@ -7,8 +7,11 @@ images. It writes
 
 - `OUT/<prompt index>-<prompt>_<sample index>.png` at the model's resolution (e.g. `000-the-number-7_0.png`),
 - `OUT/grid.png`: one row per prompt, captioned,
-- for a video model (Wan), `OUT/<prompt index>-<prompt>_<sample index>.mp4` instead of the PNGs, and the grid
-  shows each video's frames side by side (`flowrl.video`; needs the `video` extra),
+- for a video model (Wan), `OUT/<prompt index>-<prompt>_<sample index>.mp4` instead of the PNGs, each with a
+  contact sheet beside it, `..._<sample index>.frames.png` (its first, middle and last frames side by side: a run's
+  progress without a player), and the grid shows each video's frames side by side (`flowrl.video`; needs the `video`
+  extra); an image-to-video model starts each prompt's videos from its `--image` (one for every prompt, or one per
+  prompt in order) or from an image-to-video prompt set's own start frames (`motion_shapes/test`),
 - `OUT/sample.json`: the run, checkpoint, epoch, sampler, seed and which file holds which prompt;
 
 and for LoRA runs on a diffusers pipeline it exports the adapter (`flowrl export`) into `OUT/lora` and returns the
@@ -53,6 +56,17 @@ def read_sources(prompts: str | list[str], image, count: int) -> list[tuple] | N
     return None
 
 
+def start_frames(images: tuple, count: int) -> list[tuple]:
+    """Image-to-video: each of `count` prompts' start frame from `--image`: one image for every prompt, or one per
+    prompt in order."""
+    if len(images) not in (1, count):
+        raise ValueError(
+            f"--image: an image-to-video model takes one start image for every prompt or one per prompt; got "
+            f"{len(images)} images for {count} prompts"
+        )
+    return [(images[0],)] * count if len(images) == 1 else [(i,) for i in images]
+
+
 def file_name(index: int, prompt: str, sample: int) -> str:
     """`<prompt index>-<prompt as a slug, at most 40 characters>_<sample index>.png`."""
     slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40].rstrip("-") or "prompt"
@@ -88,7 +102,8 @@ def sample(
         ema (`bool`, *optional*): use the EMA weights (default: when the run kept them).
         out (`str` or `Path`, *optional*): default `RUN/samples/<checkpoint name>`.
         image (`str`, `Path` or a list of them, *optional*): editing models: the source image(s) every prompt edits
-            (default: an editing prompt set's own, e.g. `edit_shapes/test`; none: text-to-image).
+            (default: an editing prompt set's own, e.g. `edit_shapes/test`; none: text-to-image); image-to-video
+            models: the start frame of every prompt, or a list of one per prompt (in order).
     """
     from flowrl.export import write
     from flowrl.image import ImageModality
@@ -97,7 +112,7 @@ def sample(
     from flowrl.trainers import TRAINERS, load_config
     from flowrl.trainers.inference import load_run, resolve
     from flowrl.trainers.run_folder import writable
-    from flowrl.video import write_mp4
+    from flowrl.video import contact_sheet, write_mp4
 
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
@@ -113,6 +128,8 @@ def sample(
     writable(out)  # before any model loads: a read-only folder fails at once
     run = load_run(run_dir, str(path), ema=ema)
     policy, s, e = run.policy, config.sampling, config.eval
+    if image is not None and policy.adapter.conditioning == "start_frame":  # image-to-video: a start frame each
+        sources = start_frames(sources[0], len(texts))
     sampler = sampler or ("ode" if policy.adapter.time_kind == "flow" else "ddim")
     rows = [p for p in texts for _ in range(n)]
     generator = torch.Generator().manual_seed(seed)
@@ -131,12 +148,15 @@ def sample(
     files = []
     for i, image in enumerate(rollout.images):
         name = file_name(i // n, rows[i], i % n)
-        if image.ndim == 4:  # a video [3, F, H, W]: an .mp4 (grid.png shows its frames)
+        sheet = {}
+        if image.ndim == 4:  # a video [3, F, H, W]: an .mp4 and its contact sheet (grid.png shows its frames)
             name = name.removesuffix(".png") + ".mp4"
             write_mp4(image, out / name)
+            sheet = {"frames": name.removesuffix(".mp4") + ".frames.png"}
+            _save_png(contact_sheet(image), out / sheet["frames"])
         else:
             _save_png(image, out / name)
-        files.append({"file": name, "prompt": rows[i]})
+        files.append({"file": name, "prompt": rows[i], **sheet})
     image_grid(rollout.images, [f"{r['prompt']} #{i % n}" for i, r in enumerate(files)], out / "grid.png",
                columns=n, title=f"{run_dir.name} {path.name}{' EMA' if run.ema else ''} seed {seed}")  # fmt: skip
     record = {"run": str(run_dir), "checkpoint": str(path), "epoch": run.epoch, "ema": run.ema,

@@ -33,6 +33,12 @@ def frame_strips(videos: torch.Tensor, max_frames: int = 8) -> torch.Tensor:
     return frames.permute(0, 1, 3, 2, 4).flatten(3)[..., :-gap]  # [N, 3, H, k (W + g) - g]
 
 
+def contact_sheet(video: torch.Tensor) -> torch.Tensor:
+    """`[3, H, 3 W + 2 g]`: the first, middle and last frames of one video `[3, F, H, W]` side by side (`frame_strips`
+    with three frames; fewer for a shorter video)."""
+    return frame_strips(video[None], max_frames=3)[0]
+
+
 def _uint8_frames(video: torch.Tensor):
     """`[3, F, H, W]` in [0, 1] as a numpy `[F, H, W, 3]` uint8 array."""
     pixels = (video.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)

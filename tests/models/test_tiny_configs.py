@@ -35,15 +35,27 @@ def test_a_tiny_config_trains_exports_and_samples(path, tmp_path, monkeypatch):
     trained = [r for r in rows if r.get("optimizer_steps")]
     assert len(trained) == config.run.epochs and all(torch.isfinite(torch.tensor(r["loss"])) for r in trained)
     assert main(["export", str(run), "--out", str(tmp_path / "lora")]) == 0
-    start = []  # image-to-video: a start frame to sample from
+    prompts, start = "a cat", []
     if MODEL_FAMILIES.get(config.model.name[5:].split("@")[0]).conditioning == "start_frame":
-        from flowrl.prompts.edit_shapes import draw
+        from flowrl.prompts.edit_shapes import draw  # image-to-video: a start frame per prompt
 
         draw("circle", "red", (12, 10, 40, 38)).save(tmp_path / "start.png")
-        start = ["--image", str(tmp_path / "start.png")]
-    assert main(["sample", str(run), "--prompts", "a cat", "--out", str(tmp_path / "samples"), *start]) == 0
+        draw("square", "blue", (20, 20, 50, 50)).save(tmp_path / "start2.png")
+        (tmp_path / "prompts.txt").write_text("a cat\na dog\n")
+        images = [str(tmp_path / "start.png"), str(tmp_path / "start2.png")]
+        prompts, start = str(tmp_path / "prompts.txt"), ["--image", images[0], "--image", images[1]]
+    assert main(["sample", str(run), "--prompts", prompts, "--out", str(tmp_path / "samples"), *start]) == 0
     record = json.loads((tmp_path / "samples" / "sample.json").read_text())
     assert record["files"] and all((tmp_path / "samples" / f["file"]).is_file() for f in record["files"])
+    if start:
+        assert record["images"] == [[start[1]], [start[3]]]  # one start frame per prompt, in order
+    for entry in record["files"]:  # a video's contact sheet: its first, middle and last frames side by side
+        if entry["file"].endswith(".mp4"):
+            from PIL import Image
+
+            sheet = Image.open(tmp_path / "samples" / entry["frames"])
+            width, height = config.sampling.width, config.sampling.height
+            assert sheet.size == (3 * width + 2 * max(1, width // 32), height)
     pipe = load_pipeline(config.model.name)
     assert type(pipe).__name__ == MODEL_FAMILIES.get(config.model.name[5:].split("@")[0]).pipeline_class
     before = {k: v.clone() for k, v in pipe.components[MODEL_FAMILIES.get(pipe_family(pipe)).lora_prefix]

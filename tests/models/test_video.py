@@ -11,7 +11,7 @@ from flowrl.models.families.wan import WanAdapter
 from flowrl.policies import DiffusionPolicy
 from flowrl.rewards.jpeg import jpeg_size_kb
 from flowrl.trainers import build_trainer, load_config
-from flowrl.video import frame_strips, read_mp4, write_mp4
+from flowrl.video import contact_sheet, frame_strips, read_mp4, write_mp4
 
 
 OPTIONS = {"num_frames": 5, "max_sequence_length": 16}
@@ -89,6 +89,14 @@ def test_frame_strips_put_frames_side_by_side():
     assert strips.shape == (2, 3, 8, 3 * 9 - 1)
     assert torch.equal(strips[..., 9:17], video[:, :, 2]) and (strips[..., 8] == 1).all()
     assert frame_strips(video[:, :, 0]) is not None and frame_strips(video[:, :, 0]).shape == (2, 3, 8, 8)
+
+
+def test_a_contact_sheet_is_a_video_s_first_middle_and_last_frames():
+    video = torch.rand(3, 7, 8, 8)  # frames 0, 3 and 6, one white column apart
+    sheet = contact_sheet(video)
+    assert sheet.shape == (3, 8, 3 * 8 + 2)
+    assert torch.equal(sheet[..., :8], video[:, 0]) and torch.equal(sheet[..., 9:17], video[:, 3])
+    assert torch.equal(sheet[..., 18:], video[:, 6]) and (sheet[..., 8] == 1).all() and (sheet[..., 17] == 1).all()
 
 
 # ------------------------------------------------------------------------------------------

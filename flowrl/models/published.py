@@ -79,6 +79,17 @@ class PublishedCheckpoint:
     """Values no source confirmed (best values stored), as `component.key` or a sentence."""
     not_built: tuple[str, ...] = ()
     """`model_index.json` slots left empty (SD1.5's safety checker and its feature extractor)."""
+    also: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Other families whose pipeline loads the same folder, family -> pipeline class (an image-to-video pipeline over
+    a text-to-video checkpoint: LTX-2's `ltx2_i2v`, Wan2.2-TI2V-5B's `wan_i2v`)."""
+
+    def serves(self, family: str) -> bool:
+        """Whether the checkpoint loads as `family` (its own, or one of `also`)."""
+        return family == self.family or family in self.also
+
+    def pipeline_of(self, family: str) -> str:
+        """The diffusers pipeline class the checkpoint loads as for `family`."""
+        return self.pipeline if family == self.family else self.also[family]
 
     @property
     def trained(self) -> tuple[str, ...]:
@@ -95,7 +106,7 @@ def _load(path: Path) -> PublishedCheckpoint:
     return PublishedCheckpoint(
         name=raw["name"], family=raw["family"], pipeline=raw["pipeline"], components=MappingProxyType(components),
         pipeline_config=MappingProxyType(raw.get("pipeline_config", {})), unverified=tuple(raw.get("unverified", ())),
-        not_built=tuple(raw.get("not_built", ())),
+        not_built=tuple(raw.get("not_built", ())), also=MappingProxyType(raw.get("also", {})),
     )  # fmt: skip
 
 
@@ -106,8 +117,9 @@ def _all() -> dict[str, PublishedCheckpoint]:
 
 
 def published_checkpoints(family: str | None = None) -> list[str]:
-    """The hub ids with a published config, of one family (`sd3`, ...) or of all; sorted."""
-    return sorted(name for name, c in _all().items() if family is None or c.family == family)
+    """The hub ids with a published config, of one family (`sd3`, ...: its own checkpoints and those that load as it
+    too, `PublishedCheckpoint.also`) or of all; sorted."""
+    return sorted(name for name, c in _all().items() if family is None or c.serves(family))
 
 
 def published(name: str) -> PublishedCheckpoint:
@@ -253,14 +265,16 @@ def build_pipeline(name_or_path, *, family: str | None = None, dtype: torch.dtyp
             raise ValueError(f"{path} holds a {found!r} pipeline, not {family!r}")
         return _build_folder(path, found, dtype, device, fake)
     checkpoint = published(name)
-    if family is not None and family != checkpoint.family:
+    if family is not None and not checkpoint.serves(family):
         raise ValueError(f"{name} is a {checkpoint.family!r} checkpoint, not {family!r}")
+    family = family or checkpoint.family
     built = {}
     for slot, component in checkpoint.components.items():
         built[slot] = (
             _scheduler_like(component, fake) if slot in _NOT_MODULES else _build_module(component, dtype, device, fake)
         )
-    return _assemble(checkpoint.pipeline, checkpoint.family, built, checkpoint.pipeline_config, checkpoint.not_built)
+    pipeline = checkpoint.pipeline_of(family)
+    return _assemble(pipeline, family, built, checkpoint.pipeline_config, checkpoint.not_built)
 
 
 def _build_folder(path: Path, family: str, dtype, device, fake):

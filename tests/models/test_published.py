@@ -56,15 +56,15 @@ def test_every_family_publishes_every_real_model(family):
     assert names, f"family {family!r} has no published config in flowrl/models/published/"
     assert set(_stated_sizes(family)) <= set(names), f"{family}: real_models without a published config"
     for name in names:
-        assert published(name).family == family
-        assert published(name).pipeline == MODEL_FAMILIES.get(family).pipeline_class
+        assert published(name).serves(family)  # its own family, or one it loads as too (`also`)
+        assert published(name).pipeline_of(family) == MODEL_FAMILIES.get(family).pipeline_class
 
 
 def test_every_recipe_names_a_published_checkpoint():
     recipes = _recipes()
     assert len(recipes) >= 15  # sd35m, flux, flux2, klein, qwen x3, z_image, sana, sdxl, sd15, wan x2, hunyuan, ...
     for name, family in recipes:
-        assert published(name).family == (family or published(name).family), name
+        assert published(name).serves(family or published(name).family), name
 
 
 def test_component_classes_exist_in_their_libraries():
@@ -121,6 +121,9 @@ def test_unknown_names_and_families_fail_in_one_line():
         published("acme/model")
     with pytest.raises(ValueError, match="is a 'sd3' checkpoint, not 'flux'"):
         build_pipeline("stabilityai/stable-diffusion-3.5-medium", family="flux")
+    # a text-to-video checkpoint that an image-to-video pipeline loads too (`also`) builds as either
+    assert type(build_pipeline("Lightricks/LTX-2", family="ltx2_i2v")).__name__ == "LTX2ImageToVideoPipeline"
+    assert published_checkpoints("ltx2_i2v") == ["Lightricks/LTX-2"]
     assert published_checkpoints("wan") == [
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
         "Wan-AI/Wan2.2-TI2V-5B-Diffusers",

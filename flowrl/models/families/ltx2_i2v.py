@@ -45,9 +45,9 @@ class LTX2I2VAdapter(LTX2Adapter):
     conditioning = "start_frame"
     conditions_at_size = True
     pipeline_needs_sources = True
-    real_models = ()
-    """The LTX-2 checkpoint (`Lightricks/LTX-2`, family `ltx2`) runs image-to-video too: load it with
-    `model.family: ltx2_i2v`."""
+    real_models = ("Lightricks/LTX-2: 19B (the ltx2 checkpoint, loaded with model.family ltx2_i2v)",)
+    """LTX-2's folder names `LTX2Pipeline` (family `ltx2`); diffusers loads the image-to-video pipeline from the same
+    folder, so it runs here with `model.family: ltx2_i2v`."""
 
     def prepare_sources(self, images, size=None):
         """The pipeline's start image: H.264 re-compressed at `image_crf` (0: not), then

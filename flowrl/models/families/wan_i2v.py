@@ -45,9 +45,10 @@ class WanI2VAdapter(WanAdapter):
         "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers: 16.4B (the card's 14B and its image cross-attention; + CLIP 0.6B)",
         "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers: 16.4B (the card's 14B and its image cross-attention; + CLIP 0.6B)",
         "Wan-AI/Wan2.2-I2V-A14B-Diffusers: 2 x 14B experts (one or both train)",
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers: 5B (the wan checkpoint, loaded with model.family wan_i2v)",
     )
-    """Wan2.2-TI2V-5B (5B) runs here too: its folder names `WanPipeline` (family `wan`), so load it with
-    `model.family: wan_i2v` (diffusers loads the I2V pipeline from the same folder)."""
+    """Wan2.2-TI2V-5B's folder names `WanPipeline` (family `wan`); diffusers loads the image-to-video pipeline from the
+    same folder, so it runs here with `model.family: wan_i2v`."""
 
     @property
     def expands_timesteps(self) -> bool:

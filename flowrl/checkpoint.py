@@ -160,6 +160,24 @@ def previous_verified(run_dir: str | Path, before: str | Path) -> Path | None:
     return None
 
 
+def with_previous(err: Exception, run_dir: str | Path, bad: str | Path, option: str) -> CheckpointError:
+    """`err` (about the checkpoint `bad`) with the newest verified checkpoint older than it offered, as `option`
+    names it (`--resume`, `--checkpoint`)."""
+    earlier = previous_verified(run_dir, bad)
+    hint = f"; the previous verified checkpoint is {earlier} ({option} {earlier})" if earlier else ""
+    return CheckpointError(f"{err}{hint}")
+
+
+def _unpickling_reason(err: Exception) -> str:
+    """What torch's weights-only unpickler refused, in one whole sentence: the object it names (`GLOBAL
+    module.name`), else the first sentence of its message (which opens with advice about `weights_only=False`)."""
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(err)).split())
+    named = re.search(r"GLOBAL ([\w.]+)", text)
+    if named:
+        return f"it names {named.group(1)}, which the weights-only loader does not import."
+    return (text.split(". ")[0].rstrip(".") or type(err).__name__) + "."
+
+
 def load(folder: str | Path, accelerator, trainer: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Verify and restore a checkpoint: accelerate state in place, returns `(trainer_state, extra tensors)`.
 
@@ -174,9 +192,10 @@ def load(folder: str | Path, accelerator, trainer: str | None = None) -> tuple[d
     try:
         accelerator.load_state(str(folder / "accelerate"))
     except pickle.UnpicklingError as err:  # `torch.load(weights_only=True)` met an object that is not a tensor
-        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        raise CheckpointError(f"checkpoint {folder} holds pickled objects that are not plain tensors; refused "
-                              f"(flowrl never unpickles code): {first}") from None  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {folder} holds pickled objects that are not plain tensors; refused "
+            f"(flowrl never unpickles code): {_unpickling_reason(err)}"
+        ) from None
     except (RuntimeError, ValueError, KeyError) as err:
         detail = " ".join(line.strip() for line in str(err).strip().splitlines()[:2])
         raise CheckpointMismatch(f"checkpoint {folder} does not fit this run's model or optimizer (written with "

@@ -117,8 +117,8 @@ def _train_config(args: argparse.Namespace):
         run_dir = checkpoint_dir.parent.parent
     elif args.output_dir:
         run_dir = Path(args.output_dir)
-    else:
-        run_dir = Path(load_config(source).run.output_dir)
+    else:  # the YAML's run folder, as its `--set` overrides (run.output_dir=X among them) make it
+        run_dir = Path(load_config(source, args.set or []).run.output_dir)
         if "{" in str(run_dir):
             raise ValueError(f"run.output_dir {run_dir} names a new folder each run: resume with "
                              "`flowrl train RUN_FOLDER --resume` (or --output-dir RUN_FOLDER)")  # fmt: skip
@@ -140,9 +140,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     import signal
 
     from flowrl import checkpoint
+    from flowrl.plan import check_fits
     from flowrl.trainers import build_trainer
 
     config = _train_config(args)
+    check_fits(config)  # on a GPU: the run's memory plan, before anything loads
     trainer = build_trainer(config)
     resume = True if args.resume == "latest" else args.resume
 
@@ -153,15 +155,74 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         trainer.train(resume=resume, overwrite=args.overwrite)
     except KeyboardInterrupt as err:
-        saved = checkpoint.list_checkpoints(trainer.output_dir)
-        where = f"its latest checkpoint is {saved[-1]}" if saved else "no checkpoint was written yet"
+        latest = _resumable(trainer.output_dir)
+        where = f"its latest checkpoint is {latest}" if latest else "no checkpoint was written yet"
         how = "terminated" if isinstance(err, Terminated) else "interrupted"
-        hint = f" (continue with: flowrl train {trainer.output_dir} --resume)" if saved else ""
+        hint = _next_command(args, trainer.output_dir)
+        hint = f" ({hint})" if hint else ""
         print(f"flowrl train: {how} at epoch {trainer.epoch} of {config.run.epochs}; {where}{hint}", file=sys.stderr)
         return 143 if isinstance(err, Terminated) else 130
+    except Exception as err:
+        from flowrl.trainers.run_folder import RunFolderError
+
+        started = trainer.log is not None and not isinstance(err, (RunFolderError, checkpoint.CheckpointError))
+        nothing_to_resume = isinstance(err, RunFolderError) and _resumable(trainer.output_dir) is None
+        if started or nothing_to_resume:  # the command that goes on
+            err.flowrl_hint = _next_command(args, trainer.output_dir)
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _resumable(run_dir):
+    """The run's latest checkpoint if it verifies, else None."""
+    from flowrl import checkpoint
+
+    try:
+        return checkpoint.latest(run_dir)
+    except checkpoint.CheckpointError:
+        return None
+
+
+def _next_command(args: argparse.Namespace, run_dir) -> str | None:
+    """The one command that continues a run that stopped (`--resume` from its latest verified checkpoint) or, with no
+    checkpoint to resume from but a run in its folder, starts it again (`--overwrite`); None when the folder holds no
+    run (the same command starts it)."""
+    import shlex
+
+    from flowrl.trainers.run_folder import holds_run
+
+    if _resumable(run_dir) is not None:
+        return f"continue with: flowrl train {shlex.quote(str(run_dir))} --resume"
+    if not holds_run(run_dir) and not (run_dir / "checkpoints" / "best").is_dir():
+        return None
+    if args.resume:  # the run's own saved config
+        command = ["flowrl", "train", str(run_dir / "config.yaml"), "--output-dir", str(run_dir), "--overwrite"]
+    else:
+        command = [
+            "flowrl",
+            "train",
+            args.config,
+            *[f"--set={item}" for item in args.set or []],
+            "--output-dir",
+            str(run_dir),
+            "--overwrite",
+        ]
+    return f"nothing to resume from: start it again with: {shlex.join(command)}"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flowrl.plan import plan
+    from flowrl.trainers import load_config
+
+    config = load_config(args.config, args.set or [])
+    gpus = args.gpus if args.gpus is not None else 1
+    result = plan(config, gpus=gpus, gpu_memory=args.gpu_memory, name=Path(args.config).as_posix())
+    print(result.table())
+    return 0 if result.fits() else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -258,22 +319,37 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
     from flowrl.config import apply_overrides
     from flowrl.rewards.http import TOKEN_ENV
     from flowrl.rewards.server import serve_reward
+    from flowrl.rewards.server_requests import is_loopback
 
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
 
     def ready(server) -> None:
         auth = "a token required" if token else "no token"
-        if not token and args.host not in ("127.0.0.1", "localhost", "::1"):
-            print(f"flowrl serve-reward: warning: {args.host} without a token lets anyone who reaches the port use "
-                  "the reward (set --token or $FLOWRL_REWARD_TOKEN)", file=sys.stderr)  # fmt: skip
+        if not token and not is_loopback(args.host):  # --insecure: said once more
+            print(
+                f"flowrl serve-reward: warning: {args.host} without a token (--insecure) lets anyone who reaches "
+                "the port use the reward",
+                file=sys.stderr,
+            )
         config = f"rewards: [{{name: http, kwargs: {{url: {server.url}}}}}]"
         print(f"serving reward {args.name!r} at {server.url} (POST /score, GET /health; {auth}; Ctrl-C stops it)\n"
               f"use it in a run config as: {config}", flush=True)  # fmt: skip
 
     try:
-        serve_reward(args.name, host=args.host, port=args.port, token=token, max_batch=args.max_batch,
-                     max_body_bytes=int(args.max_body_mb * 1024 * 1024), batch_wait_s=args.batch_wait,
-                     reward_kwargs=apply_overrides({}, args.set or []), ready=ready)  # fmt: skip
+        serve_reward(
+            args.name,
+            host=args.host,
+            port=args.port,
+            token=token,
+            max_batch=args.max_batch,
+            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+            batch_wait_s=args.batch_wait,
+            reward_kwargs=apply_overrides({}, args.set or []),
+            ready=ready,
+            max_image_pixels=args.max_image_pixels,
+            max_inflight_bytes=int(args.max_inflight_mb * 1024**2),
+            insecure=args.insecure,
+        )
     except KeyboardInterrupt:
         print(f"flowrl serve-reward: stopped serving {args.name!r}", file=sys.stderr)
     return 0
@@ -316,6 +392,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--overwrite", action="store_true",
                          help="start afresh in a run folder that holds another run (deletes it)")  # fmt: skip
     p_train.set_defaults(func=cmd_train)
+    p_plan = sub.add_parser("plan", help="a run's GPU memory per phase, traced without weights, and what fits")
+    p_plan.add_argument("config", help="YAML run config (an image or video run)")
+    p_plan.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+    p_plan.add_argument("--gpus", type=int, default=None, help="processes (GPUs) the run is launched on (default 1)")
+    p_plan.add_argument(
+        "--gpu-memory", type=float, default=80.0, metavar="GB", help="memory of each GPU in GiB (default 80: an H100)"
+    )
+    p_plan.set_defaults(func=cmd_plan)
     p_export = sub.add_parser("export", help="write a run's weights in diffusers' formats (LoRA or model folder)")
     p_export.add_argument("run", help="a run folder (with config.yaml and checkpoints/)")
     p_export.add_argument("--out", required=True, help="the folder to write")
@@ -375,13 +459,35 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve = sub.add_parser("serve-reward", help="serve a reward over HTTP: one model copy for many runs (FastAPI "
                              "on uvicorn: pip install 'flowrl-toolkit[serve]')")  # fmt: skip
     p_serve.add_argument("name", help="a registered reward (see `flowrl list rewards`) or package.module:attribute")
-    p_serve.add_argument("--host", default="127.0.0.1",
-                         help="interface (default 127.0.0.1: this machine only; 0.0.0.0: set a token)")  # fmt: skip
+    p_serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface (default 127.0.0.1: this machine only; another needs a token or --insecure)",
+    )
+    p_serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve on a --host other than this machine's without a token (anyone who reaches the "
+        "port can use the reward)",
+    )
     p_serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p_serve.add_argument("--token", help="require Authorization: Bearer TOKEN (default: $FLOWRL_REWARD_TOKEN if "
                          "set, which keeps the token out of the process list)")  # fmt: skip
     p_serve.add_argument("--max-batch", type=int, default=64, help="merge requests up to this many images (64)")
     p_serve.add_argument("--max-body-mb", type=float, default=256.0, help="refuse larger requests with 413 (256)")
+    p_serve.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=4096 * 4096,
+        help="refuse an image of more pixels (H x W) with 413, before decoding it (4096 x 4096)",
+    )
+    p_serve.add_argument(
+        "--max-inflight-mb",
+        type=float,
+        default=2048.0,
+        help="memory budget of the requests in flight together: bodies and decoded pixels; beyond "
+        "it a request gets 503 and is sent again (2048)",
+    )
     p_serve.add_argument("--batch-wait", type=float, default=0.01, metavar="SECONDS",
                          help="how long to wait for more requests to merge (0.01)")  # fmt: skip
     p_serve.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -417,6 +523,17 @@ USER_ERRORS = (ValueError, FileNotFoundError, OSError, RuntimeError, KeyError)
 
 def main(argv: list[str] | None = None) -> int:
     """Run a `flowrl` command; every failure is one line on stderr and a non-zero exit code, unless `--debug`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the libraries load (torch takes seconds), before a command runs
+        if "--debug" in argv:
+            raise
+        print("flowrl: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     from flowrl.threads import quiet_libraries
 
     args = build_parser().parse_args(argv)
@@ -435,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         message = str(err).strip() or type(err).__name__
         if isinstance(err, KeyError) and err.args:
             message = str(err.args[0])
+        if getattr(err, "flowrl_hint", None):  # a run that stopped: the command that goes on
+            message = f"{message} ({err.flowrl_hint})"
         known = isinstance(err, USER_ERRORS)
         kind = "" if known else f"{type(err).__name__}: "
         hint = "" if known else " (an internal error: please report it with the output of --debug)"

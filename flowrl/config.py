@@ -199,7 +199,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            problem = " ".join(str(getattr(err, "problem", None) or err).split())
+            raise ConfigError(
+                f"override {item!r}: the value {raw!r} is not valid YAML ({problem}); quote it "
+                "or write a list as [1, 2]"
+            ) from None
         node = data
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -219,7 +226,12 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {err.start}: {err.object[err.start : err.start + 1]!r}); "
+            "save it as UTF-8"
+        ) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from err
     if not isinstance(data, dict):

@@ -111,7 +111,19 @@ class ThreadGovernor:
 def quiet_libraries(environ: dict | None = None) -> None:
     """Keep the `flowrl` command's output to flowrl's own lines: transformers' and diffusers' info and warning
     messages (torchvision notices on every import, "will try the local cache") only at their error level,
-    unless the user chose a verbosity (`TRANSFORMERS_VERBOSITY`, `DIFFUSERS_VERBOSITY`)."""
+    unless the user chose a verbosity (`TRANSFORMERS_VERBOSITY`, `DIFFUSERS_VERBOSITY`); DeepSpeed's "Setting
+    accelerator to CPU" warning, which its import prints on a machine without a GPU (accelerate imports it to unwrap
+    models), is dropped."""
+    import logging
+
     environ = os.environ if environ is None else environ
     environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    # DeepSpeed makes its logger at import (level, handler): a filter set on it now stays
+    deepspeed = logging.getLogger("DeepSpeed")
+    if _no_cpu_notice not in deepspeed.filters:
+        deepspeed.addFilter(_no_cpu_notice)
+
+
+def _no_cpu_notice(record) -> bool:
+    return not record.getMessage().startswith("Setting accelerator to CPU")

@@ -57,9 +57,32 @@ def get(name: str, **kwargs: Any) -> Callable[..., Any]:
     if ":" in name:
         target = _import(name)
         if isinstance(target, type) or kwargs:
+            _check_kwargs(name, target, kwargs)
             return target(**kwargs)
         return target
-    return REWARDS.get(name)(**kwargs)
+    factory = REWARDS.get(name)
+    _check_kwargs(name, factory, kwargs)
+    return factory(**kwargs)
+
+
+def _check_kwargs(name: str, factory: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """Refuse, naming them and the arguments `factory` takes, keyword arguments it does not take (unless it takes
+    `**kwargs`), before anything is built."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call says what is wrong
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    takes = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [key for key in kwargs if key not in takes]
+    if unknown:
+        raise ValueError(
+            f"reward {name!r} takes no argument {', '.join(map(repr, unknown))}; its arguments: "
+            f"{', '.join(takes) or 'none'}"
+        )
 
 
 def list_rewards() -> list[str]:

@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -139,19 +140,44 @@ def _unb64(data: Any, what: str) -> bytes:
         raise ValueError(f"{what} is not valid base64: {err}") from None
 
 
+class TooLarge(ValueError):
+    """A request whose images hold more pixels than the server takes (answered 413: the client sends fewer)."""
+
+
 def _too_many_pixels(max_pixels: int) -> ValueError:
-    return ValueError(f"the images hold more than the server's limit of {max_pixels} pixels per request; send fewer "
-                      "or smaller images per request")  # fmt: skip
+    return TooLarge(
+        f"the images hold more than the server's limit of {max_pixels} pixels per request; send fewer "
+        "or smaller images per request"
+    )
 
 
-def decode_images(spec: Any, max_pixels: int | None = None) -> torch.Tensor:
+def _check_image_size(i: int, width: int, height: int, max_image_pixels: int | None) -> None:
+    if max_image_pixels is not None and width * height > max_image_pixels:
+        mib = width * height * 12 / 2**20
+        raise TooLarge(
+            f"image {i} is {width}x{height} ({mib:.{0 if mib >= 10 else 2}f} MiB once decoded to float32 RGB); the "
+            f"server takes at most {max_image_pixels} pixels per image"
+        )
+
+
+def decode_images(
+    spec: Any,
+    max_pixels: int | None = None,
+    max_image_pixels: int | None = None,
+    reserve: Callable[[int], None] | None = None,
+) -> torch.Tensor:
     """`[B, 3, H, W]` float32 images in [0, 1] from the protocol's `images` object; a one-line `ValueError` if bad.
+
+    Every limit is checked from the images' headers, before any pixel is decoded (a small PNG can expand to a huge
+    image: 8 KB of 1-bit PNG to 8000 x 8000 pixels, 768 MB as float32 RGB).
 
     Args:
         spec (`dict`): `{"format": "raw", "dtype", "shape", "data"}` or `{"format": "png" | "jpeg" | "webp",
             "data": [...]}`.
-        max_pixels (`int`, *optional*): refuse more than this many pixels (`B * H * W`) in all, checked before
-            decoding (a small PNG can expand to a huge image).
+        max_pixels (`int`, *optional*): refuse more than this many pixels (`B * H * W`) in all (`TooLarge`).
+        max_image_pixels (`int`, *optional*): refuse an image of more than this many pixels (`H * W`; `TooLarge`).
+        reserve (`Callable`, *optional*): called with the request's pixel count (`B * H * W`) once the headers are
+            read and before decoding (the server charges their decoded size to its memory budget; it may raise).
     """
     if not isinstance(spec, dict):
         raise ValueError(f"'images' must be an object with 'format' and 'data', got {type(spec).__name__}")
@@ -172,18 +198,26 @@ def decode_images(spec: Any, max_pixels: int | None = None) -> torch.Tensor:
             if opened and image.size != opened[0].size:
                 raise ValueError(f"all images must have one size: image 0 is {opened[0].size[0]}x{opened[0].size[1]}, "
                                  f"image {i} is {image.size[0]}x{image.size[1]} (width x height)")  # fmt: skip
+            _check_image_size(i, *image.size, max_image_pixels)
             total += image.size[0] * image.size[1]
             if max_pixels is not None and total > max_pixels:
                 raise _too_many_pixels(max_pixels)
             opened.append(image)
+        if not opened:
+            return torch.zeros(0, 3, 1, 1)
+        if reserve is not None:
+            reserve(total)
+        width, height = opened[0].size
+        pixels = torch.empty(len(opened), 3, height, width)  # filled image by image: one decoded image at a time
+        filled = pixels.numpy()
         try:
-            arrays = [np.asarray(image if image.mode == "RGB" else image.convert("RGB")) for image in opened]
+            for i, image in enumerate(opened):
+                filled[i] = np.asarray(image if image.mode == "RGB" else image.convert("RGB")).transpose(2, 0, 1)
+                opened[i] = None
+                image.close()
         except (OSError, ValueError, Image.DecompressionBombError) as err:
             raise ValueError(f"cannot decode a {kind} image: {err}") from None
-        if not arrays:
-            return torch.zeros(0, 3, 1, 1)
-        pixels = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)  # NHWC -> NCHW
-        return pixels.float().div_(255)
+        return pixels.div_(255)
     if format == "raw":
         dtype, shape = spec.get("dtype"), spec.get("shape")
         if dtype not in RAW_DTYPES:
@@ -191,8 +225,11 @@ def decode_images(spec: Any, max_pixels: int | None = None) -> torch.Tensor:
         if (not isinstance(shape, list) or len(shape) != 4 or shape[1] != 3
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):  # fmt: skip
             raise ValueError(f"'images.shape' must be [B, 3, H, W] (non-negative integers), got {shape!r}")
+        _check_image_size(0, shape[3], shape[2], max_image_pixels)
         if max_pixels is not None and shape[0] * shape[2] * shape[3] > max_pixels:
             raise _too_many_pixels(max_pixels)
+        if reserve is not None:
+            reserve(shape[0] * shape[2] * shape[3])
         raw = _unb64(spec.get("data"), "images.data")
         expected = math.prod(shape) * RAW_DTYPES[dtype].itemsize
         if len(raw) != expected:
@@ -204,6 +241,7 @@ def decode_images(spec: Any, max_pixels: int | None = None) -> torch.Tensor:
         else:  # pragma: no cover (big-endian machines)
             native = RAW_DTYPES[dtype].newbyteorder("=")
             pixels = torch.from_numpy(np.frombuffer(raw, dtype=RAW_DTYPES[dtype]).astype(native))
+        del raw
         pixels = pixels.reshape(shape)
         if dtype == "uint8":
             return pixels.float().div_(255)
@@ -493,6 +531,8 @@ class HttpReward(Reward):
             hint = (f"the server was started with --token: pass the same token=... or set ${TOKEN_ENV}"
                     if not self.token else "the token differs from the server's --token")  # fmt: skip
             return f"{where} refused the request (401: {message}); {hint}"
+        if code == 413 and "this server takes at most" not in message:  # its pixels: an image too large to score
+            return f"{where} refused a request for one image (413: {message})"
         if code == 413:
             smaller = "use format='png' or 'jpeg' or " if self.format == "raw" else ""
             return (f"{where} refused a {size}-byte request for one image (413: {message}); {smaller}start the server "

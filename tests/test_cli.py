@@ -2,6 +2,7 @@
 their checkpoints; the run folder shows the baseline, readable grids and integer epochs."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -93,6 +94,10 @@ def test_run_folders_keep_their_checkpoints(tmp_path, capsys):
     weights.write_bytes(bytes(data))
     line = _fails(capsys, [*resume, "--resume"], "model.safetensors is corrupt")
     assert f"(--resume {run / 'checkpoints' / 'epoch_1'})" in line
+    # so do `flowrl eval` and `flowrl export` of the run (its latest checkpoint), naming their own option
+    for command in (["eval", str(run)], ["export", str(run), "--out", str(tmp_path / "export")]):
+        line = _fails(capsys, command, "model.safetensors is corrupt")
+        assert f"(--checkpoint {run / 'checkpoints' / 'epoch_1'})" in line, line
     assert main([*resume, "--resume", str(run / "checkpoints" / "epoch_1")]) == 0
     assert "resuming with overrides: run.epochs: 2 -> 3" in capsys.readouterr().out
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch_2", "epoch_3"]
@@ -165,6 +170,7 @@ def test_the_run_folder_shows_the_baseline_and_integer_epochs(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0, 1, 2] and all(isinstance(r["epoch"], int) for r in rows)
     assert "eval/digits_gold" in rows[0] and "reward/mean" not in rows[0]  # the epoch-0 baseline
+    assert "eval/diversity" not in rows[0]  # within a prompt's samples: none with one sample per prompt (not NaN)
     events = list(run.rglob("events.out.tfevents.*"))
     assert len(events) == 1, events  # one run in TensorBoard, the config as text inside it
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -176,3 +182,120 @@ def test_the_run_folder_shows_the_baseline_and_integer_epochs(tmp_path):
     assert min(image.width, image.height) >= 128  # 8x8 digits upscaled, not 8 px strips
     assert "config/text_summary" in acc.Tags()["tensors"]
     shutil.rmtree(run)
+
+
+def test_resume_finds_the_run_where_set_puts_it(tmp_path, capsys):
+    """`--set run.output_dir=X --resume` continues the run in X, not the one in the YAML's own run folder."""
+    yaml_run, other = tmp_path / "yaml_run", tmp_path / "other"
+    config = str(_yaml(tmp_path, **{"run.output_dir": str(yaml_run), "run.samples_every": 0}))
+    assert main(["train", config, "--set", f"run.output_dir={other}"]) == 0
+    assert main(["train", config, "--set", f"run.output_dir={other}", "--set", "run.epochs=3", "--resume"]) == 0
+    assert (other / "checkpoints" / "epoch_3").is_dir() and not yaml_run.exists()
+
+
+def _command(line: str) -> list[str]:
+    """The argv of the `flowrl ...` command a message ends with (`... with: flowrl train ...)`)."""
+    import shlex
+
+    return shlex.split(line.rsplit("with: flowrl ", 1)[1].rstrip(")"))
+
+
+def test_a_run_stopped_without_a_resumable_checkpoint_says_the_command_that_goes_on(tmp_path, capsys, monkeypatch):
+    """Ctrl-C before the first checkpoint (the best one kept): the message, the refusals of a plain rerun and of
+    --resume name the command that starts it again, which works; a run stopped by a dead reward server after a
+    checkpoint names the resume command, which works."""
+    from flowrl.rewards.http import RewardServerUnavailable
+    from flowrl.trainers import Trainer
+
+    real, stop = Trainer.train_epoch, {}
+
+    def stopping(self, epoch):
+        if epoch in stop:
+            raise stop[epoch]
+        return real(self, epoch)
+
+    monkeypatch.setattr(Trainer, "train_epoch", stopping)
+    run = tmp_path / "run"
+    changes = {"run.epochs": 3, "run.save_every": 2, "run.samples_every": 0, "eval.best_metric": "reward"}
+    argv = ["train", str(_yaml(tmp_path, **changes)), "--output-dir", str(run)]
+    stop[1] = KeyboardInterrupt()
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip()
+    assert "interrupted at epoch 1 of 3; no checkpoint was written yet" in err and "Traceback" not in err, err
+    assert (run / "checkpoints" / "best").is_dir() and "--overwrite" in err
+    restart = _command(err)
+    assert restart[-1] == "--overwrite" and str(run) in restart
+    assert "--overwrite" in _fails(capsys, argv, "stopped before its first checkpoint")
+    line = _fails(capsys, [*argv, "--resume"], "holds no checkpoint to resume from")
+    assert _command(line)[-1] == "--overwrite"
+    stop.clear()
+    stop[2] = RewardServerUnavailable("reward server at http://127.0.0.1:9/score is unreachable")
+    line = _fails(capsys, restart, "is unreachable")
+    assert line.endswith(f"(continue with: flowrl train {run} --resume)"), line
+    stop.clear()
+    assert main(_command(line)) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best", "epoch_2", "epoch_3"]
+
+
+def test_start_up_sweeps_what_a_killed_checkpoint_write_or_prune_left(tmp_path, capsys, monkeypatch):
+    """A `.tmp-epoch_N` of a killed write and an old checkpoint whose pruning was cut short (its manifest still
+    there, files gone) are removed when the run starts again, before any checkpoint is written."""
+    from flowrl.trainers import Trainer
+
+    run = tmp_path / "run"
+    config = str(_yaml(tmp_path, **{"run.samples_every": 0}))
+    assert main(["train", config, "--output-dir", str(run)]) == 0
+    checkpoints = run / "checkpoints"
+    shutil.copytree(checkpoints / "epoch_2", checkpoints / ".tmp-epoch_3")
+    shutil.copytree(checkpoints / "epoch_1", checkpoints / "epoch_0")  # beyond keep_checkpoints=2, half pruned
+    next((checkpoints / "epoch_0").rglob("model.safetensors")).unlink()
+
+    def interrupted(self, epoch):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "train_epoch", interrupted)
+    assert main(["train", str(run), "--resume", "--set", "run.epochs=3"]) == 130
+    assert "removed what an interrupted checkpoint write left" in capsys.readouterr().out
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_1", "epoch_2"]
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--set", "run.epochs=[1,"], "override 'run.epochs=[1,': the value '[1,' is not valid YAML"),
+        ("latin1", "is not UTF-8 text"),
+    ],
+)
+def test_bad_overrides_and_files_name_what_is_wrong(tmp_path, capsys, argv, match):
+    if argv == "latin1":
+        path = tmp_path / "latin1.yaml"
+        path.write_bytes(_yaml(tmp_path).read_bytes() + "# caf\xe9\n".encode("latin-1"))
+        line = _fails(capsys, ["train", str(path)], match)
+        assert str(path) in line
+    else:
+        _fails(capsys, ["train", str(_yaml(tmp_path)), *argv], match)
+
+
+def test_ctrl_c_while_the_libraries_load_is_one_line(monkeypatch, capsys):
+    import flowrl.threads
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flowrl.threads, "quiet_libraries", interrupted)
+    assert main(["list", "objectives"]) == 130
+    assert capsys.readouterr().err == "flowrl: interrupted\n"
+
+
+def test_deepspeed_s_cpu_notice_is_not_printed():
+    """Importing DeepSpeed on a machine without a GPU warns "Setting accelerator to CPU" (accelerate imports it to
+    unwrap models); a `flowrl` command drops it."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    code = "from flowrl.threads import quiet_libraries; quiet_libraries(); import deepspeed; print('imported')"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and "imported" in done.stdout, done.stderr[-2000:]
+    assert "Setting accelerator" not in done.stdout + done.stderr

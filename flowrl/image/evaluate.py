@@ -47,7 +47,8 @@ class ImageEvaluator:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """`eval/<reward>`, `eval/<metric>`, `eval/reward` (the weighted training reward), `eval/diversity`."""
+        """`eval/<reward>`, `eval/<metric>`, `eval/reward` (the weighted training reward), `eval/diversity` (with
+        `samples_per_prompt` >= 2)."""
         s, e = self.sampling, self.config
         prompts = self.test_prompts[: e.max_prompts] if e.max_prompts else self.test_prompts
         full = [p for p in prompts for _ in range(e.samples_per_prompt)]
@@ -76,7 +77,8 @@ class ImageEvaluator:
         images = self.processes.gather(thumbs)[: len(full)]
         out = {f"eval/{name}": nanmean(v) for name, v in scores.items()}
         out["eval/reward"] = nanmean(self.rewards.combined(scores))
-        out["eval/diversity"] = group_diversity(images, e.samples_per_prompt)
+        if e.samples_per_prompt >= 2:  # diversity is within a prompt's samples: none with one sample per prompt
+            out["eval/diversity"] = group_diversity(images, e.samples_per_prompt)
         return out
 
 

@@ -63,7 +63,11 @@ def resolve(target: str | Path, which: str | None = "latest") -> tuple[Path, Pat
         raise FileNotFoundError(f"{target} is neither a run folder (no config.yaml) nor a checkpoint folder "
                                 "(no trainer_state.json)")  # fmt: skip
     if which in (None, "latest"):
-        return target, checkpoints.latest(target)
+        try:
+            return target, checkpoints.latest(target)
+        except checkpoints.CheckpointError as err:
+            found = checkpoints.list_checkpoints(target)
+            raise checkpoints.with_previous(err, target, found[-1], "--checkpoint") if found else err from None
     if which == "best":
         best = target / "checkpoints" / "best"
         if not best.is_dir():
@@ -87,7 +91,10 @@ def load_run(target: str | Path, which: str | None = "latest", *, ema: bool | No
     from flowrl.trainers import load_config
 
     run_dir, path = resolve(target, which)
-    path = checkpoints.verify(path)
+    try:
+        path = checkpoints.verify(path)
+    except checkpoints.CheckpointError as err:
+        raise checkpoints.with_previous(err, run_dir, path, "--checkpoint") from None
     config = load_config(run_dir / "config.yaml", [*overrides, "run.log_with=[]"])
     modality, algorithm = build_parts(config, rewards=rewards, device=device)
     module = algorithm.trained_module()

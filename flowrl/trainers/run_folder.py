@@ -40,8 +40,20 @@ def check_folder(out: Path, resume, overwrite: bool) -> None:
     """Refuse, before anything is written or loaded, a folder that holds another run (unless `resume` or `overwrite`)
     and a resume from an older checkpoint of it that later ones follow (unless `overwrite`); check it is writable."""
     if holds_run(out) and not resume and not overwrite:
+        if not checkpoint.list_checkpoints(out):  # stopped before its first checkpoint: nothing to resume from
+            raise RunFolderError(
+                f"run folder {out} already holds a run that stopped before its first checkpoint "
+                "(nothing to resume from): pass --overwrite to start it again, or another "
+                "--output-dir"
+            )
         raise RunFolderError(f"run folder {out} already holds a run (checkpoints or metrics.jsonl): pass --resume "
                              "to continue it, --overwrite to replace it, or another --output-dir")  # fmt: skip
+    if resume is True and holds_run(out) and not checkpoint.list_checkpoints(out):
+        raise RunFolderError(
+            f"run folder {out} holds no checkpoint to resume from (the run stopped before its first "
+            "one; run.save_every sets how often they are written): start it again with --overwrite "
+            "instead of --resume"
+        )
     if resume and resume is not True and Path(resume).resolve().parent == (out / "checkpoints").resolve():
         # only sound later checkpoints are a later state of the run (a corrupt one is garbage to replace)
         newer = [p.name for p in checkpoint.list_checkpoints(out) if epoch_of(p) > epoch_of(Path(resume)) and
@@ -89,6 +101,48 @@ def prepare_folder(out: Path, resume, overwrite: bool) -> None:
             path = out / name
             if path.exists():
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def sweep(out: Path, keep: int | None) -> list[str]:
+    """Remove what a process killed while saving or pruning checkpoints left in `out/checkpoints` (main process,
+    at start-up); returns the names removed or restored.
+
+    - `.tmp-NAME`: a checkpoint being written (complete or not, it never became the run's);
+    - `.old-NAME`: the previous `best` set aside while the new one was renamed in: put back if no `best` is there,
+      else removed;
+    - an `epoch_N` beyond the `keep` newest that is incomplete (a file of its manifest missing or of another size,
+      or no manifest): one whose pruning was cut short (a complete one is left to the next save's pruning).
+    """
+    root = out / "checkpoints"
+    if not root.is_dir():
+        return []
+    swept = []
+    for path in sorted(root.iterdir()):
+        if path.name.startswith(".tmp-") and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            swept.append(path.name)
+        elif path.name.startswith(".old-") and path.is_dir():
+            target = root / path.name.removeprefix(".old-")
+            if target.exists():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.rename(target)
+            swept.append(path.name)
+    found = checkpoint.list_checkpoints(out)
+    for path in found[:-keep] if keep else []:
+        if not _complete(path):
+            shutil.rmtree(path, ignore_errors=True)
+            swept.append(path.name)
+    return swept
+
+
+def _complete(path: Path) -> bool:
+    """Whether every file the checkpoint's manifest lists is there at its size (no hashing: that is `verify`)."""
+    try:
+        entries = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
+        return all((path / name).stat().st_size == info["bytes"] for name, info in entries.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def abandon(out: Path) -> None:

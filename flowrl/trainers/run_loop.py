@@ -55,6 +55,10 @@ class RunLoop:
                 raise trainer.with_earlier(err, path or (found[-1] if found else None)) if found else err from None
         if main:
             run_folder.prepare_folder(trainer.output_dir, resume, overwrite)
+            swept = run_folder.sweep(trainer.output_dir, cfg.run.keep_checkpoints)
+            if swept:
+                where = trainer.output_dir / "checkpoints"
+                print(f"removed what an interrupted checkpoint write left in {where}: {', '.join(swept)}")
             trainer.output_dir.mkdir(parents=True, exist_ok=True)
         self.engine.accelerator.wait_for_everyone()
         trainer.log = MetricsLog(trainer.output_dir / "metrics.jsonl")

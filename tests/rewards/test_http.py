@@ -499,6 +499,18 @@ def test_serve_reward_cli_errors_are_one_line(capsys):
         port = busy.getsockname()[1]
         assert main(["serve-reward", "jpeg_compressibility", "--port", str(port)]) == 2
     assert "another program holds the port" in capsys.readouterr().err
+    # a bad port, an argument the reward does not take, a public interface without a token: named, before any
+    # model loads or any port is bound
+    cases = [
+        (["--port", "99999"], "--port must be between 0 and 65535 (0 picks a free port), got 99999"),
+        (["--port", "0", "--set", "unknown_kw=1"], "reward 'jpeg_compressibility' takes no argument 'unknown_kw'; "),
+        (["--port", "0", "--host", "0.0.0.0"], "--host 0.0.0.0 without a token lets anyone"),
+    ]
+    for args, match in cases:
+        assert main(["serve-reward", "jpeg_compressibility", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and match in err and "internal error" not in err, err
+    assert "--insecure" in err
 
 
 def test_serve_reward_without_fastapi_says_how_to_install_it(monkeypatch, capsys):

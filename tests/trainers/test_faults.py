@@ -155,9 +155,13 @@ def test_a_checkpoint_with_pickled_code_is_refused_and_the_code_never_runs(tiny_
     torch.save({"state": _Payload(marker), "param_groups": []}, folder / "accelerate" / "optimizer.bin")
     checkpoint.write_manifest(folder)  # even with a manifest that matches the tampered file
     again = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=["run.epochs=2"]))
-    with pytest.raises(checkpoint.CheckpointError, match="holds pickled objects that are not plain tensors"):
+    with pytest.raises(checkpoint.CheckpointError, match="holds pickled objects that are not plain tensors") as info:
         again.train(resume=True)
     assert not marker.exists()
+    # the message ends in a whole sentence naming what was refused (torch's own opens with 200 characters of advice)
+    assert str(info.value).endswith(
+        "never unpickles code): it names io.open, which the weights-only loader does not import."
+    ), str(info.value)
 
 
 def test_reference_offload_keeps_the_copy_on_the_cpu_between_passes_and_changes_no_number(tiny_world, tmp_path):

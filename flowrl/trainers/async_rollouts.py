@@ -165,9 +165,13 @@ class AsyncCollector:
         except ImportError:
             raise AsyncError("run.mode=async needs Ray: pip install 'flowrl-toolkit[async]'") from None
         if not ray.is_initialized():
+            from flowrl.trainers.local_ray import start_local_cluster
+
+            # a cluster of its own: on this machine's loopback interface, its processes gone with the run
+            start = ray.init if self.cfg.address is not None else lambda **kw: start_local_cluster(ray, **kw)
             try:
-                ray.init(address=self.cfg.address, include_dashboard=False, log_to_driver=False,
-                         configure_logging=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})  # fmt: skip
+                start(address=self.cfg.address, include_dashboard=False, log_to_driver=False,
+                      configure_logging=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})  # fmt: skip
             except (ConnectionError, RuntimeError, ValueError) as err:
                 raise AsyncError(f"cannot reach the Ray cluster at {self.cfg.address!r}: {err}") from None
             self.started_ray = True

@@ -138,8 +138,43 @@ def test_control_and_text_sample_ahead_by_one_version(tmp_path, trainer_name):
     assert all(r["async/dropped"] == 0 for r in rows) and summary["epochs"] == 3
 
 
+def _descendants(pid: int) -> list:
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _listening(processes) -> set[str]:
+    """The addresses the processes listen on (TCP)."""
+    import psutil
+
+    found = set()
+    for process in processes:
+        try:
+            connections = process.net_connections(kind="tcp")
+        except psutil.Error:  # gone meanwhile
+            continue
+        found |= {c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN}
+    return found
+
+
+def _alive(processes) -> list:
+    import psutil
+
+    alive = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except psutil.Error:
+            pass
+    return alive
+
+
 def test_a_killed_driver_resumes_with_nothing_lost(tmp_path, synchronous):
-    """kill -9 the `flowrl train` process after its first checkpoint, `--resume`: the synchronous run's numbers."""
+    """kill -9 the `flowrl train` process after its first checkpoint, `--resume`: the synchronous run's numbers. Its
+    own Ray cluster listened on this machine's loopback interface only, and none of its processes outlives it by
+    more than a few seconds (Ray's agents waited a minute for the dead GCS)."""
     config = tiny_config("flow_grpo", tmp_path / "run", overrides=[
         *ASYNC, *DIGITS_BASE, "run.epochs=3", "run.save_every=1", "asynchrony.max_staleness=0"])  # fmt: skip
     save_config(config, tmp_path / "config.yaml")
@@ -151,8 +186,15 @@ def test_a_killed_driver_resumes_with_nothing_lost(tmp_path, synchronous):
         assert process.poll() is None, process.stderr.read().decode()[-2000:]
         assert time.monotonic() < deadline, "no checkpoint within 240 s"
         time.sleep(0.2)
+    ray_processes = _descendants(process.pid)  # GCS, raylet, agents, workers, the reaper
+    assert len(ray_processes) >= 4, ray_processes
+    assert _listening(ray_processes) <= {"127.0.0.1", "::ffff:127.0.0.1"}, _listening(ray_processes)
     process.kill()  # SIGKILL: no cleanup in the driver; its local Ray cluster goes with it
     process.wait()
+    deadline = time.monotonic() + 15
+    while _alive(ray_processes) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(ray_processes), [(p.pid, p.name()) for p in _alive(ray_processes)]
     done = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = _rows(tmp_path / "run")

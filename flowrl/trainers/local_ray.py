@@ -1,0 +1,88 @@
+"""The Ray cluster an asynchronous run starts for itself (`asynchrony.address: null`): on this machine only, and gone
+with the run.
+
+- **Loopback only.** Ray binds its processes (GCS, raylet, object manager, workers, the driver's core worker) to the
+  node's IP address, found by asking the network (`0.0.0.0` listeners reachable from the LAN). A cluster the run
+  starts for itself has no other machine to talk to: it gets `127.0.0.1` as its node address (Ray's own choice on
+  machines where it does not form clusters), so that Ray's servers listen on the loopback interface.
+- **Reaped.** Ray ends its processes when the driver calls `ray.shutdown()`, and the GCS and raylet when the driver
+  dies; but the raylet's agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`), orphaned when a driver is killed
+  with SIGKILL, wait a minute for the dead GCS before they exit. A small reaper process, started beside the cluster,
+  waits for the driver to end (the pipe it reads closes, however the driver ends, and it is handed to another parent)
+  and then kills every process that still holds a file of the cluster's session folder open.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+_REAPER = r"""
+import os, signal, sys, time
+session, me, driver = sys.argv[1], os.getpid(), os.getppid()
+sys.stdin.buffer.read()  # returns when the driver's end of the pipe closes: it died, or it is exiting
+while os.getppid() == driver:  # until it is gone (this process is then handed to another parent)
+    time.sleep(0.1)
+time.sleep(1.0)  # a clean ray.shutdown() ends them itself
+
+def holders():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) in (me, driver):
+            continue
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if any(link.startswith(session) for link in links):
+            yield int(pid)
+
+for _ in range(10):
+    found = list(holders())
+    if not found:
+        break
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.2)
+"""
+
+_reapers: list[subprocess.Popen] = []  # their pipes stay open while the driver lives
+
+
+def start_local_cluster(ray, **init_kwargs):
+    """`ray.init(**init_kwargs)` of a new local cluster bound to the loopback interface, with a reaper (see the
+    module docstring); returns what `ray.init` returns."""
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(_CLUSTER_ENV)
+    # Ray's node address: 127.0.0.1 where it does not form clusters (read when ray.init picks the node's address;
+    # the environment variable is what the processes it starts read)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[_CLUSTER_ENV] = "0"
+    try:
+        context = ray.init(**init_kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved[0]
+        if saved[1] is None:
+            os.environ.pop(_CLUSTER_ENV, None)
+        else:
+            os.environ[_CLUSTER_ENV] = saved[1]
+    session = context.address_info.get("session_dir")
+    if session and os.path.isdir("/proc/self/fd"):
+        command = [sys.executable, "-c", _REAPER, os.path.join(session, "")]
+        reaper = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        _reapers.append(reaper)
+    return context
+
+
+_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

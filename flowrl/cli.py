@@ -141,8 +141,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from flowrl import checkpoint
     from flowrl.trainers import build_trainer
+    from flowrl.trainers.artifacts import check_artifacts
 
     config = _train_config(args)
+    check_artifacts(config)  # every missing model and reward file in one message, before anything loads
     trainer = build_trainer(config)
     resume = True if args.resume == "latest" else args.resume
 
@@ -268,7 +270,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         run = load_run(target, args.checkpoint or "latest", rewards=True, overrides=overrides)
         algorithm, label, epoch = run.algorithm, str(run.checkpoint), run.epoch
     else:
-        _, algorithm = build_parts(load_config(target, [*overrides, "run.log_with=[]"]), rewards=True)
+        from flowrl.trainers.artifacts import check_artifacts
+
+        config = load_config(target, [*overrides, "run.log_with=[]"])
+        check_artifacts(config)
+        _, algorithm = build_parts(config, rewards=True)
         label, epoch = "base model", 0
     with torch.no_grad():
         result = {"evaluated": label, "epoch": epoch, **algorithm.evaluator().evaluate()}

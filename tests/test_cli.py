@@ -144,14 +144,17 @@ def test_a_full_disk_keeps_earlier_checkpoints(tmp_path, capsys, monkeypatch):
 def test_an_unreachable_hub_model_is_one_line(capsys, monkeypatch, tmp_path):
     import logging
 
+    from huggingface_hub import constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     # the libraries' own warnings go to handlers that earlier tests' captured streams closed: silence them here
     for name in ("diffusers", "transformers", "huggingface_hub"):
         monkeypatch.setattr(logging.getLogger(name), "disabled", True)
     config = _yaml(tmp_path, **{"model.name": "someorg/some-model", "model.family": "sd3"})
     line = _fails(capsys, ["train", str(config), "--output-dir", str(tmp_path / "run")],
-                  "could not load 'someorg/some-model'")  # fmt: skip
-    assert "hf download someorg/some-model --local-dir DIR" in line and "{name}" not in line
+                  "the model someorg/some-model: `hf download someorg/some-model --local-dir DIR`, then model.name: DIR")  # fmt: skip
+    assert "HF_HUB_OFFLINE=1" in line and "{name}" not in line
 
 
 def test_version_and_debug(capsys, tmp_path):

@@ -52,6 +52,9 @@ class RunConfig:
     """With `run.shard` fsdp2 or zero2/zero3: keep the sharded parameters (FSDP2, ZeRO-3), gradients and optimizer
     state in CPU memory and move each unit to the device for its compute (FSDP2's `CPUOffloadPolicy`, DeepSpeed's
     `offload_optimizer` / `offload_param`): slower, for a model whose shards do not fit on the GPUs."""
+    check_memory: bool = True
+    """Before a run on a CUDA GPU, trace its memory per phase (`flowrl plan`, at this launch's process count and the
+    GPU's memory) and refuse a run that will not fit, in one line naming the setting to change."""
     mode: Literal["sync", "async"] = "sync"
     """`sync`: rollout, rewards and update take turns on the same processes; `async`: rollout workers on Ray sample
     while the learner trains, with bounded staleness (the `asynchrony` section, docs/async.md)."""
@@ -181,10 +184,12 @@ class BatchConfig:
     Memory only: it never changes what one optimizer step computes."""
     inner_epochs: int = 1
     """Passes over each epoch's samples (PPO epochs)."""
-    backward: Literal["whole", "per_step"] = "whole"
+    backward: Literal["auto", "whole", "per_step"] = "auto"
     """`whole`: one backward per micro-batch over all its trained elements `[b, k]`. `per_step`: one backward per
     element column (denoising step), so only one step's activations are in memory (large models); the gradient
-    is the same up to float rounding."""
+    is the same up to float rounding. `auto`: `per_step` wherever the loss separates by element, unless all of a
+    micro-batch's elements fit in one network call (then `whole`: the same memory, fewer calls); `whole` for losses
+    that couple a row's elements (GSPO's trajectory ratio)."""
 
     def __post_init__(self):
         run_checks([

@@ -53,8 +53,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(tmp_path, trainer: str, processes: int, shard: str = "none"):
+def _config(tmp_path, trainer: str, processes: int, shard: str = "none", ema: bool = False):
     data = json.loads(json.dumps(TINY_DIGITS_RUN))
+    if ema:  # an EMA of the trained weights, updated every step (FSDP2 keeps it sharded like the weights)
+        data.update(ema_decay=0.9, ema_every=1)
     data["prompts"] = {"prompts_per_epoch": 4, "group_size": 4}  # 16 samples per epoch
     for key, value in TRAINERS[trainer].items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
@@ -210,17 +212,28 @@ def test_two_sharded_processes_equal_one(tmp_path, cache, trainer, shard):
     # on CPUs, over a gloo group of two: FSDP2 and ZeRO-3 shard the parameters, gradients and AdamW state, ZeRO-2
     # the gradients and AdamW state; every backward (and, sharded parameters, every forward) is a collective, so
     # the processes' calls must stay in step through sampling, the update and the evaluation
-    one = _train(_config(tmp_path, trainer, 1), tmp_path / "one", cache, processes=1)
-    two = _train(_config(tmp_path, trainer, 2, shard=shard), tmp_path / "two", cache, processes=2)
+    ema = trainer == "flow_grpo" and shard != "zero3"  # ZeRO-3 partitions the parameters: no EMA there (refused)
+    one = _train(_config(tmp_path, trainer, 1, ema=ema), tmp_path / "one", cache, processes=1)
+    two = _train(_config(tmp_path, trainer, 2, shard=shard, ema=ema), tmp_path / "two", cache, processes=2)
     assert (one["processes"], two["processes"]) == (1, 2) and (one["shard"], two["shard"]) == ("none", shard)
     _same_rows(tmp_path / "one", tmp_path / "two")
     _same_weights(tmp_path / "one", tmp_path / "two", epochs=(1, 2), sharded=True)
+    if ema:  # the EMA (sharded with the weights under FSDP2) is the one-process run's, gathered in the checkpoint
+        for epoch in (1, 2):
+            a, b = (
+                load_file(run / "checkpoints" / f"epoch_{epoch}" / "extra.safetensors")
+                for run in (tmp_path / "one", tmp_path / "two")
+            )
+            keys = [k for k in a if k.startswith("ema.")]
+            assert keys and keys == [k for k in b if k.startswith("ema.")]
+            for key in keys:
+                torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=f"epoch {epoch}: {key}")
     # resuming the sharded run from epoch 1 (the full states scattered back into the shards) continues exactly
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "two" / "checkpoints" / "epoch_1", resumed / "checkpoints" / "epoch_1")
     shutil.copy(tmp_path / "two" / "config.yaml", resumed / "config.yaml")  # a resume reads the run's own config
-    _train(_config(tmp_path, trainer, 2, shard=shard), resumed, cache, processes=2, resume=True)
+    _train(_config(tmp_path, trainer, 2, shard=shard, ema=ema), resumed, cache, processes=2, resume=True)
     again, straight = _sharded_weights(resumed, 2), _sharded_weights(tmp_path / "two", 2)
     for name in straight:
         torch.testing.assert_close(again[name], straight[name], rtol=0, atol=1e-6, msg=name)

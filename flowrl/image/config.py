@@ -47,6 +47,17 @@ class SamplingConfig:
     """Image height (default: the model's)."""
     width: int | None = None
     """Image width (default: the model's)."""
+    uncond_grad: bool = True
+    """Whether the training gradient flows through CFG's unconditional branch: true (both branches in one call of
+    twice the rows: the guided prediction's exact gradient, `s dv_text + (1 - s) dv_uncond`), or false (Flow-GRPO's
+    SD3 script, which detaches it: the gradient `s dv_text` only; the unconditional branch runs in a call of its own
+    without gradient, in rollouts too, so the ratio stays exactly 1: half the training activations and about a third
+    less training compute)."""
+    forward_batch_size: int | None = None
+    """Rows per network call in rollouts (None: `batch.micro_batch_size`). Larger rollout calls than training calls
+    run the GPU fuller; the stochastic steps' behaviour log-probs are then re-scored at the training calls' size
+    (without gradient, a forward per stochastic step), so the ratio stays exactly 1 at the old weights: it pays when
+    few steps are stochastic (Flow-GRPO-Fast, MixGRPO windows), not when every step is."""
     reward_overlap: int = 1
     """Sample the epoch in this many sequential parts and score each finished part on reward threads
     (`flowrl.rewards.RewardExecutor`) while the next part samples; 1: sample everything, then score. A sample's
@@ -57,6 +68,8 @@ class SamplingConfig:
         from flowrl.policies import SAMPLERS
 
         SAMPLERS.get(self.sampler)  # an unknown sampler fails here, before anything is loaded or written
+        if self.forward_batch_size is not None and self.forward_batch_size < 1:
+            raise ValueError(f"sampling.forward_batch_size must be >= 1 (or null), got {self.forward_batch_size}")
         if self.reward_overlap < 1:
             raise ValueError(f"sampling.reward_overlap must be >= 1, got {self.reward_overlap}")
         if self.num_steps < 1:

@@ -18,6 +18,7 @@ from flowrl.image.config import ImageConfig
 from flowrl.image.evaluate import ImageEvaluator, sample_grid
 from flowrl.image.sampler import ImageSampler
 from flowrl.models import ModelConfig, load_policy, prepare_training
+from flowrl.models.build import offloads_text
 from flowrl.rewards import Rewards
 from flowrl.rewards.scoring import reward_summary
 from flowrl.runtime import RunContext
@@ -29,18 +30,49 @@ def build_rewards(specs) -> dict:
     return {spec.name: reward_registry.get(spec.name, **spec.kwargs) for spec in specs}
 
 
-def build_image_policy(model: ModelConfig, *, forward_batch_size: int, device="cpu", log=print, seed: int = 0):
+def build_image_policy(
+    model: ModelConfig,
+    *,
+    forward_batch_size: int,
+    device="cpu",
+    log=print,
+    seed: int = 0,
+    mixed_precision: str = "no",
+    weights: bool = True,
+    prompts=None,
+):
     """The `DiffusionPolicy` of a `model` section, set up for training (LoRA or every weight, a LoRA initialised from
-    `seed`): the digits world (built into the cache on first use) or a diffusers pipeline of a registered family."""
+    `seed`): the digits world (built into the cache on first use) or a diffusers pipeline of a registered family.
+
+    With `prompts` (every prompt the run will see) and text encoders kept in CPU memory (`offload_text_encoders`),
+    the prompts are encoded first, with only the text encoders on the device, and the trained network moves to the
+    device after: a network and text encoders that do not fit on the GPU together still load (FLUX.2-dev).
+    `weights=False` builds the real-size networks without weights (`flowrl plan`)."""
     if model.name == "digits":
         from flowrl.digits import BuildConfig, load_world
 
         world = load_world(BuildConfig(pretrain_steps=model.digits_pretrain_steps), log=log)
         policy = world.policy(forward_batch_size=forward_batch_size)
-        policy.model.to(device)
+        policy.model.to(device if weights else "meta")
+    elif weights and model.offload_text_encoders is not False and torch.device(device).type != "cpu":
+        policy = load_policy(model, forward_batch_size=forward_batch_size, device="cpu")
+        if offloads_text(model, policy, device):
+            policy.offload_text_encoders(device)
+            if prompts:  # each prompt encoded (or read from disk) once, the trained network still in CPU memory
+                policy.encode(list(dict.fromkeys(str(p) for p in prompts)))
+                policy.encode([policy.negative_prompt], negative=True)
+        policy.to_device(device)
+    elif not weights:  # a plan of a GPU run: the text encoders are offloaded where the run would offload them
+        policy = load_policy(model, forward_batch_size=forward_batch_size, weights=False)
+        policy.text_encoders_offloaded = offloads_text(model, policy, "cuda")
     else:
         policy = load_policy(model, forward_batch_size=forward_batch_size, device=device)
-    return prepare_training(policy, model, seed=seed)
+        if model.offload_text_encoders is True:
+            policy.offload_text_encoders()
+            if prompts:
+                policy.encode(list(dict.fromkeys(str(p) for p in prompts)))
+                policy.encode([policy.negative_prompt], negative=True)
+    return prepare_training(policy, model, seed=seed, mixed_precision=mixed_precision)
 
 
 class ImageModality:
@@ -73,12 +105,16 @@ class ImageModality:
             self.eval_fns = eval_fns
             self.check_inputs()
         if policy is None:
-            policy = build_image_policy(config.model, forward_batch_size=config.batch.micro_batch_size,
-                                        device=context.device, log=context.log, seed=config.run.seed)  # fmt: skip
-            if config.model.offload_text_encoders:  # each prompt encoded (or read from disk) once, then off the device
-                policy.encode(list(dict.fromkeys(str(p) for p in self.train_prompts + self.test_prompts)))
-                policy.encode([policy.negative_prompt], negative=True)
-                policy.offload_text_encoders()
+            policy = build_image_policy(
+                config.model,
+                forward_batch_size=config.batch.micro_batch_size,
+                device=context.device,
+                log=context.log,
+                seed=config.run.seed,
+                mixed_precision=config.run.mixed_precision,
+                prompts=self.train_prompts + self.test_prompts,
+            )
+        policy.uncond_grad = config.sampling.uncond_grad
         self.policy = policy
 
     def check_inputs(self) -> None:

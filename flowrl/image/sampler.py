@@ -39,11 +39,24 @@ class ImageSampler:
         s = self.sampling
         latents = self.group_noise(rows, epoch) if s.init_same_noise else None
         with self.autocast():
-            rollout = self.policy.rollout(texts, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
-                                          noise_level=s.noise_level, sampler=s.sampler, sde_window=self.window(epoch),
-                                          latents=latents, generator=generators, height=s.height, width=s.width,
-                                          store_means=self.store_means, post_window_solver=s.post_window_solver,
-                                          post_window_ratio=s.post_window_ratio, source_images=sources)  # fmt: skip
+            rollout = self.policy.rollout(
+                texts,
+                num_steps=s.num_steps,
+                guidance_scale=s.guidance_scale,
+                noise_level=s.noise_level,
+                sampler=s.sampler,
+                sde_window=self.window(epoch),
+                latents=latents,
+                generator=generators,
+                height=s.height,
+                width=s.width,
+                store_means=self.store_means,
+                post_window_solver=s.post_window_solver,
+                post_window_ratio=s.post_window_ratio,
+                source_images=sources,
+                forward_batch_size=s.forward_batch_size,
+            )
+            rollout = self.policy.rescore(rollout)  # at the training calls' size (`sampling.forward_batch_size`)
         if self.requires_stochastic and not rollout.sde_mask.any():
             raise ValueError(f"sampler {s.sampler!r} with noise_level {s.noise_level} has no stochastic step to train")
         return rollout

@@ -147,13 +147,13 @@ class StepTerms:
             terms.inputs = {"std": out.std, "mean_diff_sq": diff}
         weight = self.weight(settings, steps)
         if weight is not None:
-            terms.weight = weight.to(device)
+            terms.weight = weight.to(device, non_blocking=True)
         if with_kl:
             scored = self.policy.score_transitions(settings, states, next_states, steps, cond, reference=True,
                                                    return_prediction=predictions)  # fmt: skip
             ref, ref_prediction = scored if predictions else (scored, None)
-            sigmas = settings.sigmas.to(device)
-            dt = sigmas[steps.to(device) + 1] - sigmas[steps.to(device)]
+            sigmas, host = settings.sigmas.cpu(), steps.cpu()  # the schedule is host data
+            dt = (sigmas[host + 1] - sigmas[host]).to(device, non_blocking=True)
             value = step_kl(kl.form, out, ref, prediction=prediction, ref_prediction=ref_prediction, dt=dt,
                             reduce=settings.reduce)  # fmt: skip
             terms.logs["kl"] = value.detach()

@@ -98,13 +98,17 @@ class ModelAdapter(ABC):
     def model(self) -> torch.nn.Module:
         """The trainable network (transformer or UNet)."""
 
+    encode_device: torch.device | None = None
+    """Where `encode` runs while the network is elsewhere (prompts encoded on the GPU before the network moves there:
+    `DiffusionPolicy.encoding_on`); None: the network's device."""
+
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        return self.encode_device if self.encode_device is not None else self.model.device
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Whether `guidance_scale` is applied as classifier-free guidance (two branches per forward)."""
@@ -199,7 +203,8 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def schedule(self, num_steps: int, latent_shape) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(timesteps [T] as the network sees them, sigmas [T + 1] in the flow convention)`."""
+        """`(timesteps [T] as the network sees them, sigmas [T + 1] in the flow convention)`, on the CPU: the
+        schedule is host data (the policy moves what each call needs without a device sync and reads it freely)."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -385,7 +390,7 @@ class CallableAdapter(ModelAdapter):
         return randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype)
 
     def schedule(self, num_steps, latent_shape):
-        self.scheduler.set_timesteps(num_steps, device=self.device)
+        self.scheduler.set_timesteps(num_steps, device="cpu")
         return self.scheduler.timesteps, self.scheduler.sigmas.to(torch.float32)
 
     def decode(self, latents, height, width):

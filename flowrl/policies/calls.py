@@ -4,13 +4,14 @@ on chunks of exactly `forward_batch_size` rows (padded), so a rollout's log-prob
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from flowrl.policies.sde import StepOutput, ddim_step, sde_step
 from flowrl.policies.sources import NEGATIVE
-from flowrl.policies.text_store import TextStore, encoders_on, offload_encoders
+from flowrl.policies.text_store import TextStore, encoders_on, offload_encoders, text_encoders
 
 
 @dataclass
@@ -106,6 +107,27 @@ class ChunkedCalls:
         offload_encoders(self.adapter.pipeline)
         self.text_encoders_offloaded = True
 
+    @contextmanager
+    def encoding_on(self, device):
+        """Encode on `device` inside the block while the network is still elsewhere (in CPU memory): the text
+        encoders move there for each encode and the conditioning stays there."""
+        self.adapter.encode_device = torch.device(device)
+        try:
+            yield
+        finally:
+            self.adapter.encode_device = None
+
+    def to_device(self, device) -> None:
+        """Move the pipeline's networks to `device` (the text encoders too, unless they are offloaded) and the cached
+        conditioning with them."""
+        pipeline = self.adapter.pipeline
+        skip = set(text_encoders(pipeline)) if self.text_encoders_offloaded else set()
+        for name, component in pipeline.components.items():
+            if isinstance(component, torch.nn.Module) and name not in skip:
+                component.to(device)
+        for key, tensors in self._text_cache.items():
+            self._text_cache[key] = {k: v.to(device) for k, v in tensors.items()}
+
     def clear_text_cache(self) -> None:
         self._text_cache.clear()
 
@@ -132,13 +154,46 @@ class ChunkedCalls:
             plan.append(_Chunk(None if whole else rows, real, chunk_cond))
         return plan
 
+    uncond_grad: bool = True
+    """Whether the training gradient flows through CFG's unconditional branch (`sampling.uncond_grad`): both branches
+    in one call of twice the rows, or (False) the unconditional branch in a call of its own without gradient
+    (Flow-GRPO's SD3 script detaches it: half the training activations); rollouts split their calls the same way."""
+
     def _predict(self, model, latents, timesteps, chunk_cond, cfg: bool, guidance_scale: float, static: dict):
-        """One chunk-sized network call; under CFG both branches go through it as one batch."""
+        """One chunk-sized network call; under CFG both branches go through it as one batch (or, without the
+        unconditional branch's gradient, two calls: that branch's under `no_grad`)."""
+        forward = self.adapter.forward
         if not cfg:
-            return self.adapter.forward(latents, timesteps, chunk_cond, guidance_scale, model=model, static=static)
-        out = self.adapter.forward(torch.cat([latents, latents]), torch.cat([timesteps, timesteps]), chunk_cond,
-                                   guidance_scale, model=model, static=static)  # fmt: skip
-        uncond, text = out.chunk(2)
+            return forward(latents, timesteps, chunk_cond, guidance_scale, model=model, static=static)
+        if self.uncond_grad:
+            out = forward(
+                torch.cat([latents, latents]),
+                torch.cat([timesteps, timesteps]),
+                chunk_cond,
+                guidance_scale,
+                model=model,
+                static=static,
+            )
+            uncond, text = out.chunk(2)
+        else:
+            n = len(latents)  # each conditioning tensor holds the unconditional rows first (`_plan`)
+            with torch.no_grad():
+                uncond = forward(
+                    latents,
+                    timesteps,
+                    {k: v[:n] for k, v in chunk_cond.items()},
+                    guidance_scale,
+                    model=model,
+                    static=static,
+                )
+            text = forward(
+                latents,
+                timesteps,
+                {k: v[n:] for k, v in chunk_cond.items()},
+                guidance_scale,
+                model=model,
+                static=static,
+            )
         return self.adapter.combine_cfg(uncond, text, self.adapter.step_guidance(guidance_scale, timesteps))
 
     def _kernel(self, kind, output, step, sigmas, timesteps, sample, *, prev_sample, noise, noise_level):
@@ -167,8 +222,8 @@ class ChunkedCalls:
             rows = slice(None) if chunk.rows is None else chunk.rows.to(states.device)
             chunk_step = step if chunk.rows is None else step[chunk.rows]
             x = states[rows]
-            output = self._predict(model, x, timesteps[chunk_step].to(x.device), chunk.cond, cfg, guidance_scale,
-                                   static)  # fmt: skip
+            t = timesteps[chunk_step].to(x.device, non_blocking=True)  # the schedule is host data: no stream sync
+            output = self._predict(model, x, t, chunk.cond, cfg, guidance_scale, static)
             if predictions is not None:
                 predictions.append(output[: chunk.real])
             out = self._kernel(kind, output, chunk_step, sigmas, timesteps, x, noise_level=noise_level,

@@ -17,6 +17,7 @@ kernels), far inside any clip range.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -195,6 +196,31 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
         if not return_prediction:
             return out
         return out, predictions[0] if len(predictions) == 1 else torch.cat(predictions)
+
+    @torch.no_grad()
+    def rescore(self, rollout: DiffusionRollout, forward_batch_size: int | None = None) -> DiffusionRollout:
+        """`rollout` with its stochastic steps' log-probs (and stored behaviour means) re-scored in calls of
+        `forward_batch_size` rows (default: the policy's), the size training forwards use, so the ratio is exactly 1
+        at the old weights however many rows the rollout's own calls had (a forward per stochastic step, no
+        gradient); a rollout sampled at that size is returned as it is."""
+        size = forward_batch_size or self.forward_batch_size
+        if size is None or size == rollout.forward_batch_size or not rollout.sde_mask.any():
+            return rollout
+        resized = replace(rollout, forward_batch_size=size)
+        if rollout.stochastic_step is not None:  # each sample has its own stochastic step (TempFlow-GRPO)
+            index = rollout.stochastic_step.cpu()[:, None]
+        else:
+            index = rollout.sde_steps.expand(len(rollout), -1)
+        out = self.score(resized, index)  # [B, k] log-probs, [B, k, ...] means
+        rows = torch.arange(len(rollout))[:, None].expand_as(index)
+        dev = rollout.log_probs.device
+        log_probs = rollout.log_probs.clone()
+        log_probs[rows.to(dev), index.to(dev)] = out.log_prob.to(log_probs)
+        means = rollout.means
+        if means is not None:
+            means = means.clone()
+            means[rows.to(means.device), index.to(means.device)] = out.mean.to(means)
+        return replace(resized, log_probs=log_probs, means=means)
 
     def velocity_fn(self, rollout: DiffusionRollout, num_draws: int, *, guidance_scale: float | None = None,
                     reference: bool = False):  # fmt: skip

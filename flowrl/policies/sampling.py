@@ -44,6 +44,7 @@ class RolloutSampling:
         post_window_solver: str = "euler",
         post_window_ratio: float = 0.4,
         source_images: Sequence | None = None,
+        forward_batch_size: int | None = None,
     ) -> DiffusionRollout:
         """Sample one trajectory per prompt and record its per-step log-probabilities.
 
@@ -74,6 +75,8 @@ class RolloutSampling:
             source_images (`Sequence`, *optional*): editing models: one entry per prompt, each a path, PIL image or
                 `[3, H, W]` tensor in [0, 1], or a sequence of them (`flowrl.policies.sources`); the sample is
                 conditioned on its (prompt, source images) pair and the rollout keeps the pairs (`edit_ids`).
+            forward_batch_size (`int`, *optional*): rows per network call in this rollout (default: the policy's);
+                `rescore` then makes its log-probs those of calls of the policy's size.
         """
         prompts = list(prompts)
         if not prompts:
@@ -88,7 +91,7 @@ class RolloutSampling:
             raise ValueError(f"sde_window must satisfy 0 <= start < end <= num_steps={num_steps}, got {sde_window}")
 
         batch = len(prompts)
-        chunk = self.forward_batch_size or batch
+        chunk = forward_batch_size or self.forward_batch_size or batch
         unique = list(dict.fromkeys(prompts))
         prompt_ids = torch.tensor([unique.index(p) for p in prompts])
         cfg = self.adapter.uses_cfg(guidance_scale)
@@ -141,16 +144,16 @@ class RolloutSampling:
                 v = torch.cat(predictions)
                 if i >= end:  # replaces the Euler step just computed (a few element-wise ops; the call is shared)
                     out = dpm_solver_2m_step(v, sigmas[i], sigmas[i + 1], x, x0_prev=x0_prev, sigma_prev=sigmas[i - 1])
-                x0_prev = x.float() - float(sigmas[i]) * v.float()
+                x0_prev = x.float() - float(sigmas[i]) * v.float()  # the schedule is host data: no sync
             x = out.prev_sample
             states.append(x)
             log_probs.append(out.log_prob)
-            stds.append(out.std[0])
+            stds.append(self._host_std(kind, i, sigmas, timesteps, noise_level))
             if store_means:
                 means.append(out.mean)
 
         # a step whose kernel has no spread (CPS ends at s' = 0) has no density: it is deterministic, not trained
-        sde_mask &= torch.stack(stds).cpu() > 0
+        sde_mask &= torch.stack(stds) > 0
         return DiffusionRollout(
             prompts=prompts,
             prompt_ids=prompt_ids,
@@ -160,7 +163,7 @@ class RolloutSampling:
             sde_mask=sde_mask,
             timesteps=timesteps,
             sigmas=sigmas,
-            stds=torch.stack(stds).cpu(),
+            stds=torch.stack(stds),
             cond=unique_cond,
             null_cond=null_cond,
             sampler=sampler,
@@ -171,10 +174,36 @@ class RolloutSampling:
             height=height,
             width=width,
             static=static,
-            images=self.adapter.decode(x, height, width) if decode else None,
+            images=self.decode(x, height, width, chunk) if decode else None,
             means=torch.stack(means, dim=1) if store_means else None,
             **({} if edits is None else edits.rollout_fields()),
         )
+
+    def decode(self, latents: torch.Tensor, height: int, width: int, chunk: int | None = None) -> torch.Tensor:
+        """Images (videos) of `latents`, decoded `chunk` rows at a time (the last chunk padded like the network's
+        calls), so a rollout's decoder memory is one chunk's whatever the batch."""
+        n = len(latents)
+        chunk = min(chunk or n, n)
+        if chunk == n:
+            return self.adapter.decode(latents, height, width)
+        parts = []
+        for start in range(0, n, chunk):
+            rows = latents[start : start + chunk]
+            real = len(rows)
+            if real < chunk:
+                rows = torch.cat([rows, rows[:1].expand(chunk - real, *rows.shape[1:])])
+            parts.append(self.adapter.decode(rows, height, width)[:real])
+        return torch.cat(parts)
+
+    def _host_std(self, kind: str, i: int, sigmas, timesteps, noise_level: float) -> torch.Tensor:
+        """The std of step `i`'s kernel, computed on the host (it depends on the schedule, not on the network's
+        output), so a rollout never reads a device value back."""
+        dummy = torch.zeros(1, 1)
+        step = torch.tensor([i])
+        out = self._kernel(
+            kind, dummy, step, sigmas, timesteps, dummy, prev_sample=dummy, noise=None, noise_level=noise_level
+        )
+        return out.std[0]
 
     def _after_window(self, timesteps, sigmas, end: int, ratio: float, latent_shape):
         """MixGRPO-Flash's grid: the first `end` steps as scheduled, then `sigmas[end] -> 0` in

@@ -53,7 +53,7 @@ class StepOutput(NamedTuple):
 
 def _per_sample(value, like: torch.Tensor) -> torch.Tensor:
     """A scalar or `[B]` value as a tensor `[B, 1, ..., 1]` of `like`'s dtype, broadcastable against it."""
-    value = torch.as_tensor(value, device=like.device).to(like.dtype)
+    value = torch.as_tensor(value).to(like.device, like.dtype, non_blocking=True)  # host values: no stream sync
     if value.ndim == 0:
         value = value.expand(like.shape[0])
     if value.shape != like.shape[:1]:
@@ -66,10 +66,26 @@ def _upcast(model_output: torch.Tensor, sample: torch.Tensor):
     return model_output.to(dtype), sample.to(dtype)
 
 
-def _finish(mean, std, sample, prev_sample, noise, generator, reduce, log_prob: str = "gaussian") -> StepOutput:
-    """Draw (or take) the next state, round-trip it through the storage dtype, and score it."""
+def _finish(
+    mean,
+    std,
+    sample,
+    prev_sample,
+    noise,
+    generator,
+    reduce,
+    log_prob: str = "gaussian",
+    deterministic: bool | None = None,
+) -> StepOutput:
+    """Draw (or take) the next state, round-trip it through the storage dtype, and score it.
+
+    `deterministic`: whether every row's std is 0 when the kernel knows it (`ode`, DDIM with eta 0); otherwise it is
+    read from `std` only where that costs no device sync (a CPU tensor). On a device a zero-std row is handled row by
+    row: its next state is its mean (`mu + 0 z`) and its log-prob 0, so no step reads a device value on the host.
+    """
     std_b = std.reshape(-1)  # [B]
-    deterministic = bool((std_b == 0).all())
+    if deterministic is None and std_b.device.type == "cpu":
+        deterministic = bool((std_b == 0).all())  # host values: no device sync
     if prev_sample is None:
         if deterministic:
             prev_sample = mean
@@ -80,15 +96,16 @@ def _finish(mean, std, sample, prev_sample, noise, generator, reduce, log_prob: 
         prev_sample = prev_sample.to(sample.dtype)  # the value that is stored is the value that is scored
     if deterministic:
         return StepOutput(prev_sample, torch.zeros_like(std_b), mean, std_b)
-    if (std_b <= 0).any():
-        raise ValueError("a stochastic step needs std > 0 for every sample; mix deterministic steps separately")
     # std is constant over a sample's elements, so reduce the squared error first:
     # red_d[-(x - mu)^2 / (2 s^2) - log s - log(2 pi)/2] = -red_d (x - mu)^2 / (2 s^2) - red_d 1 (log s + log(2 pi)/2)
     sq_err = reduce_elements((prev_sample.detach().to(mean.dtype) - mean).square(), reduce)  # [B]
     if log_prob == "mse":  # Flow-GRPO's CPS code: -red (x' - mu)^2, the Gaussian's log-ratio times 2 std^2
         return StepOutput(prev_sample, -sq_err, mean, std_b)
     count = 1.0 if reduce == "mean" else float(mean[0].numel())
-    return StepOutput(prev_sample, -sq_err / (2 * std_b**2) - count * (torch.log(std_b) + _HALF_LOG_2PI), mean, std_b)
+    positive = std_b > 0  # [B]
+    safe = torch.where(positive, std_b, torch.ones_like(std_b))  # a zero-std row has no density (and no 0/0 gradient)
+    log_prob = -sq_err / (2 * safe**2) - count * (torch.log(safe) + _HALF_LOG_2PI)  # [B]
+    return StepOutput(prev_sample, torch.where(positive, log_prob, torch.zeros_like(log_prob)), mean, std_b)
 
 
 def _flow_drift_mean(v, x, sigma, dt, diffusion):
@@ -178,7 +195,7 @@ def ode_step(
     v, x = _upcast(model_output, sample)
     s, s_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
     mean = x + (s_next - s) * v
-    return _finish(mean, torch.zeros_like(s), sample, prev_sample, noise, generator, reduce)
+    return _finish(mean, torch.zeros_like(s), sample, prev_sample, noise, generator, reduce, deterministic=True)
 
 
 def sde_step(
@@ -232,7 +249,7 @@ def _alphas(scheduler, timestep, like, num_steps: int | None = None):
     alpha_prev = torch.where(prev >= 0, alphas[prev.clamp_min(0)], torch.as_tensor(scheduler.final_alpha_cumprod))
     if t.numel() == 1:
         alpha_t, alpha_prev = alpha_t.expand(like.shape[0]), alpha_prev.expand(like.shape[0])
-    return _per_sample(alpha_t.to(like.device), like), _per_sample(alpha_prev.to(like.device), like)
+    return _per_sample(alpha_t, like), _per_sample(alpha_prev, like)
 
 
 def ddim_step(
@@ -281,7 +298,8 @@ def ddim_step(
     variance = (1 - alpha_prev) / (1 - alpha_t) * (1 - alpha_t / alpha_prev)
     std = eta * variance.sqrt()
     mean = alpha_prev.sqrt() * x0_hat + (1 - alpha_prev - std**2).clamp_min(0.0).sqrt() * eps_hat
-    return _finish(mean, std, sample, prev_sample, noise, generator, reduce)
+    deterministic = True if isinstance(eta, (int, float)) and eta == 0 else None
+    return _finish(mean, std, sample, prev_sample, noise, generator, reduce, deterministic=deterministic)
 
 
 SAMPLERS.register("ddim", ddim_step)
@@ -324,4 +342,4 @@ def dpm_solver_2m_step(
             r = (lam - math.log((1 - sp) / sp)) / h
             mean = mean - (1 - s_next) * math.expm1(-h) / (2 * r) * (d0 - x0_prev.to(d0.dtype))
     zero = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
-    return _finish(mean, zero, sample, None, None, None, "mean")
+    return _finish(mean, zero, sample, None, None, None, "mean", deterministic=True)

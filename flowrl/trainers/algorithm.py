@@ -55,6 +55,10 @@ class Algorithm(ABC):
     couples_rows: ClassVar[bool] = False
     """Whether the loss of a batch couples its rows (beyond the objective's batch statistics): it is then computed
     on the whole mini-batch (`flowrl.trainers.scheduler`)."""
+    element_calls: ClassVar[bool] = False
+    """Whether each element column is scored by network calls of its own (an image's denoising steps, flow-matching
+    draws), so a backward per column frees that column's activations (`batch.backward: auto` runs it); tokens and
+    action dimensions share one call per row."""
     shard_refusal: ClassVar[str | None] = None
     """Why this algorithm cannot shard its model (`run.shard`: FSDP2 or ZeRO), or None."""
 

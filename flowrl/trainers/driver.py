@@ -59,12 +59,7 @@ class Trainer:
         if self.algorithm.needs_reference():
             kl = getattr(config, "kl", None)
             self.modality.ensure_reference(offload=bool(kl and kl.reference_offload))
-        world = self.engine.processes.world
-        prompts = getattr(config, "prompts", None)
-        if self.algorithm.updates_groups and prompts is not None and prompts.prompts_per_epoch % world:
-            raise ValueError(f"{config.trainer} updates whole groups, each sampled by one process: "
-                             f"prompts.prompts_per_epoch ({prompts.prompts_per_epoch}) must split over the {world} "
-                             "processes")  # fmt: skip
+        check_world(config, algorithm_class, self.engine.processes.world)
         self.algorithm.build()
         module = self.algorithm.trained_module()
         refusals = [self.algorithm.shard_refusal] if self.algorithm.shard_refusal else []
@@ -276,6 +271,15 @@ class Trainer:
         self.engine.load_state_files(Path(path))
         self.load_state_dict(state, tensors)
         return float(state.get("wall_s", 0.0))
+
+
+def check_world(config, algorithm_class, world: int) -> None:
+    """Refuse a config that cannot train on `world` processes (the run's engine and `flowrl plan --gpus N` ask)."""
+    prompts = getattr(config, "prompts", None)
+    if algorithm_class.updates_groups and prompts is not None and prompts.prompts_per_epoch % world:
+        raise ValueError(f"{config.trainer} updates whole groups, each sampled by one process: "
+                         f"prompts.prompts_per_epoch ({prompts.prompts_per_epoch}) must split over the {world} "
+                         "processes")  # fmt: skip
 
 
 def informative_groups(group_ids: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

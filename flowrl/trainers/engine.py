@@ -59,6 +59,9 @@ class Engine:
         self.processes = Processes(self.accelerator)
         self.threads = ThreadGovernor(run.threads)  # measures from here: model loading is the first interval
         self.memory = PeakMemory(self.accelerator.device)
+        if self.accelerator.device.type == "cuda":  # TF32 for fp32 matrix products (fp32 LoRA, rewards): the
+            torch.backends.cuda.matmul.allow_tf32 = True  # rollout and the update share it, so the ratio stays 1
+            torch.backends.cudnn.allow_tf32 = True
         self.shard = shard if self.processes.world > 1 else "none"
         """How the trained model is split over the processes (`run.shard`, or the accelerate config's)."""
         self.ema_decay, self.ema_every = ema_decay, ema_every
@@ -108,19 +111,7 @@ class Engine:
     def check_shardable(self, refusals: list[str]) -> None:
         """Refuse `run.shard` (FSDP2, ZeRO) where flowrl does not keep the processes' forward and backward calls in
         step or keeps copies of the full parameters; `refusals` are the algorithm's own reasons."""
-        reasons = list(refusals)
-        if self.ema_decay:
-            reasons.append("ema_decay keeps a full copy of the parameters")
-        if self.optim.step_grad_norms_every:
-            reasons.append("optim.step_grad_norms_every measures full per-step gradients")
-        if self.run.mixed_precision == "fp16":
-            reasons.append("fp16 needs a loss scaler over the shards, which flowrl does not keep (use "
-                           "run.mixed_precision: bf16)")  # fmt: skip
-        if self.shard in sharding.ZERO_STAGES and self.optim.optimizer != "adamw":
-            reasons.append("ZeRO runs keep AdamW's state (use optim.optimizer: adamw)")
-        if reasons:
-            raise ValueError(f"run.shard: {self.shard} is not supported here: {'; '.join(reasons)}. Use run.shard: "
-                             "none (DDP), or a trainer on the shared update (flow_grpo, grpo_guard, ...)")  # fmt: skip
+        check_shardable(self.shard, self.run, self.optim, self.ema_decay, refusals)
 
     def prepare(self, module: torch.nn.Module, *, aux: dict[str, tuple[torch.nn.Module, float]] | None = None,
                 optimizer_options: dict[str, dict] | None = None,
@@ -139,7 +130,10 @@ class Engine:
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"the trained {type(module).__name__} has no trainable parameters")
-        options = (optimizer_options or {}).get(opt.optimizer, {})
+        options = {
+            **fused_options(params, self.shard, opt.optimizer),
+            **(optimizer_options or {}).get(opt.optimizer, {}),
+        }
         if opt.optimizer == "rmsprop":
             optimizer = torch.optim.RMSprop(params, lr=opt.lr, alpha=0.99, eps=opt.eps, weight_decay=0.0, **options)
         else:
@@ -189,7 +183,7 @@ class Engine:
             if not math.isfinite(norm):
                 self._skip_nonfinite(norm)
             else:
-                self.optimizer_steps += 1
+                self._stepped()
             return norm
         if not self.sharded and self.processes.world > 1:
             for p in self.params:
@@ -215,10 +209,14 @@ class Engine:
             return float(norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self._stepped()
+        return float(norm)
+
+    def _stepped(self) -> None:
+        """Count an optimizer step and update the EMA when due."""
         self.optimizer_steps += 1
         if self.ema is not None and self.optimizer_steps % self.ema_every == 0:
             self.ema.update()
-        return float(norm)
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step (an early stop before the step)."""
@@ -293,6 +291,44 @@ class Engine:
             detail = " ".join(str(err).split())[:300]
             raise checkpoint.CheckpointMismatch(f"checkpoint {folder} does not fit this run's model or optimizer: "
                                                 f"{detail}") from None  # fmt: skip
+
+
+def check_shardable(
+    shard: str, run: RunConfig, optim: OptimConfig, ema_decay: float | None, refusals: list[str] = ()
+) -> None:
+    """Refuse `run.shard` (`shard`: FSDP2, ZeRO) where flowrl does not keep the processes' calls in step or where a
+    setting needs what the shards do not hold; `refusals` are the algorithm's own reasons. The run's engine and
+    `flowrl plan` (at any process count) ask the same."""
+    if shard == "none":
+        return
+    reasons = list(refusals)
+    if ema_decay and shard == "zero3":
+        reasons.append(
+            "ema_decay keeps an EMA of the parameters, which ZeRO-3 partitions (use run.shard: fsdp2, "
+            "whose EMA is sharded like the parameters, or zero2)"
+        )
+    if optim.step_grad_norms_every:
+        reasons.append("optim.step_grad_norms_every measures full per-step gradients")
+    if run.mixed_precision == "fp16":
+        reasons.append(
+            "fp16 needs a loss scaler over the shards, which flowrl does not keep (use run.mixed_precision: bf16)"
+        )
+    if shard in sharding.ZERO_STAGES and optim.optimizer != "adamw":
+        reasons.append("ZeRO runs keep AdamW's state (use optim.optimizer: adamw)")
+    if reasons:
+        raise ValueError(
+            f"run.shard: {shard} is not supported here: {'; '.join(reasons)}. Use run.shard: none "
+            "(DDP), or a trainer on the shared update (flow_grpo, grpo_guard, ...)"
+        )
+
+
+def fused_options(params: list[torch.nn.Parameter], shard: str, optimizer: str = "adamw") -> dict:
+    """`{"fused": True}` for AdamW over CUDA parameters (one kernel per step instead of a loop of them), unless
+    DeepSpeed steps the partitions (ZeRO keeps its own flat fp32 copies)."""
+    on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    if optimizer != "adamw" or shard in sharding.ZERO_STAGES or not on_cuda:
+        return {}
+    return {"fused": True}
 
 
 def launch_shard(shard: str, environ=None) -> str:

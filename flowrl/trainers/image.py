@@ -23,6 +23,7 @@ class ImageAlgorithm(Algorithm):
 
     modality_class: ClassVar[type] = ImageModality
     image_scale = True
+    element_calls = True
     requires_stochastic: ClassVar[bool] = True
     """Rollouts must have a stochastic step (log-ratio trainers); FIND and the flow-matching trainers train on any."""
     kl_to_reference: ClassVar[bool] = True

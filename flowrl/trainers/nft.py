@@ -165,10 +165,11 @@ class DiffusionNFT(PerDrawAlgorithm):
         """The draws, the old velocity at them and each sample's optimality `r` (as the draws' weights)."""
         rollout = collected.data
         draws = self.make_draws(rollout, collected.rows, epoch)
-        velocities = torch.empty((*draws.taus.shape, *rollout.latents.shape[2:]))  # [B, N, ...]
+        device = rollout.latents.device  # kept beside the latents: no copy back to the host per chunk
+        velocities = torch.empty((*draws.taus.shape, *rollout.latents.shape[2:]), device=device)  # [B, N, ...]
         with self.old.swapped():
             for rows, j, v in self.at_draws(dataclasses.replace(rollout, draws=draws), lambda *args: args[-1]):
-                velocities[rows, j] = v.float().cpu()
+                velocities[rows.to(device), j] = v.float()
         r = optimality(advantages[collected.rows], self.config.optimality_scale)  # [B]
         return dataclasses.replace(draws, old_velocity=velocities, weights=r[:, None].expand(-1, draws.taus.shape[1]))
 

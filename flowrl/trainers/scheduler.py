@@ -268,7 +268,12 @@ class UpdateScheduler:
         agg = self.algorithm.agg
         norms = [normaliser(agg, rows, elements) for rows, elements in sizes]
         total = 1.0 if agg == "sum" else self.processes.sum(sum(norms))
-        per_step = self.config.backward == "per_step" or probe_epoch
+        mode = self.config.backward
+        # auto: one step's activations at a time where the loss separates by element and each element is its own
+        # network call (denoising steps); a micro-batch whose elements fit in one call keeps the whole backward
+        separable = getattr(self.algorithm, "element_calls", False) and not (self.coupled_steps or self.coupled_rows)
+        auto = mode == "auto" and separable
+        per_step = mode == "per_step" or probe_epoch or auto
         done = []  # (metrics, elements, normaliser) of this mini-batch's calls
         with self.engine.no_sync(), self.engine.autocast():
             if self.coupled_rows and (len(micro) > 1 or per_step) or per_step and self.coupled_steps:
@@ -278,7 +283,8 @@ class UpdateScheduler:
                 probe = GradProbe(self.engine.params) if probe_epoch and not self.coupled_steps else None
                 for mb, (rows, elements), norm in zip(micro, sizes, norms):
                     scale = 1.0 if agg == "sum" else norm / max(total, 1e-12)
-                    metrics = self._direct(mb, num_elements, scale, rows / max(mini_rows, 1), per_step, probe)
+                    columns = per_step and not (auto and not probe_epoch and len(mb) * mb.index.shape[1] <= size)
+                    metrics = self._direct(mb, num_elements, scale, rows / max(mini_rows, 1), columns, probe)
                     done.append((metrics, elements, norm))
         for metrics, elements, norm in done:
             if elements:

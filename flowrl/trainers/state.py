@@ -14,7 +14,10 @@ import torch
 
 class EMA:
     """Exponential moving average of parameters (`ema <- d ema + (1 - d) theta`); also a lagged copy with a
-    decay that changes per update (DiffusionNFT's old policy). `prefix` names its tensors in checkpoints."""
+    decay that changes per update (DiffusionNFT's old policy). `prefix` names its tensors in checkpoints.
+
+    Over FSDP2's sharded parameters (DTensors) each process keeps and updates the shadow of its own shard, so the
+    EMA is sharded like the weights; checkpoints hold it in full."""
 
     def __init__(self, params: list[torch.nn.Parameter], decay: float, prefix: str = "ema"):
         self.params, self.decay, self.prefix = params, decay, prefix
@@ -42,11 +45,25 @@ class EMA:
                     p.copy_(b)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{self.prefix}.{i}": t for i, t in enumerate(self.shadow)}
+        """The shadow weights in full (a sharded run's are gathered: a collective, every process calls it)."""
+        return {f"{self.prefix}.{i}": _full(t) for i, t in enumerate(self.shadow)}
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Full shadow weights (as `state_dict` gave them), each process keeping its shard of a sharded run's."""
         for i, shadow in enumerate(self.shadow):
-            shadow.copy_(tensors[f"{self.prefix}.{i}"])
+            value = tensors[f"{self.prefix}.{i}"]
+            if hasattr(shadow, "device_mesh"):  # FSDP2: this process's shard of the full tensor
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(
+                    value.to(shadow.device_mesh.device_type), shadow.device_mesh, shadow.placements
+                )
+            shadow.copy_(value)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 @dataclasses.dataclass

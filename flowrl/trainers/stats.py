@@ -31,24 +31,34 @@ class EpochStats:
     A micro-batch's scalars are weighted by `weight` (its trained elements: a scalar's epoch value is then its
     mean over the epoch's elements, however they were cut into micro-batches and processes). `summary(processes)`
     pools every process's sums, except the `shared` scalars every process already holds alike (the gradient
-    norm after the reduction)."""
+    norm after the reduction).
+
+    Metrics that are device tensors stay on their device (fp64 sums, a non-finite value skipped by a mask) until
+    `summary`, which reads them back once: the update's step loop never waits for the device."""
 
     def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, float] = {}
+        self.sums: dict[str, float | torch.Tensor] = {}
+        self.counts: dict[str, float | torch.Tensor] = {}
         self.shared: set[str] = set()
         self.steps: dict[str, torch.Tensor] = {}  # pooled sums per step: count, mean, second moment per row
 
     def add_scalar(self, key: str, value, weight: float = 1.0, shared: bool = False) -> None:
         """One value of `key` with its weight; `shared`: the same on every process (not pooled over them)."""
-        value = scalar(value)
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if isinstance(value, float) and math.isfinite(value):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.detach().reshape(()).double()
+            finite = torch.isfinite(value)  # a NaN or inf is skipped, as for numbers below
+            self.sums[key] = self.sums.get(key, 0.0) + torch.where(finite, value * weight, 0.0)
+            self.counts[key] = self.counts.get(key, 0.0) + finite.double() * weight
+        else:
+            value = scalar(value)
+            if isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not (isinstance(value, float) and math.isfinite(value)):
+                return
             self.sums[key] = self.sums.get(key, 0.0) + value * weight
             self.counts[key] = self.counts.get(key, 0.0) + weight
-            if shared:
-                self.shared.add(key)
+        if shared:
+            self.shared.add(key)
 
     def add(self, metrics: dict, weight: float = 1.0, loss_weight: float | None = None) -> None:
         """A micro-batch's metrics: scalars weighted by `weight` (its elements) and the aggregated losses by
@@ -56,14 +66,9 @@ class EpochStats:
         core's per-step rows when it returned them."""
         keys = [k for k, v in metrics.items() if not k.endswith("_per_step")
                 and not (isinstance(v, torch.Tensor) and v.numel() > 1)]  # fmt: skip
-        tensors = [k for k in keys if isinstance(metrics[k], torch.Tensor)]
-        values = {k: metrics[k] for k in keys}
-        if tensors and metrics[tensors[0]].device.type != "cpu":  # one device-to-host copy, not one per metric
-            floats = torch.stack([metrics[k].detach().float().reshape(()) for k in tensors]).tolist()
-            values.update(zip(tensors, floats))
         for key in keys:
             losses = key in LOSSES and loss_weight is not None
-            self.add_scalar(key, values[key], loss_weight if losses else weight)
+            self.add_scalar(key, metrics[key], loss_weight if losses else weight)
         norms = metrics.get("grad_norm_per_step")
         if norms is not None:
             for t in torch.isfinite(norms).nonzero().flatten().tolist():
@@ -71,21 +76,31 @@ class EpochStats:
         count = metrics.get("count_per_step")
         if count is None:
             return
-        count = count.detach().double().cpu()
+        count = count.detach().double()
         rows = {}
         for name in ("ratio", "raw_ratio"):
-            mean = metrics[f"{name}_mean_per_step"].detach().double().cpu()
-            std = metrics[f"{name}_std_per_step"].detach().double().cpu()
+            mean = metrics[f"{name}_mean_per_step"].detach().double()
+            std = metrics[f"{name}_std_per_step"].detach().double()
             rows[name] = torch.stack([count * mean, count * (std**2 + mean**2)])
-        rows["clipfrac"] = (count * metrics["clipfrac_per_step"].detach().double().cpu())[None]
+        rows["clipfrac"] = (count * metrics["clipfrac_per_step"].detach().double())[None]
         rows["count"] = count[None]
         for name, value in rows.items():
             if name in self.steps and self.steps[name].shape[-1] != value.shape[-1]:
                 raise ValueError(f"per-step metrics over {value.shape[-1]} steps after {self.steps[name].shape[-1]}")
-            self.steps[name] = self.steps[name] + value if name in self.steps else value
+            self.steps[name] = self.steps[name] + value.to(self.steps[name]) if name in self.steps else value
+
+    def to_host(self) -> None:
+        """Read the device sums back (one copy per device for the scalars)."""
+        for table in (self.sums, self.counts):
+            tensors = [k for k, v in table.items() if isinstance(v, torch.Tensor)]
+            if tensors:
+                values = torch.stack([table[k].double() for k in tensors]).cpu().tolist()
+                table.update(zip(tensors, values))
+        self.steps = {k: v.cpu() for k, v in self.steps.items()}
 
     def pool(self, processes) -> None:
         """Add every other process's sums to this one's (every process then holds the whole epoch's)."""
+        self.to_host()
         if processes is None or processes.world == 1:
             return
         mine = {

@@ -164,9 +164,14 @@ def test_sharding_is_refused_where_the_calls_would_not_stay_in_step(policy, tmp_
     # one line naming them (the check runs when there are several processes; called directly here)
     trainer = _trainer(policy, tmp_path, "ppo", ema_decay=0.9, optim={"step_grad_norms_every": 1})
     assert not trainer.engine.sharded  # one process: nothing to shard
-    with pytest.raises(ValueError, match="ema_decay keeps a full copy.*step_grad_norms_every") as err:
+    trainer.engine.shard = "fsdp2"
+    with pytest.raises(ValueError, match="run.shard: fsdp2 is not supported here: optim.step_grad_norms_every") as err:
         trainer.engine.check_shardable([])
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and "ema" not in str(err.value)  # FSDP2 and ZeRO-2 keep an EMA
+    trainer.engine.shard = "zero3"
+    with pytest.raises(ValueError, match="ema_decay keeps an EMA of the parameters, which ZeRO-3 partitions"):
+        trainer.engine.check_shardable([])
+    trainer.engine.shard = "none"
     (tmp_path / "plain").mkdir()
     _trainer(policy, tmp_path / "plain", "ppo").engine.check_shardable([])  # the shared update: fine
     # ZeRO keeps AdamW's state in its partitions (and checkpoints it): another optimizer is refused by name

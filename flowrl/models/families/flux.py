@@ -77,7 +77,7 @@ class FluxAdapter(ModelAdapter):
         if self.scheduler.config.get("use_flow_sigmas", False):
             sigmas = None
         mu = self.shift_mu(latent_shape)
-        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, self.device, sigmas=sigmas, mu=mu)
+        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 
     def shift_mu(self, latent_shape):

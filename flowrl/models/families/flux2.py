@@ -109,7 +109,7 @@ class _Flux2Adapter(ModelAdapter):
             sigmas = None
         # the pipeline passes mu unconditionally (a scheduler without dynamic shifting ignores it)
         mu = compute_empirical_mu(image_seq_len=latent_shape[1], num_steps=num_steps)
-        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, self.device, sigmas=sigmas, mu=mu)
+        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
         self._num_steps = num_steps
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 

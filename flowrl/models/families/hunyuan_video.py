@@ -194,7 +194,7 @@ class HunyuanVideoAdapter(ModelAdapter):
         from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retrieve_timesteps
 
         sigmas = np.linspace(1.0, 0.0, num_steps + 1)[:-1]
-        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, self.device, sigmas=sigmas)
+        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=sigmas)
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 
     def decode(self, latents, height, width):

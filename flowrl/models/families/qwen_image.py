@@ -128,7 +128,7 @@ class QwenImageAdapter(ModelAdapter):
 
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
         timesteps, _ = retrieve_timesteps(
-            self.scheduler, num_steps, self.device, sigmas=sigmas, mu=self._mu(latent_shape)
+            self.scheduler, num_steps, "cpu", sigmas=sigmas, mu=self._mu(latent_shape)
         )
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 

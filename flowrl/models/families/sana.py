@@ -117,7 +117,7 @@ class SanaAdapter(ModelAdapter):
     def schedule(self, num_steps, latent_shape):
         from diffusers.pipelines.sana.pipeline_sana import retrieve_timesteps
 
-        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, self.device)
+        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu")
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 
     def decode(self, latents, height, width):

@@ -50,7 +50,7 @@ class SD3Adapter(ModelAdapter):
 
         mu = self.shift_mu(latent_shape)
         kwargs = {} if mu is None else {"mu": mu}
-        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, self.device, **kwargs)
+        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu", **kwargs)
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 
     def shift_mu(self, latent_shape):

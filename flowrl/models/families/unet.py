@@ -47,7 +47,7 @@ class UNetAdapter(ModelAdapter):
         )
 
     def schedule(self, num_steps, latent_shape):
-        self.scheduler.set_timesteps(num_steps, device=self.device)
+        self.scheduler.set_timesteps(num_steps, device="cpu")
         timesteps = self.scheduler.timesteps
         alphas = self.scheduler.alphas_cumprod.to(torch.float32)
         last = int(timesteps[-1]) - self.scheduler.config.num_train_timesteps // num_steps

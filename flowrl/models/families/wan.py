@@ -175,7 +175,7 @@ class WanAdapter(ModelAdapter):
 
     def schedule(self, num_steps, latent_shape):
         """The pipeline's `scheduler.set_timesteps(num_steps)` (flow-matching Euler, or UniPC with flow sigmas)."""
-        self.scheduler.set_timesteps(num_steps, device=self.device)
+        self.scheduler.set_timesteps(num_steps, device="cpu")
         return self.scheduler.timesteps, self.scheduler.sigmas.to(torch.float32)
 
     def decode(self, latents, height, width):

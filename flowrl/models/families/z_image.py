@@ -146,7 +146,7 @@ class ZImageAdapter(ModelAdapter):
 
         mu = self._mu(latent_shape)
         sigmas = get_default_z_image_sigmas(num_steps)
-        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, self.device, sigmas=sigmas, mu=mu)
+        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 
     def _mu(self, latent_shape) -> float:

@@ -103,7 +103,12 @@ class AsynchronyConfig:
     worker_cpus: float = 1.0
     """CPUs Ray reserves for each worker (0: none, e.g. to oversubscribe a small machine)."""
     worker_gpus: float = 0.0
-    """GPUs Ray reserves for each worker (a fraction shares one)."""
+    """GPUs Ray reserves for each worker (a fraction shares one); 0: the workers sample on CPUs."""
+    share_gpus: bool = False
+    """Let the rollout workers use the GPUs of this machine's learner processes. Without it the Ray cluster a run
+    starts (`address: null`) holds only the GPUs no learner uses, so a worker never shares a learner's GPU; with
+    it, one GPU can hold the learner and a worker (`worker_gpus` a fraction). A cluster you start places workers
+    by its nodes' `ray start --num-gpus`."""
     max_restarts: int = 3
     """Dead workers replaced in the run (each one's unfinished batch sampled again) before it ends with one line."""
 
@@ -117,6 +122,7 @@ class AsynchronyConfig:
              "sync_every updates are up to sync_every - 1 versions old)"),
             (self.max_restarts >= 0, "asynchrony.max_restarts must be >= 0"),
             (self.worker_threads >= 1, "asynchrony.worker_threads must be >= 1"),
+            (self.worker_cpus >= 0 and self.worker_gpus >= 0, "asynchrony.worker_cpus and worker_gpus must be >= 0"),
         ])  # fmt: skip
 
 

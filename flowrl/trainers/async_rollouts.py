@@ -23,6 +23,11 @@ learner's optimizer-step count and the modality's state.
 `max_staleness: 0` with `sync_every: 1` waits for a batch of the learner's current weights every epoch: the
 synchronous run's numbers, bit for bit when the workers use as many torch threads as the learner.
 
+Under `torchrun` (DDP, FSDP2, ZeRO) the learner is a group: every learner trains its share of each epoch's batch as
+in the synchronous mode, its main process alone runs the schedule and talks to Ray, and publishing gathers the full
+trained state from the shards (`flowrl.trainers.learner_group`). Weights travel through Ray's object store; each
+epoch's `async/publish_s` and `async/publish_bytes` say what publishing cost the learner.
+
 `backend: inline` (`InlineCollector`) runs one worker in the learner's process, one batch at a time, each sampled
 with the stalest weights the bound allows: a deterministic staleness for studies, without Ray.
 """
@@ -32,13 +37,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-from flowrl.trainers import wire
+from flowrl.trainers import sharding, wire
+from flowrl.trainers.learner_group import broadcast_batch, cluster_gpus, leave_learner_group, share, visible_gpus
 
 
 class AsyncError(RuntimeError):
@@ -59,13 +67,23 @@ def async_metrics(staleness: int, wait_s: float, dropped: int, restarts: int, wo
             "async/restarts": float(restarts), "async/worker": float(worker)}  # fmt: skip
 
 
-def publication(trainer) -> bytes:
+def publication(trainer) -> bytes | None:
     """Everything a rollout worker's sampler reads of the learner, as one blob: the trained weights, the lagged
     copies the algorithm samples with, the optimizer-step count (DGPO switches to its copy after a number of
-    steps) and the modality's state."""
-    algorithm = trainer.algorithm
-    lagged = {k: v for copy in algorithm.sampling_copies() for k, v in copy.state_dict().items()}
-    return wire.encode({"weights": trainable_state(algorithm.trained_module()), "lagged": lagged,
+    steps) and the modality's state. In a learner group the main process gets the blob and the others None; a
+    sharded group's learners must all call it (the full weights are gathered from the shards)."""
+    engine, algorithm = trainer.engine, trainer.algorithm
+    if not (engine.is_main or engine.sharded):
+        return None
+    weights = sharding.full_parameters(algorithm.trained_module())
+    lagged = {
+        k: sharding.local_value(v).detach().cpu()
+        for copy in algorithm.sampling_copies()
+        for k, v in copy.state_dict().items()
+    }
+    if not engine.is_main:
+        return None
+    return wire.encode({"weights": weights, "lagged": lagged,
                         "modality": trainer.modality.state_dict(),
                         "optimizer_steps": trainer.engine.optimizer_steps})  # fmt: skip
 
@@ -77,9 +95,10 @@ class RolloutWorker:
         config (`dict`): the run's resolved config (`flowrl.config.to_dict`).
         index (`int`): the worker's number (its run folder's name, its log lines).
         threads (`int` or `None`): torch threads (None: leave the process's count, as an inline worker does).
+        cpu (`bool`): sample on the CPU even when a GPU is visible (a Ray worker that reserved none).
     """
 
-    def __init__(self, config: dict, index: int, threads: int | None = 1):
+    def __init__(self, config: dict, index: int, threads: int | None = 1, cpu: bool = False):
         from flowrl.trainers import Trainer, load_config
 
         if threads is not None:
@@ -87,8 +106,10 @@ class RolloutWorker:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.index = index
         self.folder = Path(tempfile.mkdtemp(prefix=f"flowrl-rollout-{index}-"))
-        overrides = [f"run.output_dir={self.folder}", "run.log_with=[]", "run.mode=sync",
-                     f"run.threads={'torch' if threads is None else threads}"]  # fmt: skip
+        # one process: nothing to shard or offload (the learner group's `run.shard` is the learners')
+        overrides = [f"run.output_dir={self.folder}", "run.log_with=[]", "run.mode=sync", "run.shard=none",
+                     "run.offload=false", f"run.threads={'torch' if threads is None else threads}",
+                     *(["run.cpu=true"] if cpu else [])]  # fmt: skip
         self.trainer = Trainer(load_config(config, overrides))
         self.module = self.trainer.algorithm.trained_module()
         self.version = -1
@@ -127,6 +148,38 @@ class RolloutWorker:
                            modality=trainer.modality.state_dict())  # fmt: skip
 
 
+class RayRolloutWorker(RolloutWorker):
+    """A rollout worker in a Ray actor's process: out of the learner group whose launcher variables Ray's processes
+    inherit, on the CPU unless Ray gave it a GPU (`asynchrony.worker_gpus`)."""
+
+    def __init__(self, config: dict, index: int, threads: int, cpu: bool):
+        leave_learner_group()
+        super().__init__(config, index, threads, cpu=cpu)
+
+    def node(self) -> str:
+        """The Ray node this worker runs on (its id)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+class PublishClock:
+    """The seconds and bytes of an epoch's publications (`async/publish_s`, `async/publish_bytes`)."""
+
+    def __init__(self):
+        self.seconds, self.bytes = 0.0, 0
+
+    def add(self, seconds: float, blob: bytes | None) -> None:
+        self.seconds += seconds
+        self.bytes += len(blob or b"")
+
+    def take(self) -> dict[str, float]:
+        """The totals since the last call, reset."""
+        out = {"async/publish_s": self.seconds, "async/publish_bytes": float(self.bytes)}
+        self.seconds, self.bytes = 0.0, 0
+        return out
+
+
 @dataclasses.dataclass
 class _Task:
     epoch: int
@@ -137,7 +190,9 @@ class _Task:
 
 class AsyncCollector:
     """The learner's collector in the asynchronous mode: `collect(epoch)` as the synchronous one, the batch from
-    the rollout workers (see the module docstring).
+    the rollout workers (see the module docstring). In a learner group (`torchrun`) every learner has one: the main
+    process runs the schedule and talks to Ray, the others take their share of each batch from it and join the
+    publications (`flowrl.trainers.learner_group`).
 
     Args:
         trainer (`flowrl.trainers.Trainer`): the learner (its config's `asynchrony` section and `run.epochs`; what
@@ -147,13 +202,25 @@ class AsyncCollector:
     def __init__(self, trainer):
         self.trainer, self.config, self.cfg = trainer, trainer.config, trainer.config.asynchrony
         self.modality = trainer.modality
+        self.processes = trainer.engine.processes
+        self.main = self.processes.is_main
         self.version = 0  # updates the learner has made (its weights' version)
         self.published = -1  # the version the workers have
+        self.started = False
         self.workers: list = []
         self.tasks: dict[int, _Task] = {}
         self.restarts = self.dropped = 0
         self.started_ray = False
         self.weights_ref = None
+        self.latest: bytes | None = None  # a learner group's current publication, kept for a re-publish (`drop`)
+        self.clock = PublishClock()
+        self.gpus: list[str] = []  # what a run's own Ray cluster may give its workers
+        if self.main and self.cfg.address is None:
+            learners = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if trainer.engine.device.type == "cuda" else 0
+            try:
+                self.gpus = cluster_gpus(visible_gpus(), learners, self.cfg.worker_gpus, self.cfg.share_gpus)
+            except ValueError as err:
+                raise AsyncError(str(err)) from None
 
     # ------------------------------------------------------------------------------------------
     # workers
@@ -165,15 +232,29 @@ class AsyncCollector:
         except ImportError:
             raise AsyncError("run.mode=async needs Ray: pip install 'flowrl-toolkit[async]'") from None
         if not ray.is_initialized():
+            # a run's own cluster sees only the GPUs no learner uses: its processes inherit this variable
+            local = {"num_gpus": len(self.gpus)} if self.cfg.address is None else {}
+            saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+            sigterm = signal.getsignal(signal.SIGTERM)
+            if self.cfg.address is None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
             from flowrl.trainers.local_ray import start_local_cluster
 
             # a cluster of its own: on this machine's loopback interface, its processes gone with the run
             start = ray.init if self.cfg.address is not None else lambda **kw: start_local_cluster(ray, **kw)
             try:
                 start(address=self.cfg.address, include_dashboard=False, log_to_driver=False,
-                      configure_logging=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})  # fmt: skip
+                      configure_logging=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}},
+                      **local)  # fmt: skip
             except (ConnectionError, RuntimeError, ValueError) as err:
                 raise AsyncError(f"cannot reach the Ray cluster at {self.cfg.address!r}: {err}") from None
+            finally:
+                if saved is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
+                if sigterm is not None and threading.current_thread() is threading.main_thread():
+                    signal.signal(signal.SIGTERM, sigterm)  # Ray's own would exit (or abort) without a word
             self.started_ray = True
         return ray
 
@@ -181,24 +262,29 @@ class AsyncCollector:
         from flowrl.config import to_dict
 
         ray = self._ray()
-        actor = ray.remote(num_cpus=self.cfg.worker_cpus, num_gpus=self.cfg.worker_gpus, max_restarts=0)(RolloutWorker)
-        worker = actor.remote(to_dict(self.config), index, self.cfg.worker_threads)
+        actor = ray.remote(
+            num_cpus=self.cfg.worker_cpus,
+            num_gpus=self.cfg.worker_gpus,
+            max_restarts=0,
+            scheduling_strategy="SPREAD",  # one worker per node first: a lost node takes few with it
+        )(RayRolloutWorker)
+        worker = actor.remote(to_dict(self.config), index, self.cfg.worker_threads, self.cfg.worker_gpus == 0)
         if self.weights_ref is not None:
             worker.load.remote(self.published, self.weights_ref)
         return worker
 
-    def _start(self, epoch: int) -> None:
-        self.version = epoch  # a resumed run starts at its checkpoint's epoch
-        self.workers = [self._spawn(i) for i in range(self.cfg.rollout_workers)]
-        self._publish()
-
-    def _publish(self) -> None:
-        ray = self._ray()
-        self.weights_ref = ray.put(publication(self.trainer))
+    def _publish(self, blob: bytes | None = None) -> None:
+        """The weights of version `self.version` to every worker, through Ray's object store (`blob`: a publication
+        made already). Without `blob`, every learner of a sharded group must call it (the weights are gathered)."""
+        start = time.time()
+        blob = publication(self.trainer) if blob is None else blob
+        if self.main:
+            self.weights_ref = self._ray().put(blob)
+            for worker in self.workers:
+                if worker is not None:
+                    worker.load.remote(self.version, self.weights_ref)
         self.published = self.version
-        for worker in self.workers:
-            if worker is not None:
-                worker.load.remote(self.version, self.weights_ref)
+        self.clock.add(time.time() - start, blob)
 
     def _replace(self, index: int, err: Exception) -> None:
         """Worker `index` died: a new one takes its place (with the newest weights), its batches are re-sampled."""
@@ -239,13 +325,12 @@ class AsyncCollector:
                 self._dispatch(epoch)
             epoch += 1
 
-    def collect(self, epoch: int):
-        """Epoch `epoch`'s batch from the workers (waiting for it when needed), with `async/*` metrics in `times`."""
+    def _receive(self, epoch: int):
+        """(The main process.) Epoch `epoch`'s batch from the workers, waiting for it when needed: `(collected,
+        header, blob, metrics)`, the metrics `async_metrics`' arguments."""
         from ray.exceptions import RayActorError, WorkerCrashedError
 
         ray = self._ray()
-        if not self.workers:
-            self._start(epoch)
         start = time.time()
         for task in [t for t in self.tasks.values() if t.epoch < epoch]:  # a resumed or restored schedule
             del self.tasks[task.epoch]
@@ -265,23 +350,52 @@ class AsyncCollector:
             if staleness > self.cfg.max_staleness:
                 self.dropped += 1
                 if self.version - self.published > self.cfg.max_staleness:
-                    self._publish()  # the re-sampled batch must meet the bound
+                    self._publish(self.latest)  # the re-sampled batch must meet the bound
                 continue  # re-sampled with the newest weights
             break
-        self.modality.load_state_dict(header["modality"])
         waited = time.time() - start
         self._fill(epoch + 1)  # the next epochs sample while this one trains
-        collected.times.update(async_metrics(staleness, waited, self.dropped, self.restarts, header["worker"]))
+        return collected, header, blob, [staleness, waited, self.dropped, self.restarts, header["worker"]]
+
+    def collect(self, epoch: int):
+        """Epoch `epoch`'s batch from the workers (waiting for it when needed), this learner's share of it, with
+        `async/*` metrics in `times`."""
+        if not self.started:  # a fresh or resumed run: the workers start with the learner's current weights
+            self.started = True
+            self.version = epoch  # a resumed run starts at its checkpoint's epoch
+            if self.main:
+                self.workers = [self._spawn(i) for i in range(self.cfg.rollout_workers)]
+            self._publish()
+        collected = header = blob = None
+        metrics = [0.0] * 5  # `async_metrics`' arguments: the main learner's reach the others with the batch
+        if self.main:
+            collected, header, blob, metrics = self._receive(epoch)
+        if self.processes.world > 1:  # the main learner's batch to every learner, each keeping its share
+            blob, metrics = broadcast_batch(blob, metrics, self.processes)
+            if not self.main:
+                collected, header = wire.decode(blob)
+            collected = share(collected, self.processes)
+        self.modality.load_state_dict(header["modality"])
+        collected.times.update(async_metrics(*metrics))
         return collected
 
-    def updated(self, epoch: int) -> None:
-        """The learner finished epoch `epoch`'s update: its weights are version `epoch + 1`; publish when due."""
+    def updated(self, epoch: int) -> dict[str, float]:
+        """The learner finished epoch `epoch`'s update: its weights are version `epoch + 1`; publish when due.
+        Returns the epoch's `async/publish_s` and `async/publish_bytes`."""
         self.version = epoch + 1
-        if self.version % self.cfg.sync_every == 0 and self.version < self.config.run.epochs:
-            self._publish()
+        self.latest = None
+        if self.version < self.config.run.epochs:
+            if self.version % self.cfg.sync_every == 0:
+                self._publish()
+            elif self.processes.world > 1 and self.cfg.max_staleness < self.cfg.sync_every - 1:
+                start = time.time()  # `drop` may re-publish these weights mid-collect, on the main learner alone
+                self.latest = publication(self.trainer)
+                self.clock.add(time.time() - start, None)
+        return self.clock.take()
 
     def close(self) -> None:
         """Stop the workers (and the local Ray cluster this run started)."""
+        self.started = False
         if not self.workers and not self.started_ray:
             return
         import ray
@@ -302,3 +416,8 @@ class AsyncCollector:
         """The workers' process ids (None: dead for good), for tests and monitoring."""
         ray = self._ray()
         return [None if w is None else ray.get(w.pid.remote()) for w in self.workers]
+
+    def worker_nodes(self) -> list[str | None]:
+        """The Ray node of each worker (None: dead for good), for tests and monitoring."""
+        ray = self._ray()
+        return [None if w is None else ray.get(w.node.remote()) for w in self.workers]

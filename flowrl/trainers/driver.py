@@ -153,7 +153,7 @@ class Trainer:
         )
         train.update(self.algorithm.finish(batch, epoch))
         if self.config.run.mode == "async":
-            self.collector.updated(epoch)  # the rollout workers get the new weights when due
+            train.update(self.collector.updated(epoch) or {})  # the workers get the new weights when due
         row = {
             "epoch": epoch + 1,
             **record,
@@ -211,8 +211,11 @@ class Trainer:
         from flowrl.trainers.async_rollouts import AsyncCollector
         from flowrl.trainers.inline_rollouts import InlineCollector
 
-        if self.engine.processes.world > 1:
-            raise ValueError("run.mode=async runs one learner process (a torchrun learner group is not supported yet)")
+        if self.engine.processes.world > 1 and self.config.asynchrony.backend == "inline":
+            raise ValueError(
+                "asynchrony.backend: inline runs one learner process; a torchrun learner group samples "
+                "on Ray rollout workers (asynchrony.backend: ray)"
+            )
         return (InlineCollector if self.config.asynchrony.backend == "inline" else AsyncCollector)(self)
 
     # ------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from flowrl.trainers import wire
-from flowrl.trainers.async_rollouts import AsyncCollector, RolloutWorker, async_metrics, publication
+from flowrl.trainers.async_rollouts import PublishClock, RolloutWorker, async_metrics, publication
 
 
 class _RandomState:
@@ -71,9 +71,12 @@ class InlineCollector:
         self.version = 0  # updates the learner has made (its weights' version)
         self.published: dict[int, bytes] = {}  # version -> publication, the ones a coming epoch may still use
         self.workers: list = []  # (the Ray backend's list; kept for the driver's and the tests' checks)
+        self.clock = PublishClock()
 
     def _publish(self) -> None:
+        start = time.time()
         self.published[self.version] = publication(self.trainer)
+        self.clock.add(time.time() - start, self.published[self.version])
 
     def collect(self, epoch: int):
         """Epoch `epoch`'s batch, sampled with the weights `max_staleness` versions old (or the oldest this run has:
@@ -100,7 +103,13 @@ class InlineCollector:
         collected.times.update(async_metrics(self.version - version, time.time() - start, 0, 0, 0))
         return collected
 
-    updated = AsyncCollector.updated  # version `epoch + 1` after epoch `epoch`'s update; publish when due
+    def updated(self, epoch: int) -> dict[str, float]:
+        """The learner's weights are version `epoch + 1` after epoch `epoch`'s update: kept when due (every
+        `sync_every`); returns the epoch's `async/publish_s` and `async/publish_bytes`, as the Ray backend does."""
+        self.version = epoch + 1
+        if self.version % self.cfg.sync_every == 0 and self.version < self.config.run.epochs:
+            self._publish()
+        return self.clock.take()
 
     def close(self) -> None:
         if self.worker is not None:

@@ -72,6 +72,24 @@ def local_value(x) -> torch.Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
+def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters of `module` in full, on the CPU, by name: FSDP2's shards and ZeRO-3's partitions
+    gathered one parameter at a time (a collective: every process calls it, in the same order), ZeRO-2's and
+    unsharded parameters as they are. What the asynchronous mode publishes to its rollout workers."""
+    out = {}
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if hasattr(p, "full_tensor"):
+            out[name] = p.full_tensor().detach().cpu()
+        elif hasattr(p, "ds_id"):
+            with _zero_param(p):
+                out[name] = p.detach().to("cpu", copy=True).reshape(_shape(p))
+        else:
+            out[name] = p.detach().cpu()
+    return out
+
+
 def full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:
     """`(model tensors, optimizer tensors, optimizer metadata)`, gathered in full to the main process's CPU (a
     collective: every process calls it; the others get empty dicts), ready for `safetensors`."""

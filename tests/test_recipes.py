@@ -32,6 +32,7 @@ SHRINK = {
     "dance_grpo": ["sampling.sde_window=[0, 2]", "steps.k=1"],
     "wan": ["sampling.window_span=[1, 3]"],  # configs/wan: Flow-Factory's one SDE step drawn from steps 1..3
     "wan_i2v": ["sampling.window_span=[1, 3]"],
+    "kandinsky5": ["sampling.window_span=[1, 3]"],
     # configs/ltx2*: 5 frames (121 shrink too slowly on a CPU), windows inside 3 steps, start frames not re-compressed
     "ltx2": ["sampling.window_span=[0, 3]", "model.options.num_frames=5"],
     "ltx2_i2v": ["sampling.window_span=[1, 3]", "model.options.num_frames=5", "model.options.image_crf=0"],

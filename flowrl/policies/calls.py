@@ -203,7 +203,7 @@ class ChunkedCalls:
             return ddim_step(self.adapter.scheduler, output, timesteps[step], sample, eta=eta,
                              prev_sample=prev_sample, noise=noise, reduce=self.reduce,
                              num_steps=len(timesteps))  # fmt: skip
-        fixed = None if kind == "ode" else self.adapter.ode_elements(sample)
+        fixed = self.adapter.ode_elements(sample)  # on ODE steps too: each step's `mean` is the free elements'
         if fixed is not None:  # some elements are not the policy's action (a start frame, LTX-2's audio)
             return _partly_ode(kind, fixed.to(sample.device), output, sigmas[step], sigmas[step + 1], sample,
                                prev_sample=prev_sample, noise=noise, noise_level=noise_level, reduce=self.reduce,

@@ -33,7 +33,11 @@ def _options(family) -> dict:
 def _pixels(output) -> torch.Tensor:
     """A pipeline's `output_type="pt"` result in flowrl's layout: images `[B, 3, H, W]`, or a video pipeline's
     frames `[B, F, 3, H, W]` as videos `[B, 3, F, H, W]`."""
-    return output.images if hasattr(output, "images") else output.frames.transpose(1, 2)
+    if hasattr(output, "images"):
+        return output.images
+    if hasattr(output, "image"):  # Kandinsky 5's image pipeline says `image`
+        return output.image
+    return output.frames.transpose(1, 2)
 
 
 def _guidance(family, batch_size, pipe=None) -> dict:
@@ -76,6 +80,9 @@ def _pipeline_images(family, pipe, prompts, latents, **kwargs) -> torch.Tensor:
     the rollout's initial `latents` with them (one call per prompt: Qwen-Image-Edit-Plus's pipeline takes one
     prompt per call)."""
     sources = _sources(family, len(prompts)).get("source_images")
+    if getattr(MODEL_FAMILIES.get(family), "pipeline_pads_prompts", False):  # its batches depend on their prompts:
+        return torch.cat([_pixels(pipe(prompt=[p], latents=latents[i : i + 1].clone(),  # (it steps them in place)
+                                       **{**kwargs, **_guidance(family, 1)})) for i, p in enumerate(prompts)])
     if sources is None:
         return _pixels(pipe(prompt=list(prompts), generator=_gen(), **kwargs))
     if MODEL_FAMILIES.get(family).conditioning == "start_frame":  # image-to-video: one start image for the batch

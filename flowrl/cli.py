@@ -140,11 +140,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     import signal
 
     from flowrl import checkpoint
+    from flowrl.plan import check_fits
     from flowrl.trainers import build_trainer
     from flowrl.trainers.artifacts import check_artifacts
 
     config = _train_config(args)
     check_artifacts(config)  # every missing model and reward file in one message, before anything loads
+    check_fits(config)  # on a GPU: the run's memory plan, before anything loads
     trainer = build_trainer(config)
     resume = True if args.resume == "latest" else args.resume
 
@@ -210,6 +212,19 @@ def _next_command(args: argparse.Namespace, run_dir) -> str | None:
             "--overwrite",
         ]
     return f"nothing to resume from: start it again with: {shlex.join(command)}"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flowrl.plan import plan
+    from flowrl.trainers import load_config
+
+    config = load_config(args.config, args.set or [])
+    gpus = args.gpus if args.gpus is not None else 1
+    result = plan(config, gpus=gpus, gpu_memory=args.gpu_memory, name=Path(args.config).as_posix())
+    print(result.table())
+    return 0 if result.fits() else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -383,6 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--overwrite", action="store_true",
                          help="start afresh in a run folder that holds another run (deletes it)")  # fmt: skip
     p_train.set_defaults(func=cmd_train)
+    p_plan = sub.add_parser("plan", help="a run's GPU memory per phase, traced without weights, and what fits")
+    p_plan.add_argument("config", help="YAML run config (an image or video run)")
+    p_plan.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+    p_plan.add_argument("--gpus", type=int, default=None, help="processes (GPUs) the run is launched on (default 1)")
+    p_plan.add_argument(
+        "--gpu-memory", type=float, default=80.0, metavar="GB", help="memory of each GPU in GiB (default 80: an H100)"
+    )
+    p_plan.set_defaults(func=cmd_plan)
     p_export = sub.add_parser("export", help="write a run's weights in diffusers' formats (LoRA or model folder)")
     p_export.add_argument("run", help="a run folder (with config.yaml and checkpoints/)")
     p_export.add_argument("--out", required=True, help="the folder to write")

@@ -21,7 +21,8 @@ LAYERS = [
     ("modalities", ["flowrl.image", "flowrl.control", "flowrl.llm", "flowrl.digits", "flowrl.rewards",
                     "flowrl.prompts"]),
     ("trainers", ["flowrl.trainers"]),
-    ("commands", ["flowrl.cli", "flowrl.__main__", "flowrl.sample", "flowrl.export", "flowrl.ablate", "flowrl.score"]),
+    ("commands", ["flowrl.cli", "flowrl.__main__", "flowrl.sample", "flowrl.export", "flowrl.ablate", "flowrl.score",
+                  "flowrl.plan"]),
 ]  # fmt: skip
 """Each layer's modules (a package stands for all of its modules), lowest first."""
 

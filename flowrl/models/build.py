@@ -106,7 +106,7 @@ def enable_checkpointing(model: torch.nn.Module, share: bool | float = True) -> 
     """Gradient checkpointing of the network's blocks (diffusers' `enable_gradient_checkpointing`): every block, or
     (`share` in (0, 1)) `round(share * n)` of its `n` blocks, evenly spread; the others keep their activations.
     Recomputed blocks give the same gradients (non-reentrant `torch.utils.checkpoint`)."""
-    from torch.utils.checkpoint import checkpoint
+    import torch.utils.checkpoint
 
     for _, network in networks(model):
         if share is True or share >= 1:
@@ -118,7 +118,7 @@ def enable_checkpointing(model: torch.nn.Module, share: bool | float = True) -> 
 
         def selective(block, *args, chosen=chosen):
             if id(block) in chosen:
-                return checkpoint(block.__call__, *args, use_reentrant=False)
+                return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
             return block(*args)
 
         network.enable_gradient_checkpointing(gradient_checkpointing_func=selective)

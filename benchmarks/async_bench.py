@@ -1,19 +1,25 @@
-"""Synchronous against asynchronous runs on this machine's cores, and a model of the speed-up at cluster scale.
+"""Synchronous against asynchronous runs on this machine's cores, a model of the asynchronous epoch checked against
+them, and a model of the speed-up at cluster scale.
 
-For each config: the synchronous run (all threads), then `run.mode: async` with one rollout worker at
-`max_staleness` 1 (the worker and the learner split the threads). Reported per run: samples per second over the
-epochs after the first (the first pays Ray's and the worker's start), the learner's idle fraction (time waiting
-for a batch over the epoch's time) and the final evaluation. From the synchronous run's measured rollout and
-update seconds per epoch, `model` tabulates the expected step time on N devices at the best split between
-rollout workers and learner, with and without a reward latency no device count shortens (see `model`).
+For each config: the synchronous run (`--threads` threads), the synchronous run on the asynchronous mode's
+allocation (each phase on the threads it gets there: the learner's update on `--threads - 1`, a worker's rollout
+on one), then `run.mode: async` with W workers at staleness s for each `--pipelines` entry `W:s` (the learner and
+the workers share the cores). `pipeline` predicts each asynchronous epoch from the measured phase times (rollout,
+update, the rest of the epoch, publishing), and says whether the run is learner- or rollout-bound; the table puts
+the prediction beside the measurement. Reported per run: samples per second over the epochs after the first (the
+first pays Ray's and the workers' start), the learner's idle fraction and the final evaluation. From the
+synchronous run's rollout and update seconds, `model` tabulates the step time on N devices at the best split
+between rollout workers and learner, with and without a reward latency no device count shortens.
 
-    python benchmarks/async_bench.py [--configs configs/digits/flow_grpo.yaml] [--epochs 12]
+    python benchmarks/async_bench.py [--configs configs/digits/flow_grpo.yaml,configs/wan/tiny.yaml] [--epochs 12]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
@@ -28,35 +34,128 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run(config: str, epochs: int, mode: str, threads: int, folder: Path) -> dict:
+def run(config: str, epochs: int, mode: str, threads: int, folder: Path, workers: int = 1, staleness: int = 1) -> dict:
+    """One run of `config` (`mode` sync or async with `workers` rollout workers at `staleness`) and its medians over
+    the epochs after the first: the epoch, its rollout, update and the rest, the learner's wait, the publication."""
     from flowrl.trainers import build_trainer, load_config
+    from flowrl.trainers.async_rollouts import publication
 
-    overrides = [f"run.epochs={epochs}", f"run.output_dir={folder}", "run.log_with=[]", "run.save_every=0",
-                 "run.samples_every=0", f"eval.every={epochs}", f"run.threads={threads}"]  # fmt: skip
+    overrides = [
+        f"run.epochs={epochs}",
+        f"run.output_dir={folder}",
+        "run.log_with=[]",
+        "run.save_every=0",
+        "run.samples_every=0",
+        f"eval.every={epochs}",
+        f"run.threads={threads}",
+    ]
     if mode == "async":
-        overrides += ["run.mode=async", "asynchrony.max_staleness=1", "asynchrony.worker_threads=1",
-                      "asynchrony.worker_cpus=0"]  # fmt: skip
+        overrides += [
+            "run.mode=async",
+            f"asynchrony.max_staleness={staleness}",
+            "asynchrony.worker_threads=1",
+            f"asynchrony.rollout_workers={workers}",
+            "asynchrony.worker_cpus=0",
+        ]
     start = time.perf_counter()
-    summary = build_trainer(load_config(config, overrides)).train(overwrite=True)
+    trainer = build_trainer(load_config(config, overrides))
+    summary = trainer.train(overwrite=True)
     wall = time.perf_counter() - start
+    publish = []
+    for _ in range(3):  # what publishing the trained state costs the learner (encoding; the object store's put aside)
+        t0 = time.perf_counter()
+        publication(trainer)
+        publish.append(time.perf_counter() - t0)
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     epochs_rows = [r for r in rows if r.get("epoch", 0) >= 1 and "time_s" in r]
     steady = epochs_rows[1:]
     samples = sum(r.get("trained_samples", 0) for r in steady)
     seconds = sum(r["time_s"] for r in steady)
+
+    def rollout(r):  # sampling and rewards (in the asynchronous mode: the worker's, as it reports them)
+        return r.get("time/sample_s", 0.0) + r.get("time/reward_s", 0.0) + r.get("time/collect_s", 0.0)
+
+    def other(r):  # the learner's epoch outside the rollout (or its wait for the batch) and the update
+        waited = r["async/wait_s"] if mode == "async" else rollout(r)
+        return r["time_s"] - waited - r.get("time/train_s", 0.0)
+
     return {
         "mode": mode,
+        "workers": workers if mode == "async" else 0,
+        "max_staleness": staleness if mode == "async" else 0,
+        "threads": threads,
         "wall_s": wall,
         "samples_per_s": samples / max(seconds, 1e-9),
         "epoch_s": statistics.median(r["time_s"] for r in steady),
         "learner_idle_frac": sum(r.get("async/wait_s", 0.0) for r in steady) / max(seconds, 1e-9),
-        "rollout_s": statistics.median(
-            r.get("time/sample_s", 0.0) + r.get("time/reward_s", 0.0) + r.get("time/collect_s", 0.0) for r in steady
-        ),  # fmt: skip
+        "rollout_s": statistics.median(rollout(r) for r in steady),
         "update_s": statistics.median(r.get("time/train_s", 0.0) for r in steady),
+        "other_s": statistics.median(other(r) for r in steady),
+        "publish_s": statistics.median(publish),
         "staleness": statistics.mean(r.get("async/staleness", 0.0) for r in steady),
         "eval_end": summary["eval_end"],
     }
+
+
+@dataclasses.dataclass
+class Phases:
+    """One epoch's phases, in seconds, on the threads each gets."""
+
+    rollout_s: float
+    """Sampling and scoring the epoch's batch."""
+    update_s: float
+    """The update: every optimizer step and the algorithm's finish."""
+    other_s: float = 0.0
+    """The rest of the learner's epoch: advantages, behaviour log-probs, the metrics row."""
+
+
+def pipeline(
+    sync: Phases,
+    learner: Phases,
+    worker_rollout_s: float,
+    publish_s: float,
+    workers: int,
+    staleness: int,
+    cores: int | None = None,
+    learner_threads: int = 1,
+    worker_threads: int = 1,
+) -> dict:
+    """The epoch time of the synchronous run and of the asynchronous pipeline, from measured phase times.
+
+    Synchronous: the phases one after another, `r + u + o` (`sync`, on all the threads). Asynchronous (`learner`:
+    the update and the rest on the learner's threads; `worker_rollout_s`: one worker's rollout on its threads;
+    `publish_s`: publishing the weights once): at `max_staleness` s the workers may sample epochs up to s versions
+    ahead of the learner's weights, so at most `min(W, s)` batches are in flight and workers beyond s idle. The learner
+    needs a batch per `u + o + p`, the workers deliver one per `r / min(W, s)`: the epoch is the larger of the two,
+    and the pipeline is bound by that side. At staleness 0 nothing overlaps: `r + u + o + p`. More workers stop
+    paying once the rollout keeps up (`keep_up_workers = ceil(r / (u + o + p))`, which needs staleness as large);
+    the mode pays at all only where the learner's side is shorter than the synchronous epoch. Threads beyond the
+    `cores` while the phases overlap share them (each phase slowed by `busy / cores`)."""
+    sync_s = sync.rollout_s + sync.update_s + sync.other_s
+    learner_s = learner.update_s + learner.other_s + publish_s
+    ahead = min(workers, staleness)
+    keep_up = math.ceil(worker_rollout_s / learner_s) if learner_s > 0 else 1
+    if ahead == 0:
+        async_s, bound, share = worker_rollout_s + learner_s, "serial", 1.0
+    else:
+        busy = learner_threads + ahead * worker_threads
+        share = max(1.0, busy / cores) if cores else 1.0
+        learner_side, rollout_side = learner_s * share, worker_rollout_s * share / ahead
+        async_s = max(learner_side, rollout_side)
+        bound = "learner" if learner_side >= rollout_side else "rollout"
+    return {
+        "sync_s": sync_s,
+        "async_s": async_s,
+        "speedup": sync_s / async_s,
+        "bound": bound,
+        "keep_up_workers": keep_up,
+        "pays": async_s < sync_s,
+        "oversubscribed": share > 1,
+    }
+
+
+def phases(result: dict) -> Phases:
+    return Phases(result["rollout_s"], result["update_s"], result["other_s"])
 
 
 def model(rollout_s: float, update_s: float, devices=(4, 8, 16, 64), latencies=(0.0, 1.0, 4.0)) -> list[dict]:
@@ -83,33 +182,85 @@ def model(rollout_s: float, update_s: float, devices=(4, 8, 16, 64), latencies=(
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="configs/digits/flow_grpo.yaml,configs/control/pendulum_ppo.yaml")
+    parser.add_argument("--configs", default="configs/digits/flow_grpo.yaml,configs/wan/tiny.yaml")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2, help="the synchronous run's torch threads")
+    parser.add_argument("--pipelines", default="1:1,2:1,2:2", help="asynchronous runs, WORKERS:MAX_STALENESS each")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "async_bench.json"))
     args = parser.parse_args()
     out = Path(args.out)
+    cores = len(os.sched_getaffinity(0))
     stored = json.loads(out.read_text()) if out.is_file() else {}  # configs not run keep their stored results
-    results = {"meta": {"cpus": os.cpu_count(), "machine": platform.machine(), "epochs": args.epochs,
-                        "threads": args.threads}, "runs": stored.get("runs", {})}  # fmt: skip
+    results = {
+        "meta": {
+            "cpus": cores,
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "epochs": args.epochs,
+            "threads": args.threads,
+        },
+        "runs": stored.get("runs", {}),
+    }
+    learner_threads = max(1, args.threads - 1)  # the asynchronous runs' learner; each worker takes one
     for config in args.configs.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             sync = run(config, args.epochs, "sync", args.threads, Path(tmp) / "sync")
-            asyn = run(config, args.epochs, "async", max(1, args.threads - 1), Path(tmp) / "async")
-        results["runs"][config] = {"sync": sync, "async": asyn, "model": model(sync["rollout_s"], sync["update_s"])}
-        print(f"\n{config}")
-        print("| mode | samples/s | epoch s | learner idle | rollout s | update s | mean staleness |")
-        print("|---|---|---|---|---|---|---|")
-        for r in (sync, asyn):
-            print(f"| {r['mode']} | {r['samples_per_s']:.1f} | {r['epoch_s']:.2f} | {r['learner_idle_frac']:.2f} | "
-                  f"{r['rollout_s']:.2f} | {r['update_s']:.2f} | {r['staleness']:.2f} |")  # fmt: skip
-        print(f"async / sync samples per second: {asyn['samples_per_s'] / sync['samples_per_s']:.2f}")
-        print("| devices | reward latency (x sync compute step) | best split (rollout + train) | sync step s | "
-              "async step s | speed-up |")  # fmt: skip
+            # each phase on the threads the asynchronous mode gives it: the learner's, then one worker's
+            learner = run(config, args.epochs, "sync", learner_threads, Path(tmp) / "learner")
+            worker = learner if learner_threads == 1 else run(config, args.epochs, "sync", 1, Path(tmp) / "worker")
+            pipelines = []
+            for spec in args.pipelines.split(","):
+                workers, staleness = (int(x) for x in spec.split(":"))
+                folder = Path(tmp) / f"async-{workers}-{staleness}"
+                measured = run(config, args.epochs, "async", learner_threads, folder, workers, staleness)
+                predicted = pipeline(
+                    phases(sync),
+                    phases(learner),
+                    worker["rollout_s"],
+                    learner["publish_s"],
+                    workers,
+                    staleness,
+                    cores,
+                    learner_threads,
+                )
+                pipelines.append({"measured": measured, "predicted": predicted})
+        results["runs"][config] = {
+            "sync": sync,
+            "learner": learner,
+            "worker": worker,
+            "pipelines": pipelines,
+            "model": model(sync["rollout_s"], sync["update_s"]),
+        }
+        print(
+            f"\n{config}: phases (s) sync {phases(sync)}, learner {phases(learner)}, worker rollout "
+            f"{worker['rollout_s']:.2f}, publish {learner['publish_s']:.3f}"
+        )
+        print(
+            "| workers | max staleness | epoch s predicted | epoch s measured | bound | speed-up predicted | "
+            "speed-up measured | learner idle | mean staleness |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        print(
+            f"| sync | - | {sync['rollout_s'] + sync['update_s'] + sync['other_s']:.2f} | {sync['epoch_s']:.2f} | "
+            f"- | 1 | 1 | 0 | 0 |"
+        )
+        for p in pipelines:
+            m, pr = p["measured"], p["predicted"]
+            print(
+                f"| {m['workers']} | {m['max_staleness']} | {pr['async_s']:.2f} | {m['epoch_s']:.2f} | {pr['bound']}"
+                f"{' (oversubscribed)' if pr['oversubscribed'] else ''} | {pr['speedup']:.2f} | "
+                f"{sync['epoch_s'] / m['epoch_s']:.2f} | {m['learner_idle_frac']:.2f} | {m['staleness']:.2f} |"
+            )
+        print(
+            "| devices | reward latency (x sync compute step) | best split (rollout + train) | sync step s | "
+            "async step s | speed-up |"
+        )
         print("|---|---|---|---|---|---|")
         for m in results["runs"][config]["model"]:
-            print(f"| {m['devices']} | {m['latency_x']:g} | {m['rollout_devices']} + {m['train_devices']} | "
-                  f"{m['sync_s']:.3f} | {m['async_s']:.3f} | {m['speedup']:.2f} |")  # fmt: skip
+            print(
+                f"| {m['devices']} | {m['latency_x']:g} | {m['rollout_devices']} + {m['train_devices']} | "
+                f"{m['sync_s']:.3f} | {m['async_s']:.3f} | {m['speedup']:.2f} |"
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"written to {args.out}")

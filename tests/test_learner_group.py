@@ -59,8 +59,37 @@ def ray_tmp(monkeypatch):
 
 @pytest.mark.parametrize("shard", ["fsdp2", "zero3", pytest.param("zero2", marks=pytest.mark.slow)])
 def test_a_sharded_async_learner_group_is_the_synchronous_run(tmp_path, cache, reference, ray_tmp, shard):
-    run = tmp_path / "async"
-    summary = _train(_config(tmp_path, "flow_grpo", 2, shard=shard), run, cache, processes=2, overrides=ASYNC)
+    """docs/async.md's learner-group command (on a tiny config, the test's shard kind): staleness 0 on two learners
+    is the synchronous one-process run."""
+    block = re.search(r"^## A learner group.*?```bash\n(.*?)```", (DOCS / "async.md").read_text(), flags=re.S | re.M)
+    args = block.group(1).split("#")[0].split()  # the command, without its comment
+    assert args[:3] == ["torchrun", "--nproc_per_node", "2"] and args[-4:] == [
+        "--set",
+        "run.mode=async",
+        "--set",
+        "run.shard=fsdp2",
+    ], args
+    config, run = _config(tmp_path, "flow_grpo", 2), tmp_path / "async"
+    args = [str(config) if a == "CONFIG" else a.replace("=fsdp2", f"={shard}") for a in args[1:]]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+    ]
+    sets = [arg for item in ASYNC for arg in ("--set", item)]
+    done = subprocess.run(
+        [*launcher, *args, "--output-dir", str(run), *sets],
+        env=_env(tmp_path, cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
     assert (summary["processes"], summary["shard"]) == (2, shard)
     rows = _rows(run)
     assert [r["async/staleness"] for r in rows[1:]] == [0.0, 0.0]

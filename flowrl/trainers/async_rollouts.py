@@ -287,7 +287,12 @@ class AsyncCollector:
         self.clock.add(time.time() - start, blob)
 
     def _replace(self, index: int, err: Exception) -> None:
-        """Worker `index` died: a new one takes its place (with the newest weights), its batches are re-sampled."""
+        """Worker `index` died (or its batch was lost with its node): a new one takes its place (with the newest
+        weights), its batches are re-sampled."""
+        try:  # a batch lost with its node's object store: its worker went with the node (or is stopped now)
+            self._ray().kill(self.workers[index])
+        except Exception:  # noqa: BLE001 - dead already
+            pass
         if self.restarts >= self.cfg.max_restarts:
             self.workers[index] = None
             if all(w is None for w in self.workers):
@@ -328,7 +333,7 @@ class AsyncCollector:
     def _receive(self, epoch: int):
         """(The main process.) Epoch `epoch`'s batch from the workers, waiting for it when needed: `(collected,
         header, blob, metrics)`, the metrics `async_metrics`' arguments."""
-        from ray.exceptions import RayActorError, WorkerCrashedError
+        from ray.exceptions import ObjectLostError, RayActorError, WorkerCrashedError
 
         ray = self._ray()
         start = time.time()
@@ -341,7 +346,7 @@ class AsyncCollector:
             task = self.tasks[epoch]
             try:
                 blob = ray.get(task.ref)
-            except (RayActorError, WorkerCrashedError) as err:
+            except (RayActorError, WorkerCrashedError, ObjectLostError) as err:  # a worker or its node lost
                 self._replace(task.worker, err)
                 continue
             del self.tasks[epoch]

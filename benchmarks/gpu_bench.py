@@ -1,34 +1,35 @@
-"""Rollout and training throughput of flowrl's policy on real-sized networks of each model family (GPU).
+"""Throughput of flowrl's own training loop on real-size networks of each model family (GPU).
 
-The trained networks have the real models' widths and depths with random weights (no hub access needed;
-`REAL_BODIES`); text encoders and the VAE are the family's tiny test components, so the numbers are the network's
-cost, which dominates: it sees as many latent tokens as the real model at the peers' training resolution and the
-real context lengths (`SETTINGS`: e.g. SD3 256 T5 tokens at 512 px, Flux 512 at 512 px, Wan 5 frames at 256 px).
+Each family runs flowrl's engine, collector, update scheduler and step kernels (`build_trainer(config, policy=...)`),
+not a re-implementation: a LoRA run (rank `--lora-rank`, bf16 weights and mixed precision, the family's defaults:
+attention backend `auto`, backward per step, text encoders offloaded from 8B) whose network is the published
+architecture (`flowrl.models.published`) built on the GPU with random weights: no hub, no download. The reward is a
+cheap function of the images on the GPU (their mean), so the update and the rollout are what is timed.
 
-- rollout: `DiffusionPolicy.rollout` of a group of `--group` samples (flow-SDE, `--steps` steps, CFG for SD3,
-  Flux's guidance embedding), bf16 weights, SDPA attention;
-- training: with a LoRA adapter (rank `--lora-rank`, alpha 2r, fp32 adapter weights), `DiffusionPolicy.score`
-  of every step of every sample with gradient, one backward per step of each minibatch of `--minibatch` samples
-  (flowrl's `batch.backward: per_step`; the per-step log-prob mean as the loss), then an AdamW step;
-- images/s, peak GPU memory of each phase, and the model FLOP utilisation: FLOPs counted by
-  `torch.utils.flop_counter` on one sample's forward (and forward+backward), times the calls, over the
-  elapsed time and `--peak-tflops` (H100 SXM bf16 dense: 989).
+Per family and epoch: the seconds of each phase (rollout, reward, update; `time/*` of the metrics row, each ended by a
+device synchronisation), the peak memory of each (`memory/*`), images per second per GPU end to end, and the model FLOP
+utilisation two ways: executed FLOPs (`flowrl plan`'s count on meta tensors, matrix products, convolutions and
+attention, no GPU memory spent) over the phase's time, and verl-omni's `6 N T` (2 N T for forward-only rollouts): `N`
+the trained network's parameters, `T` its tokens (the latent tokens of every call, both CFG branches). Beside each the
+peaks `flowrl plan` predicts for the same config, to check the plan against the GPU.
 
-    python benchmarks/gpu_bench.py [--models sd3,flux,qwen_image,...] [--group 24] [--steps 10] [--repeats 3]
-    python benchmarks/gpu_bench.py --tiny        # the tiny test models on the CPU: checks the script runs
+    python benchmarks/gpu_bench.py [--models sd3,flux,qwen_image,wan] [--group 8] [--steps 10] [--epochs 2]
+    python benchmarks/gpu_bench.py --tiny       # the tiny families on the CPU: checks the script runs
 
-Writes `benchmarks/results/gpu_bench.json` (or `--out`) and prints a table.
+Writes `benchmarks/results/gpu/gpu_bench.json` (or `--out`) after every phase, so a run cut short keeps what it
+measured, and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
-import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -40,223 +41,229 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flowrl.policies import DiffusionPolicy  # noqa: E402
+FAMILIES = {
+    "sd3": dict(name="stabilityai/stable-diffusion-3.5-medium", guidance=4.5, size=512, text=256),
+    "flux": dict(name="black-forest-labs/FLUX.1-dev", guidance=3.5, size=512, text=512, checkpointing=True),
+    "qwen_image": dict(name="Qwen/Qwen-Image", guidance=4.0, size=512, text=512, checkpointing=True),
+    "z_image": dict(name="Tongyi-MAI/Z-Image", guidance=5.0, size=512, text=512),
+    "sana": dict(name="Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers", guidance=4.5, size=1024, text=300),
+    "sdxl": dict(name="stabilityai/stable-diffusion-xl-base-1.0", guidance=5.0, size=1024),
+    "wan": dict(name="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", guidance=5.0, size=256, text=512, frames=5),
+}
+"""Per family: the published checkpoint whose architecture is built, CFG (or FLUX's guidance embedding), the
+training resolution of the peers' recipes, text tokens, Wan's frames (Flow-Factory's wan21 t2v: 256 px, 5 frames), and
+gradient checkpointing where the recipes set it (a 12B+ network's activations at a micro-batch of 2)."""
 
 
-REAL_BODIES = {
-    "sd3": dict(num_layers=24, attention_head_dim=64, num_attention_heads=24, caption_projection_dim=1536,
-                pos_embed_max_size=384, sample_size=128, qk_norm="rms_norm", dual_attention_layers=tuple(range(13))),
-    "flux": dict(num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
-                 axes_dims_rope=(16, 56, 56)),
-    "qwen_image": dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, axes_dims_rope=(16, 56, 56)),
-    "z_image": dict(dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48],
-                    axes_lens=[1536, 512, 512]),
-    "sana": dict(num_layers=20, num_attention_heads=70, attention_head_dim=32, num_cross_attention_heads=20,
-                 cross_attention_head_dim=112, cross_attention_dim=2240, mlp_ratio=2.5),
-    "sdxl": dict(block_out_channels=(320, 640, 1280), layers_per_block=2,
-                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-                 up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-                 attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10), norm_num_groups=32),
-    "wan": dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
-}  # fmt: skip
-"""Each family's trained network at its real depth and width (SD3.5-Medium 2.2B, FLUX.1-dev 11.9B, Qwen-Image 20.4B,
-Z-Image 6.2B, SANA-1.6B, SDXL's UNet 2.2B, Wan2.1-T2V-1.3B 1.4B counted here), from the published model configs as
-recalled (not read from the hub: UNVERIFIED), with the tiny pipeline's input-side widths (latent channels, text
-widths); random weights. The FLOPs per token are the real model's; the parameter counts come out within 15%."""
-SETTINGS = {
-    "sd3": dict(guidance=4.5, text=256, size=512), "flux": dict(guidance=3.5, text=512, size=512),
-    "qwen_image": dict(guidance=4.0, text=512, size=512), "z_image": dict(guidance=5.0, text=512, size=512),
-    "sana": dict(guidance=4.5, text=300, size=1024, vae=32), "sdxl": dict(guidance=5.0, text=None, size=1024),
-    "wan": dict(guidance=5.0, text=512, size=256, frames=5),
-}  # fmt: skip
-"""Per family: CFG (or Flux's embedding), text tokens, the training resolution of the peers' recipes (the network sees
-that many latent tokens: the tiny VAE's size is scaled to the real VAE's downsampling, `vae`, default 8) and
-Wan's frames (Flow-Factory's wan21 t2v: 256 px, 5 frames)."""
-
-
-def pipeline(name: str, tiny: bool, device=None, dtype=None):
-    """`(pipeline, settings, image size)`: the tiny pipeline, its network replaced by a full-size one with random
-    weights (unless tiny), built straight on `device` in `dtype` (a 20B network never exists in fp32 on the CPU)."""
+def config_for(family: str, args) -> dict:
+    """The run config of `family` at the bench's sizes."""
     from flowrl.models.families import MODEL_FAMILIES
 
-    cls = MODEL_FAMILIES.get(name)
-    pipe = cls.tiny(seed=0)
-    settings = SETTINGS[name]
-    slot = cls.lora_prefix if cls.lora_prefix in pipe.components else "transformer"
-    if not tiny:
-        small = pipe.components[slot]
-        config = {k: v for k, v in dict(small.config).items() if not k.startswith("_")}
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                setattr(pipe, slot, type(small)(**{**config, **REAL_BODIES[name]}))
-        finally:
-            torch.set_default_dtype(default)
-    vsf = getattr(pipe, "vae_scale_factor_spatial", None) or pipe.vae_scale_factor
-    size = 64 if tiny else settings["size"] * vsf // settings.get("vae", 8)
-    return pipe, settings, size
-
-
-def count_flops(fn) -> float:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return float(counter.get_total_flops())
-
-
-def bench(name: str, args, device: torch.device) -> dict:
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    from flowrl.models.families import MODEL_FAMILIES
-
-    pipe, settings, side = pipeline(name, args.tiny, device, dtype)
-    guidance = settings["guidance"]
-    pipe.set_progress_bar_config(disable=True)
-    pipe.to(device=device, dtype=dtype)
-    fields = MODEL_FAMILIES.get(name).Options.__dataclass_fields__
-    options = {"max_sequence_length": 16 if args.tiny else settings["text"], "num_frames": settings.get("frames")}
+    s = FAMILIES[family]
+    fields = MODEL_FAMILIES.get(family).Options.__dataclass_fields__
+    options = {"max_sequence_length": 16 if args.tiny else s.get("text"), "num_frames": s.get("frames")}
     options = {k: v for k, v in options.items() if k in fields and v is not None}
-    policy = DiffusionPolicy.from_pipeline(pipe, options=options, forward_batch_size=args.forward_batch)
-    params = sum(p.numel() for p in policy.model.parameters())
-    size = dict(height=side, width=side)
-    sampler = MODEL_FAMILIES.get(name).default_sampler
-    prompts = [f"a photo of object {i % 4}" for i in range(args.group)]
-
-    def rollout(n=args.group):
-        return policy.rollout(prompts[:n], num_steps=args.steps, guidance_scale=guidance, sampler=sampler,
-                              noise_level=0.7, generator=torch.Generator().manual_seed(0), **size)  # fmt: skip
-
-    def timed(fn):
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-        start = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-        return time.perf_counter() - start, out
-
-    def peak_reset():
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-
-    def peak() -> float:
-        return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-
-    # rollout (base weights, no adapter yet)
-    with torch.no_grad():
-        rollout()  # warm-up: kernels, text-embedding cache
-        peak_reset()
-        rollout_s = statistics.median(timed(rollout)[0] for _ in range(args.repeats))
-        rollout_peak = peak()
-        # one sample's FLOPs: a rollout re-scores in its own chunks, so the counted one is sampled in chunks of 1
-        policy.forward_batch_size = 1
-        one = rollout(1)
-        policy.forward_batch_size = args.forward_batch
-        steps = one.sde_mask.nonzero().flatten()
-        fwd_flops = count_flops(lambda: policy.score(one, steps[None, :]))  # every step of one sample, CFG incl.
-
-    # training: LoRA, every step of every sample with gradient
-    policy.add_lora(rank=args.lora_rank, alpha=2 * args.lora_rank)
-    trainable = [p for p in policy.model.parameters() if p.requires_grad]
-    for p in trainable:
-        p.data = p.data.float()
-    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
-    # a training forward is one minibatch (flowrl: batch.micro_batch_size sets both), so no chunk is padded
-    policy.forward_batch_size = args.minibatch
-    with torch.no_grad():
-        batch = rollout()
-        policy.forward_batch_size = 1
-        single = rollout(1)
-    steps = batch.sde_mask.nonzero().flatten()
-
-    def train():  # one backward per step of each minibatch (flowrl's batch.backward: per_step)
-        for start in range(0, args.group, args.minibatch):
-            rows = torch.arange(start, min(start + args.minibatch, args.group))
-            part = batch.select(rows)
-            for step in steps:
-                with torch.autocast(device.type, dtype=dtype, enabled=not args.tiny):
-                    out = policy.score(part, step.view(1, 1).expand(len(rows), -1))
-                (-out.log_prob.float().mean() / len(steps)).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    train()  # warm-up
-    peak_reset()
-    train_s = statistics.median(timed(train)[0] for _ in range(args.repeats))
-    train_peak = peak()
-
-    def one_backward():
-        for step in steps:
-            out = policy.score(single, step.view(1, 1))
-            (-out.log_prob.float().mean()).backward()
-
-    with torch.autocast(device.type, dtype=dtype, enabled=not args.tiny):
-        train_flops = count_flops(one_backward)
-    optimizer.zero_grad(set_to_none=True)
-    peak_flops = args.peak_tflops * 1e12
     return {
-        "model": name,
-        "image_size": side,
-        "transformer_params_b": params / 1e9,
-        "group": args.group,
-        "steps": args.steps,
-        "lora_rank": args.lora_rank,
-        "rollout_s": rollout_s,
-        "rollout_images_per_s": args.group / rollout_s,
-        "rollout_peak_gb": rollout_peak,
-        "rollout_mfu": fwd_flops * args.group / rollout_s / peak_flops,
-        "train_s": train_s,
-        "train_images_per_s": args.group / train_s,
-        "train_peak_gb": train_peak,
-        "train_mfu": train_flops * args.group / train_s / peak_flops,
-        "flops_per_sample_rollout": fwd_flops,
-        "flops_per_sample_train": train_flops,
+        "trainer": "flow_grpo",
+        "model": {
+            "name": f"tiny:{family}" if args.tiny else s["name"],
+            "dtype": "fp32" if args.tiny else "bf16",
+            "lora_rank": args.lora_rank,
+            "lora_alpha": 2 * args.lora_rank,
+            "options": options,
+            "gradient_checkpointing": bool(s.get("checkpointing")) and not args.tiny,
+        },
+        "sampling": {
+            "num_steps": args.steps,
+            "guidance_scale": s["guidance"],
+            "noise_level": 0.7,
+            "height": 64 if args.tiny else s["size"],
+            "width": 64 if args.tiny else s["size"],
+            "forward_batch_size": args.forward_batch or None,
+        },
+        "prompts": {
+            "train": "drawbench_style",
+            "test": "drawbench_style",
+            "prompts_per_epoch": 1,
+            "group_size": args.group,
+        },
+        "batch": {"mini_batch_size": args.group, "micro_batch_size": args.minibatch},
+        "rewards": [{"name": "jpeg_compressibility"}],
+        "eval": {"every": 0, "max_prompts": 1, "samples_per_prompt": 1},
+        "optim": {"lr": 1e-5},
+        "run": {
+            "epochs": 10_000,
+            "log_with": [],
+            "mixed_precision": "no" if args.tiny else "bf16",
+            "check_memory": False,
+        },
     }
+
+
+def image_mean(images, prompts, **metadata):
+    """The bench's reward: each image's (video's) mean, on its device (no host round trip to time)."""
+    return images.float().flatten(1).mean(1)
+
+
+def build_policy(config, device):
+    """The family's pipeline at its published size with random weights, built on `device`, set up as a run sets it
+    up (attention backend, LoRA, precision, checkpointing, text encoders offloaded for 8B+ networks)."""
+    from flowrl.models.attention import configure_attention
+    from flowrl.models.build import DTYPES, offloads_text, prepare_training
+    from flowrl.models.published import build_pipeline
+    from flowrl.policies import DiffusionPolicy
+    from flowrl.prompts import load
+
+    m = config.model
+    pipe = build_pipeline(m.name, family=m.family, dtype=DTYPES[m.dtype], device=device)
+    pipe.to(device)
+    policy = DiffusionPolicy.from_pipeline(pipe, options=m.options, forward_batch_size=config.batch.micro_batch_size)
+    configure_attention(policy.model, m.attention_backend, family=policy.family)
+    if offloads_text(m, policy, device):  # the prompts encoded once, the encoders to CPU memory
+        policy.encode([str(p) for p in load(config.prompts.train)])
+        policy.encode([policy.negative_prompt], negative=True)
+        policy.offload_text_encoders()
+    return prepare_training(policy, m, seed=config.run.seed, mixed_precision=config.run.mixed_precision)
+
+
+def tokens_per_sample(policy, config, latents) -> float:
+    """The trained network's tokens in one sample's call (its latent's patches; FLUX's packed latents are tokens
+    already), both CFG branches counted: verl-omni's `T`."""
+    import math
+
+    shape = latents.shape[2:]  # one state: [C, h, w], [C, F, h, w] or packed [L, D]
+    if len(shape) == 2:
+        per_call = shape[0]
+    else:
+        spatial = shape[1:]
+        patch = getattr(getattr(policy.model, "config", None), "get", lambda *a: 1)("patch_size", 1) or 1
+        patch = tuple(patch) if isinstance(patch, (list, tuple)) else (patch,) * len(spatial)
+        patch = (1,) * (len(spatial) - len(patch)) + patch
+        per_call = math.prod(s // p for s, p in zip(spatial, patch))
+    return per_call * (2 if policy.adapter.uses_cfg(config.sampling.guidance_scale) else 1)
+
+
+def bench(family: str, args, device: torch.device, write) -> dict:
+    from flowrl.plan import plan
+    from flowrl.trainers import build_trainer, load_config
+
+    result = {"model": family}
+    with tempfile.TemporaryDirectory() as folder:
+        config = load_config(config_for(family, args), [f"run.output_dir={folder}"])
+        predicted = plan(config, gpu_memory=args.gpu_memory)  # meta tensors: FLOPs and peaks, no GPU memory
+        result["plan_gb"] = {p.name: round(p.bytes / 2**30, 2) for p in predicted.phases}
+        result["flops_per_sample"] = predicted.flops
+        write(result)
+        policy = build_policy(config, device)
+        params = sum(p.numel() for p in policy.model.parameters())
+        result["params_b"] = params / 1e9
+        trainer = build_trainer(config, policy=policy, reward_fns={"jpeg_compressibility": image_mean}, eval_fns={})
+        trainer.engine.model.train()
+        for epoch in range(args.epochs + 1):  # epoch 0: warm-up (kernels, caches, allocator)
+            row = trainer.train_epoch(epoch)
+            if epoch == 0:
+                result["warmup_s"] = row["time_s"]
+                write(result)
+                continue
+            times = {k.split("/")[1]: row[k] for k in ("time/sample_s", "time/reward_s", "time/train_s")}
+            result.setdefault("epochs", []).append(
+                {**times, "time_s": row["time_s"], **{k: row[k] for k in row if k.startswith("memory/")}}
+            )
+            write(result)
+        last = result["epochs"][-1]
+        peak = args.peak_tflops * 1e12
+        latents = trainer.last_batch.data.latents
+        tokens = tokens_per_sample(policy, config, latents)
+        steps, trained = config.sampling.num_steps, int(trainer.last_batch.data.mask[0].sum())
+        total = last["sample_s"] + last["reward_s"] + last["train_s"]
+        result.update(
+            {
+                "group": args.group,
+                "images_per_s": args.group / total,
+                "rollout_images_per_s": args.group / last["sample_s"],
+                "update_images_per_s": args.group / last["train_s"],
+                "rollout_mfu": predicted.flops["rollout"] * args.group / last["sample_s"] / peak,
+                "update_mfu": predicted.flops["update"] * args.group / last["train_s"] / peak,
+                "rollout_mfu_6nt": 2 * params * tokens * steps * args.group / last["sample_s"] / peak,
+                "update_mfu_6nt": 6 * params * tokens * trained * args.group / last["train_s"] / peak,
+                "measured_gb": {
+                    k.removeprefix("memory/").removesuffix("_gb"): round(v, 2)
+                    for k, v in last.items()
+                    if k.startswith("memory/")
+                },
+            }
+        )
+        write(result)
+        del trainer, policy
+    return result
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="sd3,flux", help=f"families, comma-separated: {', '.join(SETTINGS)}")
-    parser.add_argument("--group", type=int, default=24, help="samples per rollout (one GRPO group)")
+    parser.add_argument("--models", default="sd3,flux,qwen_image,wan", help=f"comma-separated: {', '.join(FAMILIES)}")
+    parser.add_argument("--group", type=int, default=16, help="samples per epoch (one GRPO group)")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--forward-batch", type=int, default=8, help="rows per transformer call in rollouts")
-    parser.add_argument("--minibatch", type=int, default=4, help="samples per training backward")
+    parser.add_argument("--minibatch", type=int, default=4, help="batch.micro_batch_size: samples per training call")
+    parser.add_argument(
+        "--forward-batch", type=int, default=0, help="sampling.forward_batch_size (0: the micro-batch)"
+    )
     parser.add_argument("--lora-rank", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2, help="timed epochs after one warm-up epoch")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM)")
-    parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU (a smoke test of the script)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_bench.json"))
+    parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the plan beside")
+    parser.add_argument(
+        "--tiny", action="store_true", help="the tiny families on the CPU (a smoke test of the script)"
+    )
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu" / "gpu_bench.json"))
     args = parser.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         print("gpu_bench: no CUDA device (use --tiny for the CPU smoke run)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.tiny else "cuda")
-    if not args.tiny:
-        torch.backends.cuda.matmul.allow_tf32 = True
-    meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "tiny": args.tiny, "peak_tflops": args.peak_tflops}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "tiny": args.tiny,
+        "peak_tflops": args.peak_tflops,
+        "args": vars(args),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows, failed = [], []
+
+    def write(current=None) -> None:  # after every phase: a run cut short keeps what it measured
+        data = {"meta": meta, "results": rows + ([current] if current is not None else []), "failed": failed}
+        out.write_text(json.dumps(data, indent=1, default=float))
+
     for name in args.models.split(","):
+        start = time.perf_counter()
         try:
-            rows.append(bench(name, args, device))
-        except Exception as err:  # one family out of memory (say) still leaves the others' numbers
+            rows.append(bench(name, args, device, write))
+        except Exception as err:  # noqa: BLE001  (one family out of memory still leaves the others' numbers)
             if args.tiny:
                 raise
-            failed.append({"model": name, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+            failed.append({"model": name, "error": f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"})
             print(f"{name}: {failed[-1]['error']}", file=sys.stderr)
             traceback.print_exc()
-        gc.collect()  # a failed family's frames hold its model
-        if device.type == "cuda":
+        print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        gc.collect()
+        with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
-        # written after each family: a run cut short keeps what it measured
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": rows, "failed": failed}, indent=2))
-    print("| model | params (B) | rollout img/s | rollout peak GB | rollout MFU | train img/s | train peak GB | "
-          "train MFU |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+        write()
+    print(
+        "| model | params (B) | images/s | rollout img/s | update img/s | rollout MFU (exec / 6NT) | update MFU "
+        "(exec / 6NT) | peaks GiB measured (planned): rollout, update |\n|---|---|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['model']} | {r['transformer_params_b']:.2f} | {r['rollout_images_per_s']:.2f} | "
-              f"{r['rollout_peak_gb']:.1f} | {r['rollout_mfu']:.1%} | {r['train_images_per_s']:.2f} | "
-              f"{r['train_peak_gb']:.1f} | {r['train_mfu']:.1%} |")  # fmt: skip
-    print(f"wrote {args.out}")
+        m, p = r.get("measured_gb", {}), r.get("plan_gb", {})
+        print(
+            f"| {r['model']} | {r.get('params_b', 0):.2f} | {r['images_per_s']:.2f} | {r['rollout_images_per_s']:.2f} "
+            f"| {r['update_images_per_s']:.2f} | {r['rollout_mfu']:.1%} / {r['rollout_mfu_6nt']:.1%} | "
+            f"{r['update_mfu']:.1%} / {r['update_mfu_6nt']:.1%} | {m.get('rollout', float('nan')):.1f} "
+            f"({p.get('rollout', float('nan')):.1f}), {m.get('update', float('nan')):.1f} "
+            f"({p.get('update', float('nan')):.1f}) |"
+        )
+    print(f"wrote {out}")
     return 0
 
 

@@ -30,6 +30,7 @@ class PeakMemory:
     def mark(self, phase: str) -> dict[str, float]:
         """End `phase` (and begin the next): `{"memory/<phase>_gb": GiB}`."""
         if self.cuda:
+            torch.cuda.synchronize(self.device)  # the phase's kernels done: its time and peak are its own
             used = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:

@@ -67,3 +67,55 @@ def test_lora_training_epoch_on_cuda(tmp_path):
     assert torch.isfinite(torch.tensor(float(record["loss"])))
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params))
     assert all(p.dtype == torch.float32 for p in trainer.params)  # the adapter trains in fp32
+
+
+def test_a_rollout_and_an_update_step_never_wait_for_the_gpu(tmp_path):
+    # every device-to-host read and blocking copy in the denoising loops raises under CUDA's sync debug mode; the
+    # rollout's and the update's loops run inside it (the optimizer step reads its gradient norm: outside)
+    from flowrl.policies.rollout import Collected
+    from flowrl.trainers import build_trainer, load_config
+    from flowrl.trainers.stats import EpochStats
+
+    pipe = tiny_sd3().to("cuda", torch.bfloat16)
+    pipe.save_pretrained(tmp_path / "sd3")
+    config = load_config({
+        "trainer": "grpo_guard",
+        "model": {"name": str(tmp_path / "sd3"), "dtype": "bf16", "lora_rank": 4, "options": TEXT},
+        "sampling": {"num_steps": 3, "height": 64, "width": 64},
+        "batch": {"mini_batch_size": 4, "micro_batch_size": 2},
+        "prompts": {"train": "simple_animals", "test": "simple_animals", "prompts_per_epoch": 1, "group_size": 4},
+        "rewards": [{"name": "jpeg_compressibility"}],
+        "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 1},
+        "run": {"epochs": 1, "log_with": [], "mixed_precision": "bf16", "output_dir": str(tmp_path / "run")},
+    })  # fmt: skip
+    trainer = build_trainer(config)
+    assert trainer.engine.optimizer.defaults.get("fused") and torch.backends.cuda.matmul.allow_tf32
+    sampler, scheduler = trainer.algorithm.sampler(), trainer.scheduler
+    generators = [torch.Generator("cuda").manual_seed(i) for i in range(4)]
+    trainer.policy.encode(["a cat", trainer.policy.negative_prompt])  # text encoding reads masks: before
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rollout = sampler(["a cat"] * 4, generators, [0, 1, 2, 3], 0)
+        collected = Collected(data=rollout, rows=torch.arange(4), size=4, prompts=["a cat"] * 4,
+                              total=torch.zeros(4), group_ids=torch.zeros(4, dtype=torch.long))  # fmt: skip
+        batch, _ = trainer.algorithm.prepare(collected, torch.linspace(-1, 1, 4), torch.ones(4, dtype=torch.bool), 0)
+        plan = scheduler.plan(batch, 0)
+        trainer.engine.model.train()
+        scheduler.accumulate(plan, torch.arange(4), EpochStats())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert any(p.grad is not None for p in trainer.params)  # (on CPUs: tests/policies/test_no_sync.py)
+
+
+def test_prompts_encode_before_a_network_too_big_to_share_the_gpu_moves_there(tmp_path):
+    # model.offload_text_encoders: the text encoders come to the GPU for the prompts while the network waits in CPU
+    # memory; then the network moves and the encoders go back to CPU memory
+    from flowrl.image.modality import build_image_policy
+    from flowrl.models import ModelConfig
+
+    tiny_sd3().save_pretrained(tmp_path / "sd3")
+    model = ModelConfig(name=str(tmp_path / "sd3"), lora_rank=4, offload_text_encoders=True, options=TEXT)
+    policy = build_image_policy(model, forward_batch_size=2, device="cuda", prompts=["a cat", "a dog"])
+    assert policy.model.device.type == "cuda" and policy.adapter.pipeline.vae.device.type == "cuda"
+    assert all(p.device.type == "cpu" for p in policy.adapter.pipeline.text_encoder_3.parameters())
+    assert policy.encode(["a cat"])["prompt_embeds"].device.type == "cuda"

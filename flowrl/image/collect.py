@@ -82,8 +82,8 @@ class ImageCollector:
         mark = self.memory.mark if self.memory else lambda phase: {}
         if self.reward_overlap == 1:
             rollout, prompts, local = self.sample(epoch)
+            memory = mark("rollout")  # on a GPU: after the rollout's kernels finished (the mark waits for them)
             sampled = time.time()
-            memory = mark("rollout")
             rewards = self.rewards.score(rollout.images, prompts[local], sources=rollout.source_images)
             memory.update(mark("scoring"))
         else:  # sampling and scoring overlap: one measurement for both

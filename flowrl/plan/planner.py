@@ -26,6 +26,7 @@ import math
 import tempfile
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from flowrl.plan.trace import CudaAutocast, GiB, GpuAttention, LiveMemory
 
@@ -58,6 +59,9 @@ class MemoryPlan:
     max_micro_batch: int | None
     """The largest `batch.micro_batch_size` whose rollout and update fit (None: not even 1)."""
     notes: list[str] = dataclasses.field(default_factory=list)
+    flops: dict[str, float] = dataclasses.field(default_factory=dict)
+    """FLOPs executed per sample: `rollout` (its network calls at the real step count and its decoding) and `update`
+    (the forward and backward of every trained step, with the KL's reference pass)."""
 
     @property
     def budget(self) -> float:
@@ -98,6 +102,8 @@ class MemoryPlan:
         verdict = "fits" if self.fits() else f"does NOT fit: {self.refusal()}"
         most = "none" if self.max_micro_batch is None else str(self.max_micro_batch)
         lines += ["", f"{verdict}; largest batch.micro_batch_size that fits: {most} (now {self.micro_batch_size})"]
+        if self.flops:
+            lines.append("FLOPs per sample: " + ", ".join(f"{k} {v / 1e12:.2f} TFLOP" for k, v in self.flops.items()))
         return "\n".join(lines + self.notes)
 
 
@@ -136,7 +142,24 @@ def traced_config(config, steps: int = TRACE_STEPS):
         window_size=min(s.window_size, max(steps - 1, 1)),
         post_window_solver="euler",
     )
-    return dataclasses.replace(config, sampling=sampling)
+    changes = {"sampling": sampling}
+    if getattr(config, "steps", None) is not None:  # a selection that fits the traced steps (its calls are alike)
+        changes["steps"] = dataclasses.replace(config.steps, k=min(config.steps.k, steps), window=None)
+    return dataclasses.replace(config, **changes)
+
+
+def check_launch(config, gpus: int) -> str:
+    """What the run refuses at `gpus` processes (its engine's and driver's checks); returns the sharding it uses."""
+    from flowrl.trainers.driver import check_world
+    from flowrl.trainers.engine import check_shardable
+    from flowrl.trainers.registry import TRAINERS
+
+    algorithm_class = TRAINERS.get(config.trainer)
+    shard = config.run.shard if gpus > 1 else "none"
+    refusals = [algorithm_class.shard_refusal] if algorithm_class.shard_refusal else []
+    check_shardable(shard, config.run, config.optim, config.ema_decay, refusals)
+    check_world(config, algorithm_class, gpus)
+    return shard
 
 
 class _Assembly:
@@ -145,18 +168,14 @@ class _Assembly:
 
     def __init__(self, config, gpus: int, folder):
         from flowrl.image.modality import build_image_policy
-        from flowrl.trainers.driver import check_world
-        from flowrl.trainers.engine import Engine, check_shardable
+        from flowrl.trainers.engine import Engine
         from flowrl.trainers.registry import TRAINERS
         from flowrl.trainers.scheduler import UpdateScheduler
 
         algorithm_class = TRAINERS.get(config.trainer)
         if algorithm_class.modality_class.__name__ != "ImageModality":
             raise ValueError(f"flowrl plan plans image and video runs; {config.trainer} trains another modality")
-        self.shard = config.run.shard if gpus > 1 else "none"
-        refusals = [algorithm_class.shard_refusal] if algorithm_class.shard_refusal else []
-        check_shardable(self.shard, config.run, config.optim, config.ema_decay, refusals)
-        check_world(config, algorithm_class, gpus)
+        self.shard = check_launch(config, gpus)
         traced = traced_config(config)
         run = dataclasses.replace(config.run, cpu=True, log_with=[])
         self.engine = Engine(run, config.optim, folder, ema_decay=config.ema_decay, ema_every=config.ema_every)
@@ -187,11 +206,18 @@ class _Assembly:
 def plan(config, *, gpus: int = 1, gpu_memory: float = 80.0, name: str = "") -> MemoryPlan:
     """The memory plan of `config` on `gpus` GPUs of `gpu_memory` GiB each (see the module docstring). A setting
     the run would refuse at that process count raises the run's own error."""
+    return plans(config, gpus=(gpus,), gpu_memory=gpu_memory, name=name)[0]
+
+
+def plans(config, *, gpus=(1,), gpu_memory: float = 80.0, name: str = "") -> list[MemoryPlan]:
+    """`plan` at each process count of `gpus`, from one trace."""
     from flowrl.models.build import networks, repeated_blocks
     from flowrl.policies.text_store import text_encoders
 
+    for count in gpus:
+        check_launch(config, count)
     with tempfile.TemporaryDirectory() as folder:
-        parts = _Assembly(config, gpus, folder)
+        parts = _Assembly(config, 1, folder)
     policy, c = parts.policy, config
     modules = {k: m for k, m in policy.adapter.pipeline.components.items() if isinstance(m, torch.nn.Module)}
     encoders = set(text_encoders(policy.adapter.pipeline))
@@ -212,63 +238,76 @@ def plan(config, *, gpus: int = 1, gpu_memory: float = 80.0, name: str = "") -> 
     single = torch.autograd.set_multithreading_enabled(False)
     with mem, GpuAttention(), precision, _traced_by_transformers(), single:
         text = _trace(mem, "text", lambda: _encode(policy))
-        rollout, chunk = _rollout(mem, parts, c, gpus)
+        rollout, chunk = _rollout(mem, parts, c)
         update = _update(mem, parts, chunk)
         state, ema = _step(parts)
-    n, shard = gpus, parts.shard
-    sharded_net = shard in ("fsdp2", "zero3")
-    per_gpu = {k: (v // n if sharded_net and k in trained else v) for k, v in resident.items()}
-    optimizer = state // n if shard != "none" else state
-    ema_bytes = ema // n if shard == "fsdp2" else ema
-    grads = update.grads // n if shard != "none" else update.grads * (2 if n > 1 else 1)  # DDP: its buckets too
     blocks = [b for _, net in networks(policy.model) for b in repeated_blocks(net)]
-    gathered = 2 * max((_module_bytes(b) for b in blocks), default=0) if sharded_net else 0
-    load = sum(per_gpu.values()) + optimizer + ema_bytes
-    encoder_bytes = sum(weights[k] for k in encoders)
-    state_detail = f"AdamW state {_gib(optimizer)}" + (f", EMA {_gib(ema_bytes)}" if ema_bytes else "")
-    phases = [
-        PhasePeak("load", load, ", ".join(f"{k} {_gib(v)}" for k, v in per_gpu.items()) + f"; {state_detail}"),
-        PhasePeak(
-            "text encoding",
-            load + (encoder_bytes if offloaded else 0) + text.activation,
-            f"text encoders {'joining from CPU memory' if offloaded else 'resident'} ({_gib(encoder_bytes)}), "
-            f"{policy.text_batch_size} prompts per call",
-        ),
-        PhasePeak(
-            "rollout",
-            load + rollout.kept + rollout.denoise + gathered,
-            f"{rollout.calls} rows per call, {rollout.detail}{_gathered(gathered)}",
-        ),
-        PhasePeak("decode", load + rollout.kept + rollout.decode, f"{rollout.rows} samples per decoder call"),
-        PhasePeak(
-            "update",
-            load + rollout.kept + grads + update.activation + gathered,
-            f"{update.detail}, gradients {_gib(grads)}, the rollout {_gib(rollout.kept)}{_gathered(gathered)}",
-        ),
-        PhasePeak("optimizer step", load + grads, f"gradients {_gib(grads)}; {state_detail}"),
-    ]
-    fixed = [phases[2].bytes - rollout.denoise, phases[3].bytes - rollout.decode, phases[4].bytes - update.activation]
-    follows = not c.sampling.forward_batch_size  # rollout calls of the micro-batch's size
-    rows = [
-        rollout.denoise / rollout.rows if follows else 0.0,
-        rollout.decode / rollout.rows if follows else 0.0,
-        update.activation / max(update.rows, 1),
-    ]
-    budget = USABLE * gpu_memory * GiB
-    limits = [math.floor((budget - f) / r) for f, r in zip(fixed, rows) if r > 0]
-    most = min(limits) if limits else None
-    notes = []
-    if c.rewards:
-        notes.append(f"\nNot planned: the reward models ({', '.join(r.name for r in c.rewards)}).")
-    return MemoryPlan(
-        config=name or c.model.name,
-        gpus=gpus,
-        gpu_memory=gpu_memory,
-        phases=phases,
-        micro_batch_size=c.batch.micro_batch_size,
-        max_micro_batch=most if most and most >= 1 else None,
-        notes=notes,
-    )
+    results = []
+    for n in gpus:
+        shard = config.run.shard if n > 1 else "none"
+        local = math.ceil(c.prompts.prompts_per_epoch * c.prompts.group_size / n)  # this process's samples
+        kept = int(rollout.kept_per_sample * local)
+        kept_detail = f"{local} samples' trajectories of {c.sampling.num_steps} steps kept ({_gib(kept)})"
+        sharded_net = shard in ("fsdp2", "zero3")
+        per_gpu = {k: (v // n if sharded_net and k in trained else v) for k, v in resident.items()}
+        optimizer = state // n if shard != "none" else state
+        ema_bytes = ema // n if shard == "fsdp2" else ema
+        grads = update.grads // n if shard != "none" else update.grads * (2 if n > 1 else 1)  # DDP: its buckets too
+        gathered = 2 * max((_module_bytes(b) for b in blocks), default=0) if sharded_net else 0
+        load = sum(per_gpu.values()) + optimizer + ema_bytes
+        encoder_bytes = sum(weights[k] for k in encoders)
+        state_detail = f"AdamW state {_gib(optimizer)}" + (f", EMA {_gib(ema_bytes)}" if ema_bytes else "")
+        phases = [
+            PhasePeak("load", load, ", ".join(f"{k} {_gib(v)}" for k, v in per_gpu.items()) + f"; {state_detail}"),
+            PhasePeak(
+                "text encoding",
+                load + (encoder_bytes if offloaded else 0) + text.activation,
+                f"text encoders {'joining from CPU memory' if offloaded else 'resident'} ({_gib(encoder_bytes)}), "
+                f"{policy.text_batch_size} prompts per call",
+            ),
+            PhasePeak(
+                "rollout",
+                load + kept + rollout.denoise + gathered,
+                f"{rollout.calls} rows per call, {kept_detail}{_gathered(gathered)}",
+            ),
+            PhasePeak("decode", load + kept + rollout.decode, f"{rollout.rows} samples per decoder call"),
+            PhasePeak(
+                "update",
+                load + kept + grads + update.activation + gathered,
+                f"{update.detail}, gradients {_gib(grads)}, the rollout {_gib(kept)}{_gathered(gathered)}",
+            ),
+            PhasePeak("optimizer step", load + grads, f"gradients {_gib(grads)}; {state_detail}"),
+        ]
+        fixed = [
+            phases[2].bytes - rollout.denoise,
+            phases[3].bytes - rollout.decode,
+            phases[4].bytes - update.activation,
+        ]
+        follows = not c.sampling.forward_batch_size  # rollout calls of the micro-batch's size
+        rows = [
+            rollout.denoise / rollout.rows if follows else 0.0,
+            rollout.decode / rollout.rows if follows else 0.0,
+            update.activation / max(update.rows, 1),
+        ]
+        budget = USABLE * gpu_memory * GiB
+        limits = [math.floor((budget - f) / r) for f, r in zip(fixed, rows) if r > 0]
+        most = min(limits) if limits else None
+        notes = []
+        if c.rewards:
+            notes.append(f"\nNot planned: the reward models ({', '.join(r.name for r in c.rewards)}).")
+        results.append(
+            MemoryPlan(
+                config=name or c.model.name,
+                gpus=n,
+                gpu_memory=gpu_memory,
+                phases=phases,
+                micro_batch_size=c.batch.micro_batch_size,
+                max_micro_batch=most if most and most >= 1 else None,
+                notes=notes,
+                flops={"rollout": rollout.flops, "update": update.flops},
+            )
+        )
+    return results
 
 
 @dataclasses.dataclass
@@ -283,6 +322,10 @@ class _Traced:
     denoise: int = 0
     """Rollout: the network calls' peak (the decoder's is `decode`)."""
     decode: int = 0
+    flops: float = 0.0
+    """FLOPs per sample executed (`FlopCounterMode`: matrix products, convolutions, attention) at the real steps."""
+    kept_per_sample: float = 0.0
+    """Rollout: one sample's trajectory, log-probs, means and images at the real step count."""
 
 
 def _trace(mem: LiveMemory, name: str, fn) -> _Traced:
@@ -314,7 +357,7 @@ def _traced_by_transformers():
         masking_utils.is_tracing = original
 
 
-def _rollout(mem: LiveMemory, parts: _Assembly, config, gpus: int):
+def _rollout(mem: LiveMemory, parts: _Assembly, config):
     """One chunk of rows sampled through the algorithm's sampler (`TRACE_STEPS` steps), its decoding traced apart;
     this process's share of the epoch's rollout at the real step count is added by the size of what the chunk kept
     per sample and step."""
@@ -327,41 +370,42 @@ def _rollout(mem: LiveMemory, parts: _Assembly, config, gpus: int):
     sampler = parts.algorithm.sampler()
     out, decode = {}, policy.decode
 
+    flops = FlopCounterMode(display=False)
+
     def traced_decode(*args, **kwargs):  # the decoder's own phase, inside the rollout's
         out["denoise"] = mem.phases["rollout"].peak  # the network calls' peak, before the decoder runs
-        start = mem.current
+        start, before = mem.current, flops.get_total_flops()
         with mem.phase("decode"):
             images = decode(*args, **kwargs)
         out["decode"] = mem.phases["decode"].peak - start
+        out["decode_flops"] = flops.get_total_flops() - before
         return images
-
-    def sample():
-        out["rollout"] = sampler(texts, generators, list(range(rows)), 0)
 
     policy.decode = traced_decode
     start = mem.current
     try:
-        with mem.phase("rollout"):
-            sample()
+        with mem.phase("rollout"), flops:
+            out["rollout"] = sampler(texts, generators, list(range(rows)), 0)
     finally:
         del policy.decode
     chunk = out["rollout"]
     t, steps = chunk.num_steps, c.sampling.num_steps
+    decode_flops = out.get("decode_flops", 0)
+    network_flops = flops.get_total_flops() - decode_flops  # the calls of `t` steps: each step's alike
+    flops_per_sample = (network_flops * steps / t + decode_flops) / rows
     per_state = _bytes([chunk.latents]) / (rows * (t + 1))
     per_step = _bytes([chunk.log_probs, *([chunk.means] if chunk.means is not None else [])]) / (rows * t)
     per_sample = _bytes([chunk.images]) / rows if chunk.images is not None else 0
-    local = math.ceil(c.prompts.prompts_per_epoch * c.prompts.group_size / gpus)
-    kept = local * ((steps + 1) * per_state + steps * per_step + per_sample)
+    kept = (steps + 1) * per_state + steps * per_step + per_sample  # one sample's at the real step count
     cfg = policy.adapter.uses_cfg(c.sampling.guidance_scale)
     calls = rows * (2 if cfg and policy.uncond_grad else 1)
     held = mem.current - start  # the chunk's own trajectories and images
     activation = max(mem.phases["rollout"].peak - start - held, 0)
-    traced = _Traced(activation=activation, kept=int(kept), rows=rows, calls=calls)
+    traced = _Traced(activation=activation, rows=rows, calls=calls, kept_per_sample=kept, flops=flops_per_sample)
     traced.decode = max(
         out.get("decode", 0) - (held - _bytes([chunk.images]) if chunk.images is not None else held), 0
     )
     traced.denoise = max(out.get("denoise", mem.phases["rollout"].peak) - start - held, 0)
-    traced.detail = f"{local} samples' trajectories of {steps} steps kept ({_gib(kept)})"
     return traced, chunk
 
 
@@ -385,7 +429,8 @@ def _update(mem: LiveMemory, parts: _Assembly, chunk) -> _Traced:
     advantages = torch.linspace(-1.0, 1.0, n)
     batch, _ = algorithm.prepare(collected, advantages, torch.ones(n, dtype=torch.bool), 0)
     plan = scheduler.plan(batch, 0)
-    traced = _trace(mem, "update", lambda: scheduler.accumulate(plan, torch.arange(n), EpochStats()))
+    with FlopCounterMode(display=False) as flops:
+        traced = _trace(mem, "update", lambda: scheduler.accumulate(plan, torch.arange(n), EpochStats()))
     grads = _bytes([p.grad for p in parts.params if p.grad is not None])
     activation = max(traced.activation - grads, 0)
     mode, traced_columns = c.batch.backward, plan.index.shape[1]
@@ -395,7 +440,8 @@ def _update(mem: LiveMemory, parts: _Assembly, chunk) -> _Traced:
     if not per_step and columns and columns > traced_columns:  # a whole backward keeps every trained step's
         activation = activation * columns // traced_columns
     detail = f"{n} rows, backward {'per step' if per_step else 'whole'} ({mode})"
-    return _Traced(activation=activation, rows=n, grads=grads, detail=detail)
+    per_sample = flops.get_total_flops() * (columns or traced_columns) / traced_columns / n  # every trained step's
+    return _Traced(activation=activation, rows=n, grads=grads, detail=detail, flops=per_sample)
 
 
 def _columns(config) -> int | None:

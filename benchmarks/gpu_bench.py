@@ -72,6 +72,7 @@ def config_for(family: str, args) -> dict:
             "lora_alpha": 2 * args.lora_rank,
             "options": options,
             "gradient_checkpointing": bool(s.get("checkpointing")) and not args.tiny,
+            "compile": args.compile,
         },
         "sampling": {
             "num_steps": args.steps,
@@ -143,6 +144,26 @@ def tokens_per_sample(policy, config, latents) -> float:
     return per_call * (2 if policy.adapter.uses_cfg(config.sampling.guidance_scale) else 1)
 
 
+def compile_drift(trainer, config) -> dict:
+    """`model.compile`: a rollout (the compiled inference graphs) re-scored with gradient (the compiled training
+    graphs) at the same weights: the largest |log-ratio|, against the shipped clip ranges (Flow-GRPO 1e-4 at SD3's
+    latent size, GRPO-Guard 2e-6)."""
+    policy, s = trainer.policy, config.sampling
+    with trainer.engine.autocast():
+        rollout = policy.rollout(
+            ["a photo of a cat", "a photo of a dog"],
+            num_steps=s.num_steps,
+            guidance_scale=s.guidance_scale,
+            noise_level=s.noise_level,
+            height=s.height,
+            width=s.width,
+            generator=torch.Generator().manual_seed(0),
+        )
+        logp = policy.log_prob(rollout, rollout.sde_steps.expand(len(rollout), -1))
+    drift = float((logp.detach() - rollout.log_probs[:, rollout.sde_steps]).abs().max())
+    return {"max_abs_log_ratio": drift, "of_flow_grpo_clip": drift / 1e-4, "of_grpo_guard_clip": drift / 2e-6}
+
+
 def bench(family: str, args, device: torch.device, write) -> dict:
     from flowrl.plan import plan
     from flowrl.trainers import build_trainer, load_config
@@ -159,6 +180,9 @@ def bench(family: str, args, device: torch.device, write) -> dict:
         result["params_b"] = params / 1e9
         trainer = build_trainer(config, policy=policy, reward_fns={"jpeg_compressibility": image_mean}, eval_fns={})
         trainer.engine.model.train()
+        if args.compile:
+            result["compile_drift"] = compile_drift(trainer, config)
+            write(result)
         for epoch in range(args.epochs + 1):  # epoch 0: warm-up (kernels, caches, allocator)
             row = trainer.train_epoch(epoch)
             if epoch == 0:
@@ -211,6 +235,7 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs after one warm-up epoch")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the plan beside")
+    parser.add_argument("--compile", action="store_true", help="model.compile: also measure its ratio drift")
     parser.add_argument(
         "--tiny", action="store_true", help="the tiny families on the CPU (a smoke test of the script)"
     )

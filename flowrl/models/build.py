@@ -80,7 +80,7 @@ def prepare_training(policy, model: ModelConfig, seed: int = 0, mixed_precision:
         enable_checkpointing(policy.model, model.gradient_checkpointing)
     if model.compile:
         for _, network in networks(policy.model):
-            network.compile_repeated_blocks()
+            compile_blocks(network)
     return policy
 
 
@@ -100,6 +100,16 @@ def repeated_blocks(network: torch.nn.Module) -> list[torch.nn.Module]:
                 lists.append(name)
                 blocks.extend(child)
     return blocks
+
+
+def compile_blocks(network: torch.nn.Module) -> None:
+    """Regional compilation: each repeated block compiled once for all its copies (diffusers'
+    `compile_repeated_blocks` where the class names its blocks; else every entry of its `*blocks` lists)."""
+    if getattr(network, "_repeated_blocks", None):
+        network.compile_repeated_blocks()
+        return
+    for block in repeated_blocks(network):
+        block.compile()
 
 
 def enable_checkpointing(model: torch.nn.Module, share: bool | float = True) -> None:

@@ -158,7 +158,7 @@ def check_launch(config, gpus: int) -> str:
     shard = config.run.shard if gpus > 1 else "none"
     refusals = [algorithm_class.shard_refusal] if algorithm_class.shard_refusal else []
     check_shardable(shard, config.run, config.optim, config.ema_decay, refusals)
-    check_world(config, algorithm_class, gpus)
+    check_world(config, algorithm_class, gpus, shard)
     return shard
 
 

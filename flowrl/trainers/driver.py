@@ -59,7 +59,7 @@ class Trainer:
         if self.algorithm.needs_reference():
             kl = getattr(config, "kl", None)
             self.modality.ensure_reference(offload=bool(kl and kl.reference_offload))
-        check_world(config, algorithm_class, self.engine.processes.world)
+        check_world(config, algorithm_class, self.engine.processes.world, self.engine.shard)
         self.algorithm.build()
         module = self.algorithm.trained_module()
         refusals = [self.algorithm.shard_refusal] if self.algorithm.shard_refusal else []
@@ -276,8 +276,15 @@ class Trainer:
         return float(state.get("wall_s", 0.0))
 
 
-def check_world(config, algorithm_class, world: int) -> None:
-    """Refuse a config that cannot train on `world` processes (the run's engine and `flowrl plan --gpus N` ask)."""
+def check_world(config, algorithm_class, world: int, shard: str = "none") -> None:
+    """Refuse a config that cannot train on `world` processes sharded as `shard` (the run's driver and `flowrl plan
+    --gpus N` ask)."""
+    batch = getattr(config, "batch", None)
+    if shard == "zero3" and batch is not None and batch.backward == "per_step":
+        raise ValueError(
+            "batch.backward: per_step interleaves the steps' forwards with backwards that ZeRO-3 runs "
+            "one loss late: use batch.backward: auto or whole, or run.shard: fsdp2"
+        )
     prompts = getattr(config, "prompts", None)
     if algorithm_class.updates_groups and prompts is not None and prompts.prompts_per_epoch % world:
         raise ValueError(f"{config.trainer} updates whole groups, each sampled by one process: "

@@ -272,7 +272,9 @@ class UpdateScheduler:
         # auto: one step's activations at a time where the loss separates by element and each element is its own
         # network call (denoising steps); a micro-batch whose elements fit in one call keeps the whole backward
         separable = getattr(self.algorithm, "element_calls", False) and not (self.coupled_steps or self.coupled_rows)
-        auto = mode == "auto" and separable
+        # ZeRO-3 gathers the parameters for each forward and runs each backward one loss late (`ZeroBackward`):
+        # a backward per step would interleave the steps' forwards and backwards, which its hooks do not allow
+        auto = mode == "auto" and separable and getattr(self.engine, "shard", "none") != "zero3"
         per_step = mode == "per_step" or probe_epoch or auto
         done = []  # (metrics, elements, normaliser) of this mini-batch's calls
         with self.engine.no_sync(), self.engine.autocast():

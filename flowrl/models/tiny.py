@@ -90,6 +90,18 @@ def tiny_qwen2_tokenizer(extra_special: tuple[str, ...] = ()):
     return tokenizer
 
 
+def tiny_gemma_tokenizer():
+    """A byte-fallback `GemmaTokenizer` over lower-case letters, digits and punctuation (pad 0, eos 1, bos 2): what
+    LTX-2's Gemma 3 tokenizes with."""
+    from transformers import GemmaTokenizer
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
+    vocab.update({f"<0x{i:02X}>": 5 + i for i in range(256)})
+    for c in "▁abcdefghijklmnopqrstuvwxyz0123456789.,!?'-\"":
+        vocab.setdefault(c, len(vocab))
+    return GemmaTokenizer(vocab=vocab, merges=[])
+
+
 def _clip_text_encoder(tokenizer, hidden: int = 32, projection: int = 32, with_projection: bool = True):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 

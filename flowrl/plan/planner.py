@@ -361,11 +361,15 @@ def _rollout(mem: LiveMemory, parts: _Assembly, config):
     """One chunk of rows sampled through the algorithm's sampler (`TRACE_STEPS` steps), its decoding traced apart;
     this process's share of the epoch's rollout at the real step count is added by the size of what the chunk kept
     per sample and step."""
+    from flowrl import prompts as prompt_sets
     from flowrl.runtime import seeded
 
     c, policy = config, parts.policy
     rows = c.sampling.forward_batch_size or c.batch.micro_batch_size
-    texts = [f"a prompt of the plan {i // c.prompts.group_size}" for i in range(rows)]
+    train = prompt_sets.load(c.prompts.train)  # the run's own prompts (editing, image-to-video: with their images)
+    chosen = [train[(i // c.prompts.group_size) % len(train)] for i in range(rows)]
+    texts, sources = [str(p) for p in chosen], prompt_sets.source_images(chosen)
+    extra = {} if sources is None else {"sources": sources}
     generators = [seeded(c.run.seed, 0, 1, i) for i in range(rows)]
     sampler = parts.algorithm.sampler()
     out, decode = {}, policy.decode
@@ -385,7 +389,7 @@ def _rollout(mem: LiveMemory, parts: _Assembly, config):
     start = mem.current
     try:
         with mem.phase("rollout"), flops:
-            out["rollout"] = sampler(texts, generators, list(range(rows)), 0)
+            out["rollout"] = sampler(texts, generators, list(range(rows)), 0, **extra)
     finally:
         del policy.decode
     chunk = out["rollout"]

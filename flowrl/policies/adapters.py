@@ -72,6 +72,9 @@ class ModelAdapter(ABC):
     """The family's options (`model.options`): a dataclass with a docstring per field."""
     video: bool = False
     """Whether the family makes videos (latents `[B, C, F', h, w]`, `decode` gives `[B, 3, F, H, W]`)."""
+    pipeline_output: str = "images"
+    """The field of the image pipeline's output holding its images (Kandinsky 5's: `image`; video pipelines':
+    `frames`)."""
     real_models: tuple[str, ...] = ()
     """The published checkpoints of the family with their trained network's parameter count, as their model cards
     give them (`flowrl list models`): e.g. `"stabilityai/stable-diffusion-3.5-medium: 2.5B"`."""
@@ -142,6 +145,12 @@ class ModelAdapter(ABC):
     def set_pipeline_guidance(cls, pipeline, guidance_scale: float) -> None:
         """Make a diffusers `pipeline` guide as flowrl's `guidance_scale` where a component, not a `__call__`
         argument, holds the scale (default nothing; HunyuanVideo 1.5: its `guider`)."""
+        return None
+
+    @classmethod
+    def set_pipeline_size(cls, pipeline, height: int, width: int) -> None:
+        """Make a diffusers `pipeline` sample `height` x `width` where it would change that size itself (default
+        nothing; Kandinsky 5's image pipeline snaps a size outside its `resolutions` to one of them)."""
         return None
 
     @classmethod
@@ -288,9 +297,9 @@ class ModelAdapter(ABC):
         return latents
 
     def ode_elements(self, latents: torch.Tensor) -> torch.Tensor | None:
-        """`[...]` bool over one sample's latent elements (`latents [B, ...]`'s trailing shape) that every step moves
-        by the deterministic ODE, also on stochastic steps: no noise, no log-probability (they are not the
-        policy's action). None (default, and for any other shape): every element follows the step's kernel.
+        """`[...]` bool over one sample's latent elements (`latents [B, ...]`'s trailing shape), on the CPU (it comes
+        from the shape: host data), that every step moves by the deterministic ODE, also on stochastic steps: no
+        noise, no log-probability (they are not the policy's action). None (default, and for any other shape): every element follows the step's kernel.
         Image-to-video families mark the start frame's latent (its velocity is 0: it stays the clean image latent);
         LTX-2 its audio latents."""
         return None

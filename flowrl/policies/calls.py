@@ -34,17 +34,28 @@ def _unconditional(key: str, value: torch.Tensor, cond: dict, null_cond: dict, s
 
 
 def _partly_ode(kind, fixed, output, sigma, sigma_next, sample, *, prev_sample, noise, **kwargs) -> StepOutput:
-    """The step `kind` on the elements outside `fixed` (`[...]`, bool over one sample's elements) and the ODE on those
-    inside: noise, log-probability (reduced over the free elements only), mean and std are the free elements' (`mean
-    [n, k]`), the next state is the whole state."""
-    free = ~fixed
-    noise = None if noise is None else noise[:, free]
-    given = None if prev_sample is None else prev_sample[:, free]
-    out = sde_step(kind, output[:, free], sigma, sigma_next, sample[:, free], noise=noise, prev_sample=given, **kwargs)
+    """The step `kind` on the elements outside `fixed` (`[...]`, a host bool mask over one sample's elements) and the
+    ODE on those inside: noise, log-probability (reduced over the free elements only), mean and std are the free
+    elements' (`mean [n, k]`, in the row-major order a boolean mask gives), the next state is the whole state. The
+    mask becomes index lists on the host, so no step reads the device (a device mask's indexing would)."""
+    mask = fixed.reshape(-1).cpu()
+    free = (~mask).nonzero().squeeze(1).to(sample.device, non_blocking=True)
+    held = mask.nonzero().squeeze(1).to(sample.device, non_blocking=True)
+
+    def take(t, index):
+        return t.flatten(1).index_select(1, index)
+
+    noise = None if noise is None else take(noise, free)
+    given = None if prev_sample is None else take(prev_sample, free)
+    out = sde_step(kind, take(output, free), sigma, sigma_next, take(sample, free), noise=noise, prev_sample=given,
+                   **kwargs)  # fmt: skip
     if prev_sample is None:
         prev_sample = torch.empty_like(sample)
-        prev_sample[:, free] = out.prev_sample
-        prev_sample[:, fixed] = sde_step("ode", output[:, fixed], sigma, sigma_next, sample[:, fixed]).prev_sample
+        flat = prev_sample.view(len(sample), -1)
+        flat.index_copy_(1, free, out.prev_sample)
+        flat.index_copy_(
+            1, held, sde_step("ode", take(output, held), sigma, sigma_next, take(sample, held)).prev_sample
+        )
     return StepOutput(prev_sample, out.log_prob, out.mean, out.std)
 
 
@@ -205,7 +216,7 @@ class ChunkedCalls:
                              num_steps=len(timesteps))  # fmt: skip
         fixed = self.adapter.ode_elements(sample)  # on ODE steps too: each step's `mean` is the free elements'
         if fixed is not None:  # some elements are not the policy's action (a start frame, LTX-2's audio)
-            return _partly_ode(kind, fixed.to(sample.device), output, sigmas[step], sigmas[step + 1], sample,
+            return _partly_ode(kind, fixed, output, sigmas[step], sigmas[step + 1], sample,
                                prev_sample=prev_sample, noise=noise, noise_level=noise_level, reduce=self.reduce,
                                sigma_max=sigmas[1])  # fmt: skip
         return sde_step(kind, output, sigmas[step], sigmas[step + 1], sample, prev_sample=prev_sample,

@@ -128,8 +128,10 @@ class _Flux2Adapter(ModelAdapter):
 
     def decode(self, latents, height, width):
         pipe = self.pipeline
-        ids = self._latent_ids(latents.shape[0], height, width)
-        latents = pipe._unpack_latents_with_ids(latents, ids)
+        rows, cols = self._latent_grid(height, width)
+        # the pipeline's `_unpack_latents_with_ids` scatters the tokens by their (row, column) ids, which run over the
+        # grid row by row: the same as a reshape, without reading the grid's size back from the device
+        latents = latents.view(latents.shape[0], rows, cols, latents.shape[-1]).permute(0, 3, 1, 2)
         bn_mean = pipe.vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
         bn_std = torch.sqrt(pipe.vae.bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
         latents = latents * bn_std.to(latents.device, latents.dtype) + bn_mean

@@ -167,7 +167,7 @@ class Kandinsky5Adapter(ModelAdapter):
         channels = self.model.config.out_visual_dim
         if latents.ndim != 5 or latents.shape[-1] <= channels:
             return None
-        fixed = torch.zeros(latents.shape[1:], dtype=torch.bool, device=latents.device)
+        fixed = torch.zeros(latents.shape[1:], dtype=torch.bool)  # host data: from the shape
         fixed[..., channels:] = True
         return fixed
 
@@ -238,6 +238,7 @@ class Kandinsky5ImageAdapter(Kandinsky5Adapter):
     Options = Kandinsky5ImageOptions
     pipeline_class = "Kandinsky5T2IPipeline"
     video = False
+    pipeline_output = "image"
     real_models = ("kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers: 6B",)
 
     def _scale_factor(self, height, width):
@@ -269,6 +270,12 @@ class Kandinsky5ImageAdapter(Kandinsky5Adapter):
         """1024 x 1024, the pipeline's default."""
         return 1024, 1024
 
+    @classmethod
+    def set_pipeline_size(cls, pipeline, height, width):
+        """Add `width x height` to the pipeline's `resolutions` (its training sizes; it snaps others to them)."""
+        if (width, height) not in pipeline.resolutions:
+            pipeline.resolutions = [*pipeline.resolutions, (width, height)]
+
     @staticmethod
     def tiny(seed: int = 0):
         """A `Kandinsky5T2IPipeline` over the tiny parts (16 latent channels) and a 4-level FLUX-style `AutoencoderKL`
@@ -296,7 +303,7 @@ class Kandinsky5ImageAdapter(Kandinsky5Adapter):
             use_quant_conv=False,
         )
         pipe = Kandinsky5T2IPipeline(vae=vae, **_tiny_parts(seed, latent_channels=16))
-        pipe.resolutions.append((64, 64))
+        Kandinsky5ImageAdapter.set_pipeline_size(pipe, 64, 64)
         return _eval(pipe)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from flowrl.models.tiny import _eval
+from flowrl.models.tiny import _eval, tiny_gemma_tokenizer
 from flowrl.policies.adapters import ModelAdapter, register_family
 
 
@@ -98,6 +98,14 @@ class LTX2Adapter(ModelAdapter):
                 f"model.options.num_frames must be 1 plus a multiple of the VAE's temporal factor "
                 f"({ratio}), got {self.options.num_frames}"
             )
+        length, registers = self.options.max_sequence_length, self._registers()
+        if registers and length % registers:
+            raise ValueError(f"model.options.max_sequence_length ({length}) must be a multiple of {registers}")
+
+    def _registers(self) -> int | None:
+        """The connectors' learnable registers (128 in LTX-2; both streams): they replace the text's padding."""
+        streams = (self.pipeline.connectors.video_connector, self.pipeline.connectors.audio_connector)
+        return streams[0].num_learnable_registers if all(c.learnable_registers is not None for c in streams) else None
 
     @property
     def model(self):
@@ -165,6 +173,8 @@ class LTX2Adapter(ModelAdapter):
         """The velocity `[N, D]` of both streams (fp32, as the pipeline casts it), from one network call."""
         frames, height, width = (int(v) for v in static["grid"])
         video, audio = self._split(latents, static)
+        # with registers the pipeline's mask adds zeros: none is the same attention, and lets flash kernels run
+        mask = None if self._registers() else cond["prompt_attention_mask"]
         t = timesteps.to(latents.dtype)
         video_v, audio_v = (model or self.model)(
             hidden_states=video,
@@ -174,8 +184,8 @@ class LTX2Adapter(ModelAdapter):
             timestep=self._video_timestep(t, video.shape[1]),
             audio_timestep=t,
             sigma=t,  # as the pipeline passes it (LTX-2.3 reads it)
-            encoder_attention_mask=cond["prompt_attention_mask"],
-            audio_encoder_attention_mask=cond["prompt_attention_mask"],
+            encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask,
             num_frames=frames,
             height=height,
             width=width,
@@ -193,7 +203,7 @@ class LTX2Adapter(ModelAdapter):
         """The audio latents (the state's last `audio_size` elements): the pipeline's ODE, never sampled or scored."""
         if latents.ndim != 2 or latents.shape[1] <= self.audio_size:
             return None
-        fixed = torch.zeros(latents.shape[1], dtype=torch.bool, device=latents.device)
+        fixed = torch.zeros(latents.shape[1], dtype=torch.bool)  # host data: from the shape
         fixed[latents.shape[1] - self.audio_size :] = True
         return fixed
 
@@ -291,17 +301,6 @@ class LTX2Adapter(ModelAdapter):
         return _eval(getattr(diffusers, cls.pipeline_class)(**tiny_ltx2_components(seed)))
 
 
-def tiny_ltx2_tokenizer():
-    """A byte-fallback `GemmaTokenizer` over lower-case letters, digits and punctuation (pad 0, eos 1, bos 2)."""
-    from transformers import GemmaTokenizer
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
-    vocab.update({f"<0x{i:02X}>": 5 + i for i in range(256)})
-    for c in "▁abcdefghijklmnopqrstuvwxyz0123456789.,!?'-\"":
-        vocab.setdefault(c, len(vocab))
-    return GemmaTokenizer(vocab=vocab, merges=[])
-
-
 def tiny_ltx2_components(seed: int = 0) -> dict:
     """LTX-2's components at toy sizes: a 2-layer Gemma 3 (with a 1-layer SigLIP tower, as the class has), the text
     connectors (1 layer per stream), a 2-layer audio-video transformer (diffusers' test sizes), a 2-block video VAE
@@ -317,7 +316,7 @@ def tiny_ltx2_components(seed: int = 0) -> dict:
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
-    tokenizer, hidden = tiny_ltx2_tokenizer(), 32
+    tokenizer, hidden = tiny_gemma_tokenizer(), 32
     torch.manual_seed(seed)
     text_encoder = Gemma3ForConditionalGeneration(
         Gemma3Config(
@@ -376,11 +375,11 @@ def tiny_ltx2_components(seed: int = 0) -> dict:
         video_connector_num_attention_heads=4,
         video_connector_attention_head_dim=8,
         video_connector_num_layers=1,
-        video_connector_num_learnable_registers=None,
+        video_connector_num_learnable_registers=8,
         audio_connector_num_attention_heads=4,
         audio_connector_attention_head_dim=8,
         audio_connector_num_layers=1,
-        audio_connector_num_learnable_registers=None,
+        audio_connector_num_learnable_registers=8,
         connector_rope_base_seq_len=32,
         rope_theta=10000.0,
         rope_double_precision=False,

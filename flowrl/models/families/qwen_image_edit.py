@@ -173,7 +173,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
         template's prefix dropped, zero-padded to its vision tokens plus `max_sequence_length` with a mask."""
         pipe = self.pipeline
         text, shown = self._template_input(prompt, images)
-        inputs = pipe.processor(text=[text], images=shown, padding=True, return_tensors="pt").to(self.device)
+        inputs = pipe.processor(text=[text], images=shown, padding=True, return_tensors="pt")
+        vision = int((inputs["input_ids"] == pipe.processor.image_token_id).sum())  # counted on the host
+        inputs = inputs.to(self.device)
         out = pipe.text_encoder(
             input_ids=inputs["input_ids"],
             attention_mask=inputs["attention_mask"],
@@ -182,7 +184,6 @@ class QwenImageEditAdapter(QwenImageAdapter):
             output_hidden_states=True,
         )
         hidden = out.hidden_states[-1][0, pipe.prompt_template_encode_start_idx :]  # [L, D]
-        vision = int((inputs["input_ids"] == pipe.processor.image_token_id).sum())
         length, limit = hidden.shape[0], vision + self.options.max_sequence_length
         if length > limit:
             raise ValueError(f"a prompt needs {length - vision} text tokens, more than model.options."

@@ -125,7 +125,7 @@ class WanI2VAdapter(WanAdapter):
         """TI2V-5B: the first latent frame (the start image's latent); None for Wan 2.1 / 2.2 A14B."""
         if not self.expands_timesteps or latents.ndim != 5:
             return None
-        fixed = torch.zeros(latents.shape[1:], dtype=torch.bool, device=latents.device)
+        fixed = torch.zeros(latents.shape[1:], dtype=torch.bool)  # host data: from the shape
         fixed[:, 0] = True
         return fixed
 

@@ -9,6 +9,7 @@ import torch
 from flowrl.cli import main
 from flowrl.models.families import MODEL_FAMILIES
 from flowrl.policies import DiffusionPolicy
+from flowrl.prompts.edit_shapes import draw
 
 from .trainers.conftest import make_trainer, tiny_config
 
@@ -42,6 +43,8 @@ def _train(family, lora, tmp_path, monkeypatch, ema=True):
     MODEL_FAMILIES.get(family).tiny(seed=1).save_pretrained(base)
     (tmp_path / "prompts.txt").write_text("a red cat\na blue dog\n")
     prompts = str(tmp_path / "prompts.txt")
+    if MODEL_FAMILIES.get(family).conditioning == "start_frame":  # image-to-video: prompts with their start frames
+        prompts = "motion_shapes/train"
     adapter = MODEL_FAMILIES.get(family)
     sampler = {"sampler": adapter.default_sampler, "noise_level": 1.0 if adapter.default_sampler == "ddim" else 0.7}
     run = tmp_path / "run"
@@ -71,9 +74,11 @@ def _train(family, lora, tmp_path, monkeypatch, ema=True):
 
 
 def _samples(policy, family):
-    """ODE (DDIM eta 0) samples of two prompts from fixed noise."""
-    return policy.rollout(["a red cat", "a blue dog"], num_steps=2, guidance_scale=1.0, sampler="ode",
-                          generator=torch.Generator().manual_seed(3), height=64, width=64).images  # fmt: skip
+    """ODE (DDIM eta 0) samples of two prompts from fixed noise (image-to-video: from a drawn start frame)."""
+    start = MODEL_FAMILIES.get(family).conditioning == "start_frame"
+    sources = {"source_images": [draw("square", "blue", (10, 12, 40, 42))] * 2} if start else {}
+    kwargs = dict(num_steps=2, guidance_scale=1.0, sampler="ode", height=64, width=64, **sources)
+    return policy.rollout(["a red cat", "a blue dog"], generator=torch.Generator().manual_seed(3), **kwargs).images
 
 
 @pytest.mark.parametrize("family", FAMILIES)

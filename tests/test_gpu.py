@@ -6,6 +6,7 @@ import torch
 from flowrl.models import tiny_flux, tiny_sd3
 from flowrl.models.families import MODEL_FAMILIES
 from flowrl.policies import DiffusionPolicy
+from flowrl.prompts.edit_shapes import draw
 
 from .conftest import TEXT
 
@@ -38,8 +39,10 @@ def test_every_family_rescores_exactly_in_bf16_on_cuda(family):
     options = {k: v for k, v in {"max_sequence_length": 16, "num_frames": 5}.items() if k in fields}
     policy = DiffusionPolicy.from_pipeline(cls.tiny(seed=2).to("cuda", torch.bfloat16), options=options)
     g = torch.Generator("cuda").manual_seed(0)
+    start = cls.conditioning == "start_frame"  # image-to-video: a start frame with each prompt
+    sources = {"source_images": [draw("square", "blue", (10, 12, 40, 42))] * 3} if start else {}
     rollout = policy.rollout(["a cat", "a dog", "a cat"], num_steps=4, guidance_scale=3.5, generator=g, height=64,
-                             width=64, sampler=cls.default_sampler, noise_level=0.8)  # fmt: skip
+                             width=64, sampler=cls.default_sampler, noise_level=0.8, **sources)  # fmt: skip
     steps = rollout.sde_steps
     assert len(steps) >= 3 and rollout.log_probs.dtype == torch.float32
     assert torch.equal(policy.log_prob(rollout, steps.expand(3, -1)), rollout.log_probs[:, steps])

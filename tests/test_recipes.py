@@ -33,9 +33,9 @@ SHRINK = {
     "wan": ["sampling.window_span=[1, 3]"],  # configs/wan: Flow-Factory's one SDE step drawn from steps 1..3
     "wan_i2v": ["sampling.window_span=[1, 3]"],
     "kandinsky5": ["sampling.window_span=[1, 3]"],
-    # configs/ltx2*: 5 frames (121 shrink too slowly on a CPU), windows inside 3 steps, start frames not re-compressed
+    # configs/ltx2*: 5 frames (121 shrink too slowly on a CPU), windows inside 3 steps
     "ltx2": ["sampling.window_span=[0, 3]", "model.options.num_frames=5"],
-    "ltx2_i2v": ["sampling.window_span=[1, 3]", "model.options.num_frames=5", "model.options.image_crf=0"],
+    "ltx2_i2v": ["sampling.window_span=[1, 3]", "model.options.num_frames=5"],
     # configs/flux_kontext: the same window; source images at the shrunk target size, not 384 px
     "flux_kontext": ["sampling.window_span=[1, 3]", "model.options.condition_size=[64, 64]"],
     # configs/qwen_image_edit*: sources at the target size, few vision tokens, room for the tiny tokenizer's prompts

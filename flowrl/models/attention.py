@@ -34,12 +34,14 @@ MASKS: dict[str, str] = {
     "qwen_image_edit_plus": "gaps",
     "z_image": "padded",
     "hunyuan_video": "padded_square",
+    "hunyuan_video_i2v": "padded_square",
 }
 """The attention mask a family's network hands to diffusers' dispatch (the rest pass none), checked against every
 family's tiny network in tests/models/test_attention.py. `gaps`: `[B, 1, 1, S]` boolean, padding inside the sequence
 (Qwen-Image: `[text + its padding | image]`); `padded`: `[B, 1, 1, S]`, valid tokens first (Z-Image, when its
 captions differ in length); `padded_square`: `[B, 1, S, S]`, valid tokens first and padded queries masked too
-(HunyuanVideo 1.5). SANA masks its text too, but its attention calls PyTorch's SDPA directly (not dispatched)."""
+(HunyuanVideo 1.5, text- and image-to-video). SANA masks its text too, but its attention calls PyTorch's SDPA
+directly (not dispatched)."""
 
 VARLEN_SAFE = ("padded", "padded_square")
 """Layouts diffusers' varlen backends pack correctly (valid keys first)."""
@@ -107,7 +109,10 @@ def attention_shapes(network: torch.nn.Module) -> list[tuple[int, int]]:
     for module in network.modules():
         processor = getattr(module, "processor", None)
         if processor is not None and hasattr(processor, "_attention_backend"):
-            shape = (int(module.heads), int(module.inner_dim) // int(module.heads))
+            if hasattr(module, "heads"):
+                shape = (int(module.heads), int(module.inner_dim) // int(module.heads))
+            else:  # Kandinsky 5's attention: num_heads, to_query
+                shape = (int(module.num_heads), module.to_query.out_features // int(module.num_heads))
             shapes += [shape] if shape not in shapes else []
     return shapes
 

@@ -234,16 +234,19 @@ def test_explicit_names_none_and_unknown_names():
 
 def _spied_rollout(family, monkeypatch) -> tuple[set, list]:
     """The mask layouts the tiny family's network hands to diffusers' dispatch in a 1-step rollout (None: no mask),
-    and its dispatched attention shapes."""
+    and its dispatched attention shapes. Only the network's calls count (LTX-2's text connectors dispatch too, on
+    the default backend: `configure_attention` sets the network's)."""
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 
     monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: (64, 64, None))
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 32 * 32)
-    seen = set()
+    seen, inside = set(), [False]
 
     def record(kwargs):
         mask = kwargs["attn_mask"]
+        if not inside[0]:
+            return kwargs
         if mask is None:
             seen.add(None)
             return kwargs
@@ -265,6 +268,8 @@ def _spied_rollout(family, monkeypatch) -> tuple[set, list]:
         "glyph_tokens": 8,
     }
     policy = DiffusionPolicy.from_pipeline(cls.tiny(seed=0), options={k: v for k, v in wanted.items() if k in fields})
+    policy.model.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    policy.model.register_forward_hook(lambda *_: inside.__setitem__(0, False))
     sources = {}
     if cls.pipeline_needs_sources:
         from flowrl.prompts.edit_shapes import draw

@@ -25,19 +25,14 @@ def _options(family) -> dict:
     fields = {f.name for f in dataclasses.fields(cls.Options)}
     length = 32 if cls.pipeline_needs_sources else 16  # (Qwen-Image-Edit-Plus: "Picture 1: " and its delimiters)
     options = {"max_sequence_length": length} if "max_sequence_length" in fields else {}
-    if "image_crf" in fields:  # LTX-2 image-to-video: no H.264 re-compression of the start image (it needs PyAV)
-        options["image_crf"] = 0
     return {**options, "num_frames": 5} if "num_frames" in fields else options  # video families: 5 frames
 
 
-def _pixels(output) -> torch.Tensor:
-    """A pipeline's `output_type="pt"` result in flowrl's layout: images `[B, 3, H, W]`, or a video pipeline's
-    frames `[B, F, 3, H, W]` as videos `[B, 3, F, H, W]`."""
-    if hasattr(output, "images"):
-        return output.images
-    if hasattr(output, "image"):  # Kandinsky 5's image pipeline says `image`
-        return output.image
-    return output.frames.transpose(1, 2)
+def _pixels(output, family) -> torch.Tensor:
+    """A pipeline's `output_type="pt"` result in flowrl's layout: images `[B, 3, H, W]` (the family's
+    `pipeline_output`), or a video pipeline's frames `[B, F, 3, H, W]` as videos `[B, 3, F, H, W]`."""
+    cls = MODEL_FAMILIES.get(family)
+    return output.frames.transpose(1, 2) if cls.video else getattr(output, cls.pipeline_output)
 
 
 def _guidance(family, batch_size, pipe=None) -> dict:
@@ -81,17 +76,18 @@ def _pipeline_images(family, pipe, prompts, latents, **kwargs) -> torch.Tensor:
     prompt per call)."""
     sources = _sources(family, len(prompts)).get("source_images")
     if getattr(MODEL_FAMILIES.get(family), "pipeline_pads_prompts", False):  # its batches depend on their prompts:
-        return torch.cat([_pixels(pipe(prompt=[p], latents=latents[i : i + 1].clone(),  # (it steps them in place)
-                                       **{**kwargs, **_guidance(family, 1)})) for i, p in enumerate(prompts)])
+        guided = {**kwargs, **_guidance(family, 1)}  # (.clone(): the pipeline steps the latents in place)
+        calls = [pipe(prompt=[p], latents=latents[i : i + 1].clone(), **guided) for i, p in enumerate(prompts)]
+        return torch.cat([_pixels(c, family) for c in calls])
     if sources is None:
-        return _pixels(pipe(prompt=list(prompts), generator=_gen(), **kwargs))
+        return _pixels(pipe(prompt=list(prompts), generator=_gen(), **kwargs), family)
     if MODEL_FAMILIES.get(family).conditioning == "start_frame":  # image-to-video: one start image for the batch
         if "height" not in inspect.signature(pipe.__call__).parameters:  # HunyuanVideo 1.5: the size of the image's
             kwargs = {k: v for k, v in kwargs.items() if k not in ("height", "width")}  # bucket (64 x 64 here)
-        return _pixels(pipe(prompt=list(prompts), image=sources[0], generator=_gen(), **kwargs))
+        return _pixels(pipe(prompt=list(prompts), image=sources[0], generator=_gen(), **kwargs), family)
     calls = [pipe(prompt=[p], image=s, latents=latents[i : i + 1], **{**kwargs, **_guidance(family, 1)})
              for i, (p, s) in enumerate(zip(prompts, sources))]  # fmt: skip
-    return torch.cat([_pixels(c) for c in calls])
+    return torch.cat([_pixels(c, family) for c in calls])
 
 
 TIERED = [f if f in ("sd3", "flux", "unet") else pytest.param(f, marks=pytest.mark.models) for f in FAMILIES]

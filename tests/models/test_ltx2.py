@@ -75,3 +75,21 @@ def test_image_to_video_keeps_the_start_frame_latent_clean():
     assert not torch.equal(rollout.latents[:, 1, head.numel() :], rollout.latents[:, 0, head.numel() :])
     with pytest.raises(ValueError, match="needs a start image"):
         policy.rollout(["a cat"], num_steps=2, height=64, width=64, generator=_gen())
+
+
+def test_the_text_registers_fill_the_padding_so_no_mask_is_passed():
+    pipe = LTX2Adapter.tiny(seed=0)
+    with pytest.raises(ValueError, match=r"max_sequence_length \(12\) must be a multiple of 8$"):
+        DiffusionPolicy.from_pipeline(pipe, options={**OPTIONS, "max_sequence_length": 12})
+    adapter = DiffusionPolicy.from_pipeline(pipe, options=OPTIONS).adapter
+    cond = adapter.encode(["a cat", "a red dog"])  # both shorter than 16 tokens: left-padded
+    tokens = adapter.pipeline.tokenizer(["a cat", "a red dog"]).input_ids
+    assert max(map(len, tokens)) < 16 and cond["prompt_attention_mask"].all()  # all zeros added: none passed
+    seen = []
+    hook = adapter.model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["encoder_attention_mask"]), with_kwargs=True
+    )
+    latents = torch.randn(2, 2 * 8 * 8 * 4 + adapter.audio_size, generator=_gen())
+    adapter.forward(latents, torch.full((2,), 0.5), cond, 1.0, static=adapter.static_inputs(64, 64))
+    hook.remove()
+    assert seen == [None]

@@ -8,11 +8,13 @@ from flowrl.models import ModelConfig
 from flowrl.models.build import prepare_training
 from flowrl.models.families import MODEL_FAMILIES
 from flowrl.policies import DiffusionPolicy
+from flowrl.prompts.edit_shapes import draw
 
 
 def _policy(family: str, **model):
     cls = MODEL_FAMILIES.get(family)
-    options = {"max_sequence_length": 16} if "max_sequence_length" in cls.Options.__dataclass_fields__ else {}
+    length = 32 if cls.pipeline_needs_sources else 16  # (Qwen-Image-Edit-Plus: "Picture 1: " and its delimiters)
+    options = {"max_sequence_length": length} if "max_sequence_length" in cls.Options.__dataclass_fields__ else {}
     policy = DiffusionPolicy.from_pipeline(cls.tiny(seed=3), options=options)
     return prepare_training(policy, ModelConfig(name="tiny", lora_rank=4, lora_alpha=8, **model))
 
@@ -33,6 +35,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
     plain = _policy(family)
     kwargs = dict(num_steps=3, guidance_scale=1.0, noise_level=0.8, height=64, width=64,
                   sampler=MODEL_FAMILIES.get(family).default_sampler)  # fmt: skip
+    if MODEL_FAMILIES.get(family).pipeline_needs_sources:  # editing and image-to-video: an image with each prompt
+        kwargs["source_images"] = [draw("square", "blue", (10, 12, 40, 42))] * 2
     rollout = plain.rollout(["a cat", "a dog"], generator=torch.Generator().manual_seed(0), **kwargs)
     logp, grads = _grads(plain, rollout)
     checkpointed = _policy(family, gradient_checkpointing=True)

@@ -27,7 +27,7 @@ class LTX2I2VOptions(LTX2Options):
 
     image_crf: int | None = None
     """H.264 re-compression of the start image before it is encoded (the pipeline's `image_crf`: its training
-    compression): None is the pipeline's default (33 for the Gemma 3 checkpoints; needs PyAV, `pip install av`), 0
+    compression, with PyAV from the `video` extra): None is the pipeline's default (33 for the Gemma 3 checkpoints), 0
     skips it."""
 
 

@@ -132,7 +132,8 @@ def _gathered(n: int) -> str:
 def traced_config(config, steps: int = TRACE_STEPS):
     """`config` with rollouts of `steps` stochastic steps (the traced chunk: every step's call is alike)."""
     s = config.sampling
-    steps = min(steps, s.num_steps)
+    draws = getattr(config, "num_draws", 0) or 0  # flow-matching draws pick distinct levels of the traced steps
+    steps = min(max(steps, draws + 2), s.num_steps)
     sampling = dataclasses.replace(
         s,
         num_steps=steps,

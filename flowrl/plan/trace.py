@@ -229,7 +229,15 @@ class _TraceMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.backward or func is torch.autograd.backward:
             return self._backward(func, args, kwargs)
-        return self.handle(func, args, kwargs)
+        try:
+            return self.handle(func, args, kwargs)
+        except NotImplementedError as err:  # a library's data-dependent shape (a mask's nonzero) on meta tensors
+            if "meta_nonzero_assume_all_nonzero" not in str(err) or _called_from_flowrl():
+                raise
+            from torch.fx.experimental import _config
+
+            with _config.patch(meta_nonzero_assume_all_nonzero=True):  # every element kept: the largest shape
+                return self.handle(func, args, kwargs)
 
     def _backward(self, func, args, kwargs) -> None:
         """Autograd's engine on `Tensor.backward` / `torch.autograd.backward`'s arguments, called with this mode back
@@ -286,6 +294,8 @@ class GpuAttention(_TraceMode):
     the `N x N` attention matrices. Traced memory is then the GPU's."""
 
     def handle(self, func, args, kwargs):
+        if func is torch.Tensor.__bool__ and args[0].device.type == "meta" and not _called_from_flowrl():
+            return False  # a library's branch on a device value (HunyuanVideo 1.5: `all(image_embeds == 0)`)
         if getattr(func, "__name__", "") != "scaled_dot_product_attention":
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -307,6 +317,18 @@ class GpuAttention(_TraceMode):
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, bias, grad, dropout, causal, scale=scale
         )[0]
+
+
+def _called_from_flowrl() -> bool:
+    """Whether the code asking for a tensor's truth value is flowrl's own (its host reads must raise in a trace: they
+    would wait for the GPU), not a library's (diffusers' and transformers' branches on device values are theirs:
+    a trace takes their False side, whose shapes and memory are the same in the cases met so far)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None and ("/torch/" in frame.f_code.co_filename or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    return frame is not None and "/flowrl/" in frame.f_code.co_filename.replace("\\", "/")
 
 
 def count_flops(fn) -> int:

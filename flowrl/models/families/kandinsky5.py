@@ -123,7 +123,7 @@ class Kandinsky5Adapter(ModelAdapter):
         embeds = rows[0][0].new_zeros(len(rows), max(length, max(len(q) for q, _ in rows)), rows[0][0].shape[-1])
         for i, (qwen, _) in enumerate(rows):
             embeds[i, : len(qwen)] = qwen
-        lengths = torch.tensor([len(q) for q, _ in rows], dtype=torch.long, device=self.device)
+        lengths = torch.tensor([len(q) for q, _ in rows], dtype=torch.long)  # host data: `forward` reads it
         return {"prompt_embeds": embeds, "prompt_lengths": lengths, "pooled": torch.stack([c for _, c in rows])}
 
     # ----- the network -----

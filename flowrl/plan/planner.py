@@ -131,6 +131,8 @@ def _gathered(n: int) -> str:
 
 def traced_config(config, steps: int = TRACE_STEPS):
     """`config` with rollouts of `steps` stochastic steps (the traced chunk: every step's call is alike)."""
+    if hasattr(config, "branches"):  # TempFlow-GRPO's group is its seeds x branches x branch steps: traced whole
+        return config
     s = config.sampling
     draws = getattr(config, "num_draws", 0) or 0  # flow-matching draws pick distinct levels of the traced steps
     steps = min(max(steps, draws + 2), s.num_steps)
@@ -432,7 +434,15 @@ def _update(mem: LiveMemory, parts: _Assembly, chunk) -> _Traced:
         group_ids=part.group_ids.cpu(),
     )
     advantages = torch.linspace(-1.0, 1.0, n)
-    batch, _ = algorithm.prepare(collected, advantages, torch.ones(n, dtype=torch.bool), 0)
+    try:
+        batch, _ = algorithm.prepare(collected, advantages, torch.ones(n, dtype=torch.bool), 0)
+    except NotImplementedError as err:
+        if "meta tensor" not in str(err):
+            raise
+        raise ValueError(
+            f"flowrl plan: {c.trainer} keeps data of its update in CPU memory (DPOK's replay buffer), "
+            "which a trace on meta tensors cannot copy: its update is not planned"
+        ) from None
     plan = scheduler.plan(batch, 0)
     with FlopCounterMode(display=False) as flops:
         traced = _trace(mem, "update", lambda: scheduler.accumulate(plan, torch.arange(n), EpochStats()))

@@ -119,8 +119,19 @@ class ModelAdapter(ABC):
 
     def combine_cfg(self, uncond: torch.Tensor, text: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         """The guided prediction from the two branches (`uncond + s (text - uncond)`; a family that renormalises,
-        as Qwen-Image does, overrides this)."""
+        as Qwen-Image does, overrides this). A per-row scale (`step_guidance`) comes as host data and moves here."""
+        if isinstance(guidance_scale, torch.Tensor):
+            guidance_scale = guidance_scale.to(text.device, non_blocking=True)
         return uncond + guidance_scale * (text - uncond)
+
+    host_timesteps: torch.Tensor | None = None
+    """The current call's `[N]` timesteps on the host (the policy sets it around each call), for a family that chooses
+    by timestep (Wan 2.2's experts, Z-Image's CFG truncation) without reading the device."""
+
+    def timesteps_on_host(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """`timesteps [N]` as host data: the call's host copy when the policy gave one, else read back (a sync)."""
+        host = self.host_timesteps
+        return host if host is not None and len(host) == len(timesteps) else timesteps.cpu()
 
     @classmethod
     def pipeline_call_kwargs(cls, guidance_scale: float, batch_size: int, negative_prompt: str = "") -> dict:
@@ -174,7 +185,8 @@ class ModelAdapter(ABC):
 
     def step_guidance(self, guidance_scale: float, timesteps: torch.Tensor):
         """The CFG scale at each row's timestep (`timesteps [N]`): `guidance_scale` (a family whose scale changes
-        along the trajectory, as Wan 2.2's low-noise expert does, returns another float or a `[N, 1, ...]` tensor)."""
+        along the trajectory, as Wan 2.2's low-noise expert does, returns another float or a `[N, 1, ...]` host
+        tensor, from `timesteps_on_host`)."""
         return guidance_scale
 
     @abstractmethod
@@ -299,9 +311,9 @@ class ModelAdapter(ABC):
     def ode_elements(self, latents: torch.Tensor) -> torch.Tensor | None:
         """`[...]` bool over one sample's latent elements (`latents [B, ...]`'s trailing shape), on the CPU (it comes
         from the shape: host data), that every step moves by the deterministic ODE, also on stochastic steps: no
-        noise, no log-probability (they are not the policy's action). None (default, and for any other shape): every element follows the step's kernel.
-        Image-to-video families mark the start frame's latent (its velocity is 0: it stays the clean image latent);
-        LTX-2 its audio latents."""
+        noise, no log-probability (they are not the policy's action). None (default, and for any other shape):
+        every element follows the step's kernel. Image-to-video families mark the start frame's latent (its velocity
+        is 0: it stays the clean image latent); LTX-2 its audio latents."""
         return None
 
     def encode_sources(self, prompt: str, inputs) -> dict[str, torch.Tensor]:

@@ -170,13 +170,23 @@ class ChunkedCalls:
     in one call of twice the rows, or (False) the unconditional branch in a call of its own without gradient
     (Flow-GRPO's SD3 script detaches it: half the training activations); rollouts split their calls the same way."""
 
-    def _predict(self, model, latents, timesteps, chunk_cond, cfg: bool, guidance_scale: float, static: dict):
+    def _predict(self, model, latents, timesteps, chunk_cond, cfg: bool, guidance_scale: float, static: dict,
+                 host=None):  # fmt: skip
         """One chunk-sized network call; under CFG both branches go through it as one batch (or, without the
-        unconditional branch's gradient, two calls: that branch's under `no_grad`)."""
+        unconditional branch's gradient, two calls: that branch's under `no_grad`). `host`: the rows' timesteps on
+        the host, for families that choose by timestep (`ModelAdapter.host_timesteps`)."""
+        self.adapter.host_timesteps = host
+        try:
+            return self._predict_with(model, latents, timesteps, chunk_cond, cfg, guidance_scale, static, host)
+        finally:
+            self.adapter.host_timesteps = None
+
+    def _predict_with(self, model, latents, timesteps, chunk_cond, cfg, guidance_scale, static, host):
         forward = self.adapter.forward
         if not cfg:
             return forward(latents, timesteps, chunk_cond, guidance_scale, model=model, static=static)
         if self.uncond_grad:
+            self.adapter.host_timesteps = None if host is None else torch.cat([host, host])
             out = forward(
                 torch.cat([latents, latents]),
                 torch.cat([timesteps, timesteps]),
@@ -186,6 +196,7 @@ class ChunkedCalls:
                 static=static,
             )
             uncond, text = out.chunk(2)
+            self.adapter.host_timesteps = host
         else:
             n = len(latents)  # each conditioning tensor holds the unconditional rows first (`_plan`)
             with torch.no_grad():
@@ -233,8 +244,9 @@ class ChunkedCalls:
             rows = slice(None) if chunk.rows is None else chunk.rows.to(states.device)
             chunk_step = step if chunk.rows is None else step[chunk.rows]
             x = states[rows]
-            t = timesteps[chunk_step].to(x.device, non_blocking=True)  # the schedule is host data: no stream sync
-            output = self._predict(model, x, t, chunk.cond, cfg, guidance_scale, static)
+            host = timesteps[chunk_step]
+            t = host.to(x.device, non_blocking=True)  # the schedule is host data: no stream sync
+            output = self._predict(model, x, t, chunk.cond, cfg, guidance_scale, static, host=host)
             if predictions is not None:
                 predictions.append(output[: chunk.real])
             out = self._kernel(kind, output, chunk_step, sigmas, timesteps, x, noise_level=noise_level,

@@ -249,8 +249,9 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
             with self._scoring_model(reference) as model:
                 for chunk in plan:
                     rows = slice(None) if chunk.rows is None else chunk.rows.to(x.device)
+                    host = (tau[rows] * scale) if tau.device.type == "cpu" else None
                     t = (tau[rows] * scale).to(x.device)
-                    out = self._predict(model, x[rows], t, chunk.cond, cfg, guidance_scale, rollout.static)
+                    out = self._predict(model, x[rows], t, chunk.cond, cfg, guidance_scale, rollout.static, host=host)
                     parts.append(out[: chunk.real])
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 

@@ -23,8 +23,10 @@ def test_a_host_read_of_a_meta_tensor_raises():
         ("configs/sd35m/tiny.yaml", ["kl.beta=0.01", "batch.backward=whole"]),  # the reference's pass too
         ("configs/flux/tiny.yaml", []),  # packed latents, the guidance embedding
         ("configs/sd15/tiny.yaml", []),  # DDIM on a UNet
+        ("configs/z_image/tiny.yaml", ["model.options.cfg_truncation=0.5"]),  # CFG truncated by timestep
+        ("configs/ltx2/tiny.yaml", []),  # audio latents on the ODE inside every step (a host mask's index lists)
     ],
-    ids=["guard-cfg", "uncond-no-grad-rescored", "kl-whole", "flux", "ddim-unet"],
+    ids=["guard-cfg", "uncond-no-grad-rescored", "kl-whole", "flux", "ddim-unet", "z-image-truncated", "ltx2-audio"],
 )
 def test_a_rollout_and_an_update_step_never_read_the_device(config, overrides):
     # `flowrl plan` samples a chunk through the run's sampler and runs a micro-batch's forward and backward through

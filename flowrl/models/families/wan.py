@@ -119,7 +119,7 @@ class WanAdapter(ModelAdapter):
     def high_noise(self, timesteps: torch.Tensor) -> torch.Tensor | None:
         """`[N]` bool: the rows that `transformer` denoises (`t >= boundary`, the pipeline's test); None for 2.1."""
         boundary = self.boundary_timestep
-        return None if boundary is None else timesteps >= boundary
+        return None if boundary is None else self.timesteps_on_host(timesteps) >= boundary  # host data
 
     def step_guidance(self, guidance_scale: float, timesteps: torch.Tensor):
         """Wan 2.2's CFG scale per row: `guidance_scale` on high-noise steps, `guidance_scale_2` on low-noise ones (a
@@ -164,7 +164,7 @@ class WanAdapter(ModelAdapter):
         if not bool(high.any()):
             return self._call(low_net, latents, timesteps, cond)
         both = self._call(high_net, latents, timesteps, cond), self._call(low_net, latents, timesteps, cond)
-        return torch.where(high.view(-1, 1, 1, 1, 1).to(latents.device), *both)
+        return torch.where(high.view(-1, 1, 1, 1, 1).to(latents.device, non_blocking=True), *both)
 
     def initial_latents(self, batch_size, height, width, generator):
         """`[B, C, F', h, w]` drawn in fp32 as the pipeline draws them, then in the model's dtype."""
@@ -309,7 +309,9 @@ class WanExperts(torch.nn.Module):
         if not bool(high.any()):
             return call(self.transformer_2)
         return torch.where(
-            high.view(-1, 1, 1, 1, 1).to(latents.device), call(self.transformer), call(self.transformer_2)
+            high.view(-1, 1, 1, 1, 1).to(latents.device, non_blocking=True),
+            call(self.transformer),
+            call(self.transformer_2),
         )
 
     def experts(self) -> list[tuple[str, torch.nn.Module]]:

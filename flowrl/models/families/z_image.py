@@ -72,7 +72,7 @@ class ZImageAdapter(ModelAdapter):
         padded = embeds[0].new_zeros(len(embeds), length, embeds[0].shape[-1])
         for i, e in enumerate(embeds):
             padded[i, : len(e)] = e
-        lengths = torch.tensor([len(e) for e in embeds], dtype=torch.long, device=padded.device)
+        lengths = torch.tensor([len(e) for e in embeds], dtype=torch.long)  # host data: `forward` reads it
         return {"prompt_embeds": padded.to(self.dtype), "prompt_lengths": lengths}
 
     def _truncated(self, timesteps, guidance_scale) -> torch.Tensor | None:
@@ -80,7 +80,7 @@ class ZImageAdapter(ModelAdapter):
         trunc = float(self.options.cfg_truncation)
         if not self.uses_cfg(guidance_scale) or trunc >= 1:  # `1 - sigma` never exceeds 1
             return None
-        mask = (1000 - timesteps.float()) / 1000 > trunc
+        mask = (1000 - self.timesteps_on_host(timesteps).float()) / 1000 > trunc  # host data
         return mask if bool(mask.any()) else None
 
     def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
@@ -112,25 +112,27 @@ class ZImageAdapter(ModelAdapter):
         truncated = self._truncated(timesteps, guidance_scale)
         if truncated is None:
             return guidance_scale
-        scale = torch.full(truncated.shape, float(guidance_scale), dtype=torch.float32, device=truncated.device)
-        return scale.masked_fill(truncated, 1.0).view(-1, 1, 1, 1)
+        scale = torch.full(truncated.shape, float(guidance_scale), dtype=torch.float32)
+        return scale.masked_fill(truncated, 1.0).view(-1, 1, 1, 1)  # host data (`combine_cfg` moves it)
 
     def combine_cfg(self, uncond, text, guidance_scale):
         """The pipeline's `text + (s - 1) (text - uncond)` (its `pos + g (pos - neg)`), renormalised per sample
         when `cfg_normalization` is set (except where CFG is truncated, `s = 1`, as the pipeline does)."""
+        host = guidance_scale  # a per-row scale is host data (`step_guidance`)
+        if isinstance(guidance_scale, torch.Tensor):
+            guidance_scale = guidance_scale.to(text.device, non_blocking=True)
         pred = text + (guidance_scale - 1.0) * (text - uncond)
         factor = float(self.options.cfg_normalization)
         if factor <= 0.0:
             return pred
-        scales = torch.as_tensor(guidance_scale, dtype=torch.float32).reshape(-1).expand(pred.shape[0]).tolist()
+        scales = torch.as_tensor(host, dtype=torch.float32).reshape(-1).expand(pred.shape[0]).tolist()
         rows = []
         for j in range(pred.shape[0]):
             p = pred[j]
             if scales[j] != 1.0:
                 max_norm = torch.linalg.vector_norm(text[j]) * factor
                 new_norm = torch.linalg.vector_norm(p)
-                if new_norm > max_norm:
-                    p = p * (max_norm / new_norm)
+                p = torch.where(new_norm > max_norm, p * (max_norm / new_norm), p)  # no read of the device
             rows.append(p)
         return torch.stack(rows)
 

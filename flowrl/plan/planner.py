@@ -26,7 +26,6 @@ import math
 import tempfile
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from flowrl.plan.trace import CudaAutocast, GiB, GpuAttention, LiveMemory
 
@@ -377,28 +376,26 @@ def _rollout(mem: LiveMemory, parts: _Assembly, config):
     sampler = parts.algorithm.sampler()
     out, decode = {}, policy.decode
 
-    flops = FlopCounterMode(display=False)
-
     def traced_decode(*args, **kwargs):  # the decoder's own phase, inside the rollout's
         out["denoise"] = mem.phases["rollout"].peak  # the network calls' peak, before the decoder runs
-        start, before = mem.current, flops.get_total_flops()
+        start, before = mem.current, mem.flops
         with mem.phase("decode"):
             images = decode(*args, **kwargs)
         out["decode"] = mem.phases["decode"].peak - start
-        out["decode_flops"] = flops.get_total_flops() - before
+        out["decode_flops"] = mem.flops - before
         return images
 
     policy.decode = traced_decode
-    start = mem.current
+    start, flops = mem.current, mem.flops
     try:
-        with mem.phase("rollout"), flops:
+        with mem.phase("rollout"):
             out["rollout"] = sampler(texts, generators, list(range(rows)), 0, **extra)
     finally:
         del policy.decode
     chunk = out["rollout"]
     t, steps = chunk.num_steps, c.sampling.num_steps
     decode_flops = out.get("decode_flops", 0)
-    network_flops = flops.get_total_flops() - decode_flops  # the calls of `t` steps: each step's alike
+    network_flops = mem.flops - flops - decode_flops  # the calls of `t` steps: each step's alike
     flops_per_sample = (network_flops * steps / t + decode_flops) / rows
     per_state = _bytes([chunk.latents]) / (rows * (t + 1))
     per_step = _bytes([chunk.log_probs, *([chunk.means] if chunk.means is not None else [])]) / (rows * t)
@@ -444,8 +441,9 @@ def _update(mem: LiveMemory, parts: _Assembly, chunk) -> _Traced:
             "which a trace on meta tensors cannot copy: its update is not planned"
         ) from None
     plan = scheduler.plan(batch, 0)
-    with FlopCounterMode(display=False) as flops:
-        traced = _trace(mem, "update", lambda: scheduler.accumulate(plan, torch.arange(n), EpochStats()))
+    flops = mem.flops
+    traced = _trace(mem, "update", lambda: scheduler.accumulate(plan, torch.arange(n), EpochStats()))
+    flops = mem.flops - flops
     grads = _bytes([p.grad for p in parts.params if p.grad is not None])
     activation = max(traced.activation - grads, 0)
     mode, traced_columns = c.batch.backward, plan.index.shape[1]
@@ -455,7 +453,7 @@ def _update(mem: LiveMemory, parts: _Assembly, chunk) -> _Traced:
     if not per_step and columns and columns > traced_columns:  # a whole backward keeps every trained step's
         activation = activation * columns // traced_columns
     detail = f"{n} rows, backward {'per step' if per_step else 'whole'} ({mode})"
-    per_sample = flops.get_total_flops() * (columns or traced_columns) / traced_columns / n  # every trained step's
+    per_sample = flops * (columns or traced_columns) / traced_columns / n  # every trained step's
     return _Traced(activation=activation, rows=n, grads=grads, detail=detail, flops=per_sample)
 
 

@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
 
 
 GiB = 2**30
@@ -56,6 +57,9 @@ class LiveMemory(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # id of the storage's weakref -> bytes
         self._refs: dict[int, weakref.ref] = {}  # storage key -> its weakref
         self.phases: dict[str, Phase] = {}
+        self.flops = 0
+        """FLOPs of the matrix products, convolutions and attention traced (`torch.utils.flop_counter`'s formulas;
+        counted here, in the same pass: its `FlopCounterMode` keeps a graph's module hooks alive)."""
 
     def register(self, tensors) -> None:
         """Count these (already existing) tensors, e.g. a module's parameters and buffers."""
@@ -111,6 +115,9 @@ class LiveMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:  # FLOPs by torch's formulas (matmuls, convolutions, attention), from the shapes
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
         inputs = {self._key(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if _has_storage(t)}
         for t in tree_flatten(out)[0]:
             if _has_storage(t) and self._key(t.untyped_storage()) not in inputs:  # views and in-place: no allocation

@@ -341,10 +341,13 @@ class UpdateScheduler:
             probe.reset()
         for j in range(k):
             terms = self._terms(mb, slice(j, j + 1))
-            part, row_loss, _ = terms_loss(terms, layout.columns(slice(j, j + 1)), mb.advantages, objective,
-                                           {**hp, "agg": "sum"}, weighted=True)  # fmt: skip
+            part, row_loss, column_metrics = terms_loss(terms, layout.columns(slice(j, j + 1)), mb.advantages,
+                                                        objective, {**hp, "agg": "sum"}, weighted=True)  # fmt: skip
             self.engine.backward(part * scale + row_loss * row_scale)
             parts.append(terms.detached())
+            # the column's graph goes before the next column's forward: a checkpointed block's recomputed activations
+            # live on its nodes until the graph is freed (two columns' worth otherwise)
+            del terms, part, row_loss, column_metrics
             if probe is not None:
                 norm = probe.increment_norm() / max(scale, 1e-12)
                 element = mb.index[:, j][layout.valid[:, j]].unique()
@@ -393,6 +396,7 @@ class UpdateScheduler:
                     surrogate.append((part.to(value.device) * value).sum())
                 if surrogate:
                     self.engine.backward(torch.stack(surrogate).sum())
+                del column, surrogate  # this column's graph, before the next column's forward (see `_direct`)
             start += b
         return _detached(loss, row_loss, metrics)
 

@@ -193,3 +193,16 @@ def test_every_shipped_recipe_assembles_at_its_process_count_without_weights(pat
     parts = _Assembly(config, _stated_processes(path), tmp_path)
     assert parts.params and all(p.device.type == "meta" for p in parts.params)
     assert sum(p.numel() for p in parts.policy.model.parameters()) > 5e8  # a real-size network
+
+
+@pytest.mark.models  # a 20B network's plan: about a minute
+def test_the_readme_s_plan_command_runs_as_printed(capsys, monkeypatch):
+    import shlex
+
+    from flowrl.cli import main
+
+    monkeypatch.chdir(ROOT)
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("flowrl plan "))
+    args = shlex.split(line.split("#")[0])[1:]
+    assert main(args) == 0  # Qwen-Image on 8 GPUs with FSDP2 fits
+    assert "on 8 GPUs of 80 GiB" in capsys.readouterr().out

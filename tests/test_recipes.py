@@ -33,6 +33,7 @@ SHRINK = {
     "wan": ["sampling.window_span=[1, 3]"],  # configs/wan: Flow-Factory's one SDE step drawn from steps 1..3
     "wan_i2v": ["sampling.window_span=[1, 3]"],
     "kandinsky5": ["sampling.window_span=[1, 3]"],
+    "qwen_image_21": ["sampling.window_span=[1, 3]"],
     # configs/ltx2*: 5 frames (121 shrink too slowly on a CPU), windows inside 3 steps
     "ltx2": ["sampling.window_span=[0, 3]", "model.options.num_frames=5"],
     "ltx2_i2v": ["sampling.window_span=[1, 3]", "model.options.num_frames=5"],

@@ -35,13 +35,16 @@ MASKS: dict[str, str] = {
     "z_image": "padded",
     "hunyuan_video": "padded_square",
     "hunyuan_video_i2v": "padded_square",
+    "qwen_image_21": "causal",
 }
 """The attention mask a family's network hands to diffusers' dispatch (the rest pass none), checked against every
 family's tiny network in tests/models/test_attention.py. `gaps`: `[B, 1, 1, S]` boolean, padding inside the sequence
 (Qwen-Image: `[text + its padding | image]`); `padded`: `[B, 1, 1, S]`, valid tokens first (Z-Image, when its
 captions differ in length); `padded_square`: `[B, 1, S, S]`, valid tokens first and padded queries masked too
-(HunyuanVideo 1.5, text- and image-to-video). SANA masks its text too, but its attention calls PyTorch's SDPA
-directly (not dispatched)."""
+(HunyuanVideo 1.5, text- and image-to-video); `causal`: `[1, 1, S, S]`, lower-triangular (Qwen-Image 2.1's text,
+whose image tokens then attend unmasked; its whole-sequence calls run on diffusers' active backend, the layers'
+setting reaching only the cached decode flowrl does not use). SANA masks its text too, but its attention calls
+PyTorch's SDPA directly (not dispatched)."""
 
 VARLEN_SAFE = ("padded", "padded_square")
 """Layouts diffusers' varlen backends pack correctly (valid keys first)."""
@@ -134,8 +137,10 @@ def _test_inputs(heads: int, head_dim: int, mask: str | None):
         keys = (position >= text) | (position < valid[:, None])  # [text + padding | image]
     elif mask in VARLEN_SAFE:
         keys = position < (image + valid)[:, None]  # [image | text | padding]
+    elif mask == "causal":
+        return q, k, v, probe, (position[None, :] <= position[:, None]).expand(2, 1, tokens, tokens), rows
     else:
-        raise ValueError(f"unknown attention mask layout {mask!r}; valid: gaps, {', '.join(VARLEN_SAFE)}")
+        raise ValueError(f"unknown attention mask layout {mask!r}; valid: gaps, causal, {', '.join(VARLEN_SAFE)}")
     if mask == "padded_square":
         rows = keys
         return q, k, v, probe * rows[..., None, None], (keys[:, None, None, :] & keys[:, None, :, None]), rows

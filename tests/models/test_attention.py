@@ -253,7 +253,10 @@ def _spied_rollout(family, monkeypatch) -> tuple[set, list]:
         keys = mask.expand(mask.shape[0], 1, mask.shape[-2], mask.shape[-1]).any(dim=(1, 2))
         prefix = bool((keys == (torch.arange(keys.shape[-1]) < keys.sum(-1, keepdim=True))).all())
         square = mask.shape[-2] > 1
-        seen.add({(True, False): "padded", (True, True): "padded_square"}.get((prefix, square), "gaps"))
+        lower = torch.ones(mask.shape[-2:], dtype=torch.bool).tril(mask.shape[-1] - mask.shape[-2])
+        causal = square and bool((mask == lower).all())  # Qwen-Image 2.1's text: each query its own and earlier keys
+        layout = {(True, False): "padded", (True, True): "padded_square"}.get((prefix, square), "gaps")
+        seen.add("causal" if causal else layout)
         assert mask.dtype == torch.bool and mask.ndim == 4 and (prefix or not square)
         return kwargs
 

@@ -29,10 +29,11 @@ def _options(family) -> dict:
 
 
 def _pixels(output, family) -> torch.Tensor:
-    """A pipeline's `output_type="pt"` result in flowrl's layout: images `[B, 3, H, W]` (the family's
-    `pipeline_output`), or a video pipeline's frames `[B, F, 3, H, W]` as videos `[B, 3, F, H, W]`."""
+    """A pipeline's `output_type="pt"` result in flowrl's layout: RGB images `[B, 3, H, W]` (the family's
+    `pipeline_output`; Qwen-Image 2.1's RGBA without alpha), or a video pipeline's frames `[B, F, 3, H, W]` as
+    videos `[B, 3, F, H, W]`."""
     cls = MODEL_FAMILIES.get(family)
-    return output.frames.transpose(1, 2) if cls.video else getattr(output, cls.pipeline_output)
+    return output.frames.transpose(1, 2) if cls.video else getattr(output, cls.pipeline_output)[:, :3]
 
 
 def _guidance(family, batch_size, pipe=None) -> dict:

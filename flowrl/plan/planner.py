@@ -130,8 +130,8 @@ def _gathered(n: int) -> str:
 
 def traced_config(config, steps: int = TRACE_STEPS):
     """`config` with rollouts of `steps` stochastic steps (the traced chunk: every step's call is alike)."""
-    if hasattr(config, "branches"):  # TempFlow-GRPO's group is its seeds x branches x branch steps: traced whole
-        return config
+    if hasattr(config, "branches") or "trained_expert" in config.model.options:
+        return config  # TempFlow-GRPO's group (seeds x branches x steps), Wan 2.2's experts by step: traced whole
     s = config.sampling
     draws = getattr(config, "num_draws", 0) or 0  # flow-matching draws pick distinct levels of the traced steps
     steps = min(max(steps, draws + 2), s.num_steps)
@@ -225,7 +225,8 @@ def plans(config, *, gpus=(1,), gpu_memory: float = 80.0, name: str = "") -> lis
     encoders = set(text_encoders(policy.adapter.pipeline))
     offloaded = policy.text_encoders_offloaded
     policy.text_encoders_offloaded = False  # nothing moves on meta: offloaded encoders join the phase by size
-    trained = {k for k, m in modules.items() if k in ("transformer", "transformer_2", "unet")}
+    trained_ids = {id(net) for _, net in networks(policy.model)}  # what `run.shard` shards (a frozen expert stays)
+    trained = {k for k, m in modules.items() if id(m) in trained_ids}
     weights = {k: _module_bytes(m) for k, m in modules.items()}
     if policy.reference_model is not None and not policy.reference_offload:
         weights["reference copy"] = _module_bytes(policy.reference_model)
@@ -263,9 +264,14 @@ def plans(config, *, gpus=(1,), gpu_memory: float = 80.0, name: str = "") -> lis
             PhasePeak("load", load, ", ".join(f"{k} {_gib(v)}" for k, v in per_gpu.items()) + f"; {state_detail}"),
             PhasePeak(
                 "text encoding",
-                load + (encoder_bytes if offloaded else 0) + text.activation,
-                f"text encoders {'joining from CPU memory' if offloaded else 'resident'} ({_gib(encoder_bytes)}), "
-                f"{policy.text_batch_size} prompts per call",
+                encoder_bytes + text.activation if offloaded else load + text.activation,
+                f"text encoders {_gib(encoder_bytes)}, "
+                + (
+                    "alone on the GPU: the prompts are encoded before the network moves there, "
+                    if offloaded
+                    else "resident, "
+                )
+                + f"{policy.text_batch_size} prompts per call",
             ),
             PhasePeak(
                 "rollout",
@@ -437,7 +443,7 @@ def _update(mem: LiveMemory, parts: _Assembly, chunk) -> _Traced:
         if "meta tensor" not in str(err):
             raise
         raise ValueError(
-            f"flowrl plan: {c.trainer} keeps data of its update in CPU memory (DPOK's replay buffer), "
+            f"flowrl plan: {c.trainer} keeps data of its update in CPU memory (a replay buffer, stored draws), "
             "which a trace on meta tensors cannot copy: its update is not planned"
         ) from None
     plan = scheduler.plan(batch, 0)

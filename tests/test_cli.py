@@ -152,8 +152,8 @@ def test_an_unreachable_hub_model_is_one_line(capsys, monkeypatch, tmp_path):
     for name in ("diffusers", "transformers", "huggingface_hub"):
         monkeypatch.setattr(logging.getLogger(name), "disabled", True)
     config = _yaml(tmp_path, **{"model.name": "someorg/some-model", "model.family": "sd3"})
-    line = _fails(capsys, ["train", str(config), "--output-dir", str(tmp_path / "run")],
-                  "the model someorg/some-model: `hf download someorg/some-model --local-dir DIR`, then model.name: DIR")  # fmt: skip
+    hint = "the model someorg/some-model: `hf download someorg/some-model --local-dir DIR`, then model.name: DIR"
+    line = _fails(capsys, ["train", str(config), "--output-dir", str(tmp_path / "run")], hint)
     assert "HF_HUB_OFFLINE=1" in line and "{name}" not in line
 
 

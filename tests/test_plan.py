@@ -187,10 +187,10 @@ def test_every_shipped_recipe_assembles_at_its_process_count_without_weights(pat
     # the run's own checks at the process count the recipe states (sharding, EMA, groups over processes), the
     # policy at its published real size on meta with the recipe's LoRA, precision and options, the algorithm's
     # checks, its sampler and update scheduler: a refusal or an unknown option fails here, not on 8 GPUs
-    from flowrl.plan.planner import _Assembly
+    from flowrl.plan.phases import Assembly
 
     config = load_config(path)
-    parts = _Assembly(config, _stated_processes(path), tmp_path)
+    parts = Assembly(config, _stated_processes(path), tmp_path)
     assert parts.params and all(p.device.type == "meta" for p in parts.params)
     assert sum(p.numel() for p in parts.policy.model.parameters()) > 5e8  # a real-size network
 

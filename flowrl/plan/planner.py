@@ -27,14 +27,23 @@ import tempfile
 
 import torch
 
+from flowrl.plan.phases import (
+    Assembly,
+    check_launch,
+    encode,
+    module_bytes,
+    trace,
+    trace_rollout,
+    trace_step,
+    trace_update,
+    traced_by_transformers,
+)
 from flowrl.plan.trace import CudaAutocast, GiB, GpuAttention, LiveMemory
 
 
 USABLE = 0.92
 """The share of a GPU's memory a plan may fill (CUDA's context and the caching allocator's fragmentation take the
 rest of what the driver reports; `torch.cuda.max_memory_allocated`, what the plan predicts, stays below it)."""
-TRACE_STEPS = 3
-"""Denoising steps of the traced rollout (the real count's trajectories are added by size)."""
 
 
 @dataclasses.dataclass
@@ -106,103 +115,12 @@ class MemoryPlan:
         return "\n".join(lines + self.notes)
 
 
-def _bytes(tensors) -> int:
-    """Bytes of the distinct storages of `tensors`."""
-    sizes = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            storage = t.untyped_storage()
-            sizes[storage._cdata] = storage.nbytes()
-    return sum(sizes.values())
-
-
-def _module_bytes(module) -> int:
-    return 0 if module is None else _bytes([*module.parameters(), *module.buffers()])
-
-
 def _gib(n: float) -> str:
     return f"{n / GiB:.1f}"
 
 
 def _gathered(n: int) -> str:
     return f", two blocks gathered whole {_gib(n)}" if n else ""
-
-
-def traced_config(config, steps: int = TRACE_STEPS):
-    """`config` with rollouts of `steps` stochastic steps (the traced chunk: every step's call is alike)."""
-    if hasattr(config, "branches") or "trained_expert" in config.model.options:
-        return config  # TempFlow-GRPO's group (seeds x branches x steps), Wan 2.2's experts by step: traced whole
-    s = config.sampling
-    draws = getattr(config, "num_draws", 0) or 0  # flow-matching draws pick distinct levels of the traced steps
-    steps = min(max(steps, draws + 2), s.num_steps)
-    sampling = dataclasses.replace(
-        s,
-        num_steps=steps,
-        sde_window=None,
-        sde_window_schedule="fixed",
-        window_span=None,
-        window_size=min(s.window_size, max(steps - 1, 1)),
-        post_window_solver="euler",
-    )
-    changes = {"sampling": sampling}
-    if getattr(config, "steps", None) is not None:  # a selection that fits the traced steps (its calls are alike)
-        changes["steps"] = dataclasses.replace(config.steps, k=min(config.steps.k, steps), window=None)
-    return dataclasses.replace(config, **changes)
-
-
-def check_launch(config, gpus: int) -> str:
-    """What the run refuses at `gpus` processes (its engine's and driver's checks); returns the sharding it uses."""
-    from flowrl.trainers.driver import check_world
-    from flowrl.trainers.engine import check_shardable
-    from flowrl.trainers.registry import TRAINERS
-
-    algorithm_class = TRAINERS.get(config.trainer)
-    shard = config.run.shard if gpus > 1 else "none"
-    refusals = [algorithm_class.shard_refusal] if algorithm_class.shard_refusal else []
-    check_shardable(shard, config.run, config.optim, config.ema_decay, refusals)
-    check_world(config, algorithm_class, gpus, shard)
-    return shard
-
-
-class _Assembly:
-    """The run's parts without weights: engine (CPU, one process), modality, algorithm, update scheduler, on `meta`,
-    after the run's checks at `gpus` processes."""
-
-    def __init__(self, config, gpus: int, folder):
-        from flowrl.image.modality import build_image_policy
-        from flowrl.trainers.engine import Engine
-        from flowrl.trainers.registry import TRAINERS
-        from flowrl.trainers.scheduler import UpdateScheduler
-
-        algorithm_class = TRAINERS.get(config.trainer)
-        if algorithm_class.modality_class.__name__ != "ImageModality":
-            raise ValueError(f"flowrl plan plans image and video runs; {config.trainer} trains another modality")
-        self.shard = check_launch(config, gpus)
-        traced = traced_config(config)
-        run = dataclasses.replace(config.run, cpu=True, log_with=[])
-        self.engine = Engine(run, config.optim, folder, ema_decay=config.ema_decay, ema_every=config.ema_every)
-        policy = build_image_policy(
-            config.model,
-            forward_batch_size=config.batch.micro_batch_size,
-            weights=False,
-            seed=config.run.seed,
-            mixed_precision=config.run.mixed_precision,
-        )
-        self.modality = algorithm_class.modality_class(traced, self.engine.context(), policy=policy, scoring=False)
-        self.algorithm = algorithm_class(traced, self.modality, self.engine)
-        if self.algorithm.needs_reference():
-            kl = getattr(config, "kl", None)
-            self.modality.ensure_reference(offload=bool(kl and kl.reference_offload))
-        self.algorithm.build()
-        self.module = self.algorithm.trained_module()
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.engine.model, self.engine.params = self.module, self.params  # what the scheduler's calls go through
-        self.scheduler = UpdateScheduler(traced.batch, self.engine, self.algorithm, config.run.seed)
-        self.config = config
-
-    @property
-    def policy(self):
-        return self.modality.policy
 
 
 def plan(config, *, gpus: int = 1, gpu_memory: float = 80.0, name: str = "") -> MemoryPlan:
@@ -219,7 +137,7 @@ def plans(config, *, gpus=(1,), gpu_memory: float = 80.0, name: str = "") -> lis
     for count in gpus:
         check_launch(config, count)
     with tempfile.TemporaryDirectory() as folder:
-        parts = _Assembly(config, 1, folder)
+        parts = Assembly(config, 1, folder)
     policy, c = parts.policy, config
     modules = {k: m for k, m in policy.adapter.pipeline.components.items() if isinstance(m, torch.nn.Module)}
     encoders = set(text_encoders(policy.adapter.pipeline))
@@ -227,9 +145,9 @@ def plans(config, *, gpus=(1,), gpu_memory: float = 80.0, name: str = "") -> lis
     policy.text_encoders_offloaded = False  # nothing moves on meta: offloaded encoders join the phase by size
     trained_ids = {id(net) for _, net in networks(policy.model)}  # what `run.shard` shards (a frozen expert stays)
     trained = {k for k, m in modules.items() if id(m) in trained_ids}
-    weights = {k: _module_bytes(m) for k, m in modules.items()}
+    weights = {k: module_bytes(m) for k, m in modules.items()}
     if policy.reference_model is not None and not policy.reference_offload:
-        weights["reference copy"] = _module_bytes(policy.reference_model)
+        weights["reference copy"] = module_bytes(policy.reference_model)
     resident = {k: v for k, v in weights.items() if not (offloaded and k in encoders)}
     mem = LiveMemory()
     mem.register([t for k, m in modules.items() if k in resident for t in (*m.parameters(), *m.buffers())])
@@ -239,11 +157,11 @@ def plans(config, *, gpus=(1,), gpu_memory: float = 80.0, name: str = "") -> lis
     precision = CudaAutocast(low) if c.run.mixed_precision != "no" else contextlib.nullcontext()
     # the backward on this thread (the modes are thread-local; a checkpointed block's recomputation must see them)
     single = torch.autograd.set_multithreading_enabled(False)
-    with mem, GpuAttention(), precision, _traced_by_transformers(), single:
-        text = _trace(mem, "text", lambda: _encode(policy))
-        rollout, chunk = _rollout(mem, parts, c)
-        update = _update(mem, parts, chunk)
-        state, ema = _step(parts)
+    with mem, GpuAttention(), precision, traced_by_transformers(), single:
+        text = trace(mem, "text", lambda: encode(policy))
+        rollout, chunk = trace_rollout(mem, parts, c)
+        update = trace_update(mem, parts, chunk)
+        state, ema = trace_step(parts)
     blocks = [b for _, net in networks(policy.model) for b in repeated_blocks(net)]
     results = []
     for n in gpus:
@@ -256,7 +174,7 @@ def plans(config, *, gpus=(1,), gpu_memory: float = 80.0, name: str = "") -> lis
         optimizer = state // n if shard != "none" else state
         ema_bytes = ema // n if shard == "fsdp2" else ema
         grads = update.grads // n if shard != "none" else update.grads * (2 if n > 1 else 1)  # DDP: its buckets too
-        gathered = 2 * max((_module_bytes(b) for b in blocks), default=0) if sharded_net else 0
+        gathered = 2 * max((module_bytes(b) for b in blocks), default=0) if sharded_net else 0
         load = sum(per_gpu.values()) + optimizer + ema_bytes
         encoder_bytes = sum(weights[k] for k in encoders)
         state_detail = f"AdamW state {_gib(optimizer)}" + (f", EMA {_gib(ema_bytes)}" if ema_bytes else "")
@@ -316,186 +234,3 @@ def plans(config, *, gpus=(1,), gpu_memory: float = 80.0, name: str = "") -> lis
             )
         )
     return results
-
-
-@dataclasses.dataclass
-class _Traced:
-    activation: int = 0
-    """The transient peak above what the phase started with and keeps."""
-    kept: int = 0
-    rows: int = 0
-    calls: int = 0
-    grads: int = 0
-    detail: str = ""
-    denoise: int = 0
-    """Rollout: the network calls' peak (the decoder's is `decode`)."""
-    decode: int = 0
-    flops: float = 0.0
-    """FLOPs per sample executed (`FlopCounterMode`: matrix products, convolutions, attention) at the real steps."""
-    kept_per_sample: float = 0.0
-    """Rollout: one sample's trajectory, log-probs, means and images at the real step count."""
-
-
-def _trace(mem: LiveMemory, name: str, fn) -> _Traced:
-    start = mem.current
-    with mem.phase(name):
-        fn()
-    return _Traced(activation=mem.phases[name].peak - start, kept=mem.current - start)
-
-
-def _encode(policy) -> None:
-    """A batch of prompts and the negative prompt through the text encoders (padded to their fixed lengths)."""
-    policy.encode([f"a prompt of the plan {i}" for i in range(policy.text_batch_size)])
-    policy.encode([policy.negative_prompt], negative=True)
-    policy.clear_text_cache()
-
-
-@contextlib.contextmanager
-def _traced_by_transformers():
-    """transformers' text encoders read their padding masks to skip them when nothing is padded (`mask.all()`), which a
-    `meta` tensor cannot answer; under a tracer (`torch.compile`, FakeTensor) they keep the masks instead: the plan
-    says it traces, and plans the memory of the masked case."""
-    from transformers import masking_utils
-
-    original = masking_utils.is_tracing
-    masking_utils.is_tracing = lambda tensor=None: True
-    try:
-        yield
-    finally:
-        masking_utils.is_tracing = original
-
-
-def _rollout(mem: LiveMemory, parts: _Assembly, config):
-    """One chunk of rows sampled through the algorithm's sampler (`TRACE_STEPS` steps), its decoding traced apart;
-    this process's share of the epoch's rollout at the real step count is added by the size of what the chunk kept
-    per sample and step."""
-    from flowrl import prompts as prompt_sets
-    from flowrl.runtime import seeded
-
-    c, policy = config, parts.policy
-    rows = c.sampling.forward_batch_size or c.batch.micro_batch_size
-    train = prompt_sets.load(c.prompts.train)  # the run's own prompts (editing, image-to-video: with their images)
-    chosen = [train[(i // c.prompts.group_size) % len(train)] for i in range(rows)]
-    texts, sources = [str(p) for p in chosen], prompt_sets.source_images(chosen)
-    extra = {} if sources is None else {"sources": sources}
-    generators = [seeded(c.run.seed, 0, 1, i) for i in range(rows)]
-    sampler = parts.algorithm.sampler()
-    out, decode = {}, policy.decode
-
-    def traced_decode(*args, **kwargs):  # the decoder's own phase, inside the rollout's
-        out["denoise"] = mem.phases["rollout"].peak  # the network calls' peak, before the decoder runs
-        start, before = mem.current, mem.flops
-        with mem.phase("decode"):
-            images = decode(*args, **kwargs)
-        out["decode"] = mem.phases["decode"].peak - start
-        out["decode_flops"] = mem.flops - before
-        return images
-
-    policy.decode = traced_decode
-    start, flops = mem.current, mem.flops
-    try:
-        with mem.phase("rollout"):
-            out["rollout"] = sampler(texts, generators, list(range(rows)), 0, **extra)
-    finally:
-        del policy.decode
-    chunk = out["rollout"]
-    t, steps = chunk.num_steps, c.sampling.num_steps
-    decode_flops = out.get("decode_flops", 0)
-    network_flops = mem.flops - flops - decode_flops  # the calls of `t` steps: each step's alike
-    flops_per_sample = (network_flops * steps / t + decode_flops) / rows
-    per_state = _bytes([chunk.latents]) / (rows * (t + 1))
-    per_step = _bytes([chunk.log_probs, *([chunk.means] if chunk.means is not None else [])]) / (rows * t)
-    per_sample = _bytes([chunk.images]) / rows if chunk.images is not None else 0
-    kept = (steps + 1) * per_state + steps * per_step + per_sample  # one sample's at the real step count
-    cfg = policy.adapter.uses_cfg(c.sampling.guidance_scale)
-    calls = rows * (2 if cfg and policy.uncond_grad else 1)
-    held = mem.current - start  # the chunk's own trajectories and images
-    activation = max(mem.phases["rollout"].peak - start - held, 0)
-    traced = _Traced(activation=activation, rows=rows, calls=calls, kept_per_sample=kept, flops=flops_per_sample)
-    traced.decode = max(
-        out.get("decode", 0) - (held - _bytes([chunk.images]) if chunk.images is not None else held), 0
-    )
-    traced.denoise = max(out.get("denoise", mem.phases["rollout"].peak) - start - held, 0)
-    return traced, chunk
-
-
-def _update(mem: LiveMemory, parts: _Assembly, chunk) -> _Traced:
-    """One micro-batch's forward and backward through the run's update scheduler, on the chunk's rows (two trained
-    steps: every step's backward is alike; a whole backward's activations grow with its steps, added by size)."""
-    from flowrl.policies.rollout import Collected
-    from flowrl.trainers.stats import EpochStats
-
-    algorithm, scheduler, c = parts.algorithm, parts.scheduler, parts.algorithm.config
-    n = min(len(chunk), c.batch.micro_batch_size)
-    part = chunk.select(torch.arange(n))
-    collected = Collected(
-        data=part,
-        rows=torch.arange(n),
-        size=n,
-        prompts=list(part.prompts),
-        total=torch.zeros(n),
-        group_ids=part.group_ids.cpu(),
-    )
-    advantages = torch.linspace(-1.0, 1.0, n)
-    try:
-        batch, _ = algorithm.prepare(collected, advantages, torch.ones(n, dtype=torch.bool), 0)
-    except NotImplementedError as err:
-        if "meta tensor" not in str(err):
-            raise
-        raise ValueError(
-            f"flowrl plan: {c.trainer} keeps data of its update in CPU memory (a replay buffer, stored draws), "
-            "which a trace on meta tensors cannot copy: its update is not planned"
-        ) from None
-    plan = scheduler.plan(batch, 0)
-    flops = mem.flops
-    traced = _trace(mem, "update", lambda: scheduler.accumulate(plan, torch.arange(n), EpochStats()))
-    flops = mem.flops - flops
-    grads = _bytes([p.grad for p in parts.params if p.grad is not None])
-    activation = max(traced.activation - grads, 0)
-    mode, traced_columns = c.batch.backward, plan.index.shape[1]
-    separable = algorithm.element_calls and not (scheduler.coupled_steps or scheduler.coupled_rows)
-    columns = _columns(parts.config)
-    per_step = mode == "per_step" or (mode == "auto" and separable and n * (columns or traced_columns) > n)
-    if not per_step and columns and columns > traced_columns:  # a whole backward keeps every trained step's
-        activation = activation * columns // traced_columns
-    detail = f"{n} rows, backward {'per step' if per_step else 'whole'} ({mode})"
-    per_sample = flops * (columns or traced_columns) / traced_columns / n  # every trained step's
-    return _Traced(activation=activation, rows=n, grads=grads, detail=detail, flops=per_sample)
-
-
-def _columns(config) -> int | None:
-    """The denoising steps a sample trains at the config's real step count (None: its elements are not steps)."""
-    from types import SimpleNamespace
-
-    from flowrl.core import sde_window_at
-    from flowrl.image.steps import StepTerms
-    from flowrl.runtime import seeded
-
-    steps, s = getattr(config, "steps", None), config.sampling
-    if steps is None:
-        return None
-    if steps.selection == "random":
-        return steps.k
-    window = sde_window_at(
-        s.sde_window_schedule,
-        0,
-        s.num_steps,
-        window=s.sde_window,
-        size=s.window_size,
-        every=s.window_every,
-        stride=s.window_stride,
-        span=s.window_span,
-        generator=seeded(config.run.seed, 0, 7),
-    )
-    start, end = window or (0, s.num_steps)
-    skeleton = SimpleNamespace(sde_steps=torch.arange(start, end))
-    return len(StepTerms(None, steps, None, store_means=False, seed=config.run.seed).trainable_steps(skeleton))
-
-
-def _step(parts: _Assembly) -> tuple[int, int]:
-    """Bytes of AdamW's state after a step (fused on a GPU: no temporaries) and of the EMA copy."""
-    optimizer = torch.optim.AdamW(parts.params, lr=1e-6, foreach=False)
-    optimizer.step()
-    state = _bytes([t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
-    ema = _bytes(parts.params) if parts.engine.ema_decay else 0
-    return state, ema

@@ -23,7 +23,8 @@ def test_a_runs_own_cluster_keeps_the_learners_gpus_unless_asked_to_share():
     assert cluster_gpus(["0"], learner_gpus=1, worker_gpus=0.5, share_gpus=True) == ["0"]  # one GPU, shared
     assert cluster_gpus(["0"], learner_gpus=1, worker_gpus=0, share_gpus=False) == []  # CPU workers: nothing to give
     assert cluster_gpus([], learner_gpus=0, worker_gpus=0, share_gpus=False) == []
-    with pytest.raises(ValueError, match=r"^asynchrony.worker_gpus is 0.5 but the 1 learner .*asynchrony.share_gpus: true"):
+    shared = r"^asynchrony.worker_gpus is 0.5 but the 1 learner .*asynchrony.share_gpus: true"
+    with pytest.raises(ValueError, match=shared):
         cluster_gpus(["0"], learner_gpus=1, worker_gpus=0.5, share_gpus=False)
     with pytest.raises(ValueError, match=r"^asynchrony.worker_gpus is 1 but this machine has no GPU"):
         cluster_gpus([], learner_gpus=0, worker_gpus=1, share_gpus=False)

@@ -222,7 +222,8 @@ class HunyuanVideoAdapter(ModelAdapter):
         tokens on the template before the prompt, as the real one does, so the crop drops the same text.
         `FlowMatchEulerDiscreteScheduler(shift=7.0)` and `ClassifierFreeGuidance(guidance_scale=1.0)`, as diffusers'
         test; the pipeline's own loop is then the Euler ODE flowrl's `ode` sampler takes. `task_type`: the
-        transformer's (`"i2v"` for the image-to-video family's components, `flowrl.models.families.hunyuan_video_i2v`)."""
+        transformer's (`"i2v"` for the image-to-video family's components,
+        `flowrl.models.families.hunyuan_video_i2v`)."""
         from diffusers import (
             AutoencoderKLHunyuanVideo15,
             ClassifierFreeGuidance,

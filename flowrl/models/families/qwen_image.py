@@ -127,9 +127,7 @@ class QwenImageAdapter(ModelAdapter):
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        timesteps, _ = retrieve_timesteps(
-            self.scheduler, num_steps, "cpu", sigmas=sigmas, mu=self._mu(latent_shape)
-        )
+        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=sigmas, mu=self._mu(latent_shape))
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 
     def _mu(self, latent_shape) -> float:

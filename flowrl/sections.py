@@ -412,7 +412,6 @@ class KLConfig:
 
 RENAMED = {
     "sampling.train_batch_size": "batch.micro_batch_size",
-    "sampling.forward_batch_size": "batch.micro_batch_size (rows per network call on each process)",
     "optim.gradient_accumulation": "batch.mini_batch_size (samples per optimizer step over every process; it was "
     "forward_batch_size x gradient_accumulation x processes)",
     "optim.backward": "batch.backward",

@@ -18,10 +18,11 @@ def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     """Size in kB (1000 bytes) of each `[3, H, W]` image in [0, 1] encoded by PIL as JPEG at `quality`."""
     from PIL import Image
 
-    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
-    pixels = pixels.permute(0, 2, 3, 1).cpu().numpy()  # NCHW -> NHWC for PIL
     sizes = []
-    for array in pixels:  # PIL encodes one image at a time
+    for image in images.detach():  # PIL encodes one image at a time; converted one at a time (a batch's float
+        # temporaries would be 3x the batch's own size: the reward server charges a request's pixels, not those)
+        pixels = (image.float().clamp(0, 1) * 255).round().to(torch.uint8)
+        array = pixels.permute(1, 2, 0).cpu().numpy()  # CHW -> HWC for PIL
         buffer = io.BytesIO()
         Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
         sizes.append(buffer.tell() / 1000)

@@ -128,7 +128,6 @@ def test_partial_sections_keep_the_trainers_own_defaults():
         ({"tracker_buffer": 8}, "advantage.buffer_size"),
         ({"objective_kwargs": {"dual_clip_c": 3}}, "objective.kwargs"),
         ({"sampling": {"train_batch_size": 4}}, "batch.micro_batch_size"),
-        ({"sampling": {"forward_batch_size": 4}}, "batch.micro_batch_size"),
         ({"optim": {"gradient_accumulation": 2}}, "batch.mini_batch_size"),
         ({"optim": {"backward": "per_step"}}, "batch.backward"),
         ({"inner_epochs": 2}, "batch.inner_epochs"),

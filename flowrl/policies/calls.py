@@ -106,6 +106,9 @@ class ChunkedCalls:
                     self._text_cache[key] = {k: v[i] for k, v in out.items()}
                     if self.text_store is not None:
                         self.text_store.put(key, self._text_cache[key])
+        if len(keys) == 1:  # a view of the cache (the negative prompt's): the same storage every call, so rollouts
+            # joined by `Record.cat` compare it without reading the device
+            return {k: v.unsqueeze(0) for k, v in self._text_cache[keys[0]].items()}
         return {k: torch.stack([self._text_cache[key][k] for key in keys]) for k in self._text_cache[keys[0]]}
 
     def store_text(self, folder) -> None:

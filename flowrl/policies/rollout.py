@@ -92,11 +92,24 @@ def _join(values: list):
 
 def _equal(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(
-            a.cpu(), b.cpu())  # fmt: skip
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape):
+            return False
+        if a is b or _same_view(a, b):  # one tensor shared by the parts (the negative prompt's cached encoding): no
+            return True  # read of device memory, which would wait for the GPU
+        return torch.equal(a.cpu(), b.cpu())
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     return a == b
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    )
 
 
 def _move(value, device):

@@ -25,8 +25,23 @@ def test_a_host_read_of_a_meta_tensor_raises():
         ("configs/sd15/tiny.yaml", []),  # DDIM on a UNet
         ("configs/z_image/tiny.yaml", ["model.options.cfg_truncation=0.5"]),  # CFG truncated by timestep
         ("configs/ltx2/tiny.yaml", []),  # audio latents on the ODE inside every step (a host mask's index lists)
+        # TempFlow's branches are rollouts of their own joined into one: their shared negative prompt's encoding is
+        # one cached tensor, compared without a read
+        (
+            "configs/sd35m/tiny.yaml",
+            ["trainer=tempflow_grpo", "seeds_per_prompt=1", "branches=2", "prompts.group_size=6"],
+        ),
     ],
-    ids=["guard-cfg", "uncond-no-grad-rescored", "kl-whole", "flux", "ddim-unet", "z-image-truncated", "ltx2-audio"],
+    ids=[
+        "guard-cfg",
+        "uncond-no-grad-rescored",
+        "kl-whole",
+        "flux",
+        "ddim-unet",
+        "z-image-truncated",
+        "ltx2-audio",
+        "tempflow-branches",
+    ],
 )
 def test_a_rollout_and_an_update_step_never_read_the_device(config, overrides):
     # `flowrl plan` samples a chunk through the run's sampler and runs a micro-batch's forward and backward through

@@ -21,7 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flowrl.plan.planner import GiB, check_launch, plans  # noqa: E402
+from flowrl.plan.phases import check_launch  # noqa: E402
+from flowrl.plan.planner import plans  # noqa: E402
+from flowrl.plan.trace import GiB  # noqa: E402
 from flowrl.trainers import load_config  # noqa: E402
 
 

@@ -41,7 +41,7 @@ class PublishedComponent:
     cls: str
     """The class `model_index.json` names (`SD3Transformer2DModel`, `T5EncoderModel`, ...)."""
     library: str
-    """`diffusers` or `transformers`."""
+    """`diffusers`, `transformers` or a module of theirs (`diffusers.pipelines.ltx2`: classes the top level omits)."""
     config: Mapping
     """The values of its `config.json` (or `scheduler_config.json`) that define it."""
     sources: tuple[str, ...] = ()
@@ -49,16 +49,30 @@ class PublishedComponent:
 
     def resolve(self):
         """The class object from its library (an unknown class fails naming the component)."""
-        import diffusers
-        import transformers
-
-        library = {"diffusers": diffusers, "transformers": transformers}.get(self.library)
+        library = _library(self.library)
         if library is None:
-            raise ValueError(f"component {self.name!r}: library {self.library!r} is not diffusers or transformers")
+            raise ValueError(
+                f"component {self.name!r}: library {self.library!r} is not diffusers, transformers or one of their "
+                "modules (diffusers.pipelines.ltx2)"
+            )
         found = getattr(library, self.cls, None)
         if found is None:
             raise ValueError(f"component {self.name!r}: {self.library} has no class {self.cls!r}")
         return found
+
+
+def _library(name: str):
+    """The module a component's class lives in: `diffusers`, `transformers`, a module of theirs (LTX-2's connectors
+    and vocoder: `diffusers.pipelines.ltx2`), or a pipeline-local name as `model_index.json` writes it (`ltx2`: a
+    module of `diffusers.pipelines`); None for anything else."""
+    import importlib
+
+    if name.split(".")[0] not in ("diffusers", "transformers"):
+        name = f"diffusers.pipelines.{name}"
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,13 +170,13 @@ def _build_module(component: PublishedComponent, dtype: torch.dtype, device, fak
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            if component.library == "diffusers":
+            if component.library.startswith("diffusers"):
                 module = cls.from_config(dict(component.config))
             else:
                 module = cls._from_config(cls.config_class(**component.config), dtype=dtype)
     finally:
         torch.set_default_dtype(default)
-    _settle(module, dtype if component.library == "diffusers" else None, fake)
+    _settle(module, None if component.library.startswith("transformers") else dtype, fake)
     return module.eval()
 
 
@@ -280,8 +294,6 @@ def build_pipeline(name_or_path, *, family: str | None = None, dtype: torch.dtyp
 def _build_folder(path: Path, family: str, dtype, device, fake):
     """A pipeline from a `save_pretrained` folder: networks from each `config.json` (no weights read), everything
     else (tokenizers, processors, scheduler) loaded from the folder."""
-    import diffusers
-    import transformers
 
     from flowrl.models.families import MODEL_FAMILIES
 
@@ -307,17 +319,13 @@ def _build_folder(path: Path, family: str, dtype, device, fake):
             component = PublishedComponent(slot, cls_name, library, config)
             built[slot] = _build_module(component, dtype, device, fake)
         else:
-            lib = {"diffusers": diffusers, "transformers": transformers}[library]
-            built[slot] = getattr(lib, cls_name).from_pretrained(path / slot)
+            built[slot] = getattr(_library(library), cls_name).from_pretrained(path / slot)
     return _assemble(index["_class_name"], family, built, pipeline_config, not_built)
 
 
 def _has_weights(library: str, cls_name: str) -> bool:
-    import diffusers
-    import transformers
-
-    lib = {"diffusers": diffusers, "transformers": transformers}.get(library)
-    found = getattr(lib, cls_name, None) if lib is not None else None
+    module = _library(library)
+    found = getattr(module, cls_name, None) if module is not None else None
     return isinstance(found, type) and issubclass(found, torch.nn.Module)
 
 

@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from flowrl.models.families import MODEL_FAMILIES
 from flowrl.models.published import (
+    _library,
     build_pipeline,
     parameter_counts,
     published,
@@ -128,6 +129,21 @@ def test_unknown_names_and_families_fail_in_one_line():
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
         "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
     ]  # fmt: skip
+
+
+def test_classes_of_pipeline_modules_build_at_their_published_size():
+    """LTX-2's text connectors and vocoder live in `diffusers.pipelines.ltx2` (the top level omits them): the
+    published config names that module and the meta build has their real sizes, not the tiny pipeline's."""
+    assert _library("ltx2") is _library("diffusers.pipelines.ltx2") is not None
+    assert _library("acme.models") is None
+    pipe = build_pipeline("Lightricks/LTX-2")
+    connectors, vocoder = pipe.connectors, pipe.vocoder
+    assert type(connectors).__name__ == "LTX2TextConnectors" and type(vocoder).__name__ == "LTX2Vocoder"
+    # the Gemma-3 12B's 49 stacked hidden states (3840 wide) projected in: 188,160 x 3,840 weights
+    proj = connectors.text_proj_in
+    assert (proj.in_features, proj.out_features) == (3840 * 49, 3840)
+    assert sum(p.numel() for p in connectors.parameters()) > 1.4e9
+    assert all(p.device.type == "meta" for p in (*connectors.parameters(), *vocoder.parameters()))
 
 
 def test_a_save_pretrained_folder_builds_on_meta_with_its_own_sizes(tmp_path):

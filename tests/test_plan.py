@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.plan import WillNotFit, check_fits, plan
+from flowrl.plan.host_values import HostValues, host_value
 from flowrl.plan.trace import CudaAutocast, GiB, GpuAttention, LiveMemory
 from flowrl.trainers import load_config
 
@@ -73,6 +74,39 @@ def test_gpu_attention_keeps_what_flash_attention_keeps():
         peaks.append(mem.peak)
     matrix = 1024 * 1024 * 4 * 2  # one call's attention weights in bf16
     assert peaks[0] > 5 * matrix and peaks[1] < matrix  # both calls, the masked one with its bias, under one matrix
+
+
+def _library_split(hidden: torch.Tensor, mask: torch.Tensor):
+    """What diffusers' Qwen-Image 2.1 prompt encoding does: each row's tokens by its mask, split by the counts."""
+    bool_mask = mask.bool()
+    return torch.split(hidden[bool_mask], bool_mask.sum(dim=1).tolist(), dim=0)
+
+
+def test_a_library_reads_back_small_host_made_tensors_and_flowrl_s_own_reads_still_raise():
+    import flowrl
+
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])  # a tokenizer's padding mask, on the host
+    hidden = torch.zeros(2, 4, 8, device="meta")  # activations (made before the trace here): no host copy
+    with HostValues():
+        meta_mask = mask.to("meta")  # the run moves it to its device
+        assert host_value(meta_mask) is not None and host_value(hidden) is None
+        rows = _library_split(hidden, meta_mask)
+        assert [r.shape for r in rows] == [(2, 8), (3, 8)]  # the mask's own counts, not every element
+        positions = torch.arange(4, device="meta")  # made on the device from host values: known too
+        assert int((positions * meta_mask[1]).sum()) == 3  # 0 + 1 + 2
+        counts = torch.tensor([1, 2, 3], device="meta")
+        assert torch.repeat_interleave(hidden[0, :3], counts, dim=0).shape == (6, 8)  # by counts the host knows
+        written = torch.zeros(4, dtype=torch.long, device="meta")
+        written[1:3] = 7  # in-place writes reach the copy
+        assert written.tolist() == [0, 7, 7, 0]
+        written[0] = hidden[0, 0, :1].long()  # ... unless what is written is not known: the copy is dropped
+        assert host_value(written) is None
+        # code in flowrl's package reads back as it would on a GPU: it must raise (a host sync)
+        code = compile("def read(t):\n    return t.tolist()\n", str(Path(flowrl.__file__).parent / "x.py"), "exec")
+        namespace = {}
+        exec(code, namespace)
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            namespace["read"](meta_mask)
 
 
 def test_the_trace_modes_stay_on_in_a_checkpointed_block_s_recomputation():

@@ -238,6 +238,11 @@ def _assemble(pipeline_cls: str, family: str, built: dict, pipeline_config: Mapp
     parameters = inspect.signature(cls.__init__).parameters
     tiny = _tiny(family)
     kwargs = {name: module for name, module in tiny.components.items() if name in parameters}
+    for name, module in built.items():
+        _follow_tokenizer(module, tiny.components.get(name))
+    for name, processor in kwargs.items():
+        if name not in built and "image_encoder" in built:
+            kwargs[name] = _follow_image_encoder(processor, built["image_encoder"])
     kwargs.update(built)
     kwargs.update({name: None for name in not_built if name in parameters})
     kwargs.update({key: value for key, value in pipeline_config.items() if key in parameters})
@@ -247,6 +252,35 @@ def _assemble(pipeline_cls: str, family: str, built: dict, pipeline_config: Mapp
     pipe = cls(**kwargs)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _follow_tokenizer(module, tiny_module) -> None:
+    """A real-size text encoder's special token ids (`image_token_id`, `vision_start_token_id`, ...) set to the tiny
+    pipeline's, whose tokenizer the built pipeline carries: Qwen2.5-VL finds its image slots by them."""
+    config, tiny_config = getattr(module, "config", None), getattr(tiny_module, "config", None)
+    if config is None or tiny_config is None or not hasattr(config, "to_dict"):  # transformers configs only
+        return
+    for key, value in tiny_config.to_dict().items():
+        if key.endswith("_token_id") and isinstance(value, int) and hasattr(config, key):
+            setattr(config, key, value)
+
+
+def _follow_image_encoder(processor, encoder):
+    """The tiny pipeline's image processor resizing to the real-size image encoder's `image_size` (SigLIP 384, CLIP
+    224), every size it sets (`height`/`width`, `shortest_edge`, the crop) at that size; anything else unchanged."""
+    config = getattr(encoder, "config", None)
+    side = getattr(getattr(config, "vision_config", config), "image_size", None)
+    if (
+        not isinstance(side, int)
+        or not callable(getattr(processor, "to_dict", None))
+        or not hasattr(processor, "size")
+    ):
+        return processor
+    settings = processor.to_dict()
+    for key in ("size", "crop_size"):
+        if isinstance(settings.get(key), dict):
+            settings[key] = {k: side for k, v in settings[key].items() if v is not None}
+    return type(processor).from_dict(settings)
 
 
 def build_pipeline(name_or_path, *, family: str | None = None, dtype: torch.dtype = torch.bfloat16, device=None):

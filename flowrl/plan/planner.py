@@ -27,6 +27,7 @@ import tempfile
 
 import torch
 
+from flowrl.plan.host_values import HostValues
 from flowrl.plan.phases import (
     Assembly,
     check_launch,
@@ -157,7 +158,7 @@ def plans(config, *, gpus=(1,), gpu_memory: float = 80.0, name: str = "") -> lis
     precision = CudaAutocast(low) if c.run.mixed_precision != "no" else contextlib.nullcontext()
     # the backward on this thread (the modes are thread-local; a checkpointed block's recomputation must see them)
     single = torch.autograd.set_multithreading_enabled(False)
-    with mem, GpuAttention(), precision, traced_by_transformers(), single:
+    with mem, GpuAttention(), precision, HostValues(), traced_by_transformers(), single:
         text = trace(mem, "text", lambda: encode(policy))
         rollout, chunk = trace_rollout(mem, parts, c)
         update = trace_update(mem, parts, chunk)

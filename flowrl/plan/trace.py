@@ -16,6 +16,7 @@ are the cast ones, as on a GPU.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -163,6 +164,8 @@ LOW_PRECISION_OPS = frozenset(
         "conv_transpose3d",
         "conv_tbc",
         "scaled_dot_product_attention",
+        "multi_head_attention_forward",  # nn.MultiheadAttention (SigLIP's pooling head): a Python function whose
+        # own ops this mode does not see (a mode is off inside its handler); its projections and products are
         "lstm_cell",
         "gru_cell",
         "rnn_tanh_cell",
@@ -333,9 +336,13 @@ def _called_from_flowrl() -> bool:
     import sys
 
     frame = sys._getframe(1)
-    while frame is not None and ("/torch/" in frame.f_code.co_filename or frame.f_code.co_filename == __file__):
+    while frame is not None and ("/torch/" in frame.f_code.co_filename or frame.f_code.co_filename.startswith(_PLAN)):
         frame = frame.f_back
-    return frame is not None and "/flowrl/" in frame.f_code.co_filename.replace("\\", "/")
+    return frame is not None and frame.f_code.co_filename.startswith(_PACKAGE)
+
+
+_PLAN = os.path.dirname(os.path.abspath(__file__)) + os.sep  # flowrl.plan's own frames (the trace modes)
+_PACKAGE = os.path.dirname(_PLAN[:-1]) + os.sep  # flowrl's: by path, whatever the checkout's folder is called
 
 
 def count_flops(fn) -> int:

@@ -146,6 +146,19 @@ def test_classes_of_pipeline_modules_build_at_their_published_size():
     assert all(p.device.type == "meta" for p in (*connectors.parameters(), *vocoder.parameters()))
 
 
+def test_tokenizers_and_image_processors_follow_the_real_size_encoders():
+    """The tiny twin's tokenizer and image processor, set to what the real-size networks expect: Qwen2.5-VL finds the
+    image slots by the tokenizer's own `<|image_pad|>` id, SigLIP's processor resizes to its 384 px (not 32)."""
+    edit = build_pipeline("Qwen/Qwen-Image-Edit")
+    tokenizer = edit.processor.tokenizer
+    assert edit.text_encoder.config.image_token_id == tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert edit.text_encoder.config.vision_start_token_id == tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    i2v = build_pipeline("hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v")
+    assert (i2v.feature_extractor.size.height, i2v.feature_extractor.size.width) == (384, 384)
+    wan = build_pipeline("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers")
+    assert wan.image_processor.size.shortest_edge == 224 and wan.image_processor.crop_size.height == 224
+
+
 def test_a_save_pretrained_folder_builds_on_meta_with_its_own_sizes(tmp_path):
     tiny = MODEL_FAMILIES.get("sd3").tiny(seed=0)
     tiny.save_pretrained(tmp_path)

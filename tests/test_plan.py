@@ -189,6 +189,13 @@ def test_a_refused_setting_fails_as_the_run_would():
     plan(config, gpus=1)  # one process shards nothing
 
 
+def test_an_update_fitted_on_host_data_with_host_reads_is_refused_in_one_line():
+    # DPOK fits its value network on its CPU replay buffer before each update and logs the loss (host reads there by
+    # design, once per epoch): the plan says so rather than planning a different update
+    with pytest.raises(ValueError, match=r"^dpok fits its auxiliary networks \(value\) on data in CPU memory"):
+        plan(load_config("configs/sd15/tiny.yaml", ["trainer=dpok"]))
+
+
 def test_train_checks_the_plan_first_on_a_gpu(monkeypatch):
     config = load_config("configs/sd35m/tiny.yaml")
     assert check_fits(config) is None  # no GPU here: nothing checked

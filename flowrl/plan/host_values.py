@@ -153,3 +153,20 @@ def _expand(index) -> tuple:
     if host is None or host.dtype != torch.bool:
         return (index,)
     return tuple(_to_meta(p) for p in host.nonzero(as_tuple=True))
+
+
+class HostCopies(_TraceMode):
+    """Copies of `meta` tensors to the host as zeros of their shape and dtype: an algorithm's data kept in CPU memory
+    (DPOK's replay buffer, AWM's stored draws) in the epoch's preparation, outside the step loops, whose values do
+    not change what the GPU holds."""
+
+    def handle(self, func, args, kwargs):
+        name = getattr(func, "__name__", "")
+        source = args[0] if args else None
+        if name in ("cpu", "to") and isinstance(source, torch.Tensor) and source.device.type == "meta":
+            try:
+                return func(*args, **kwargs)
+            except NotImplementedError:  # "Cannot copy out of meta tensor": the host copy
+                dtype = next((a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.dtype)), source.dtype)
+                return torch.zeros(source.shape, dtype=dtype)
+        return func(*args, **kwargs)

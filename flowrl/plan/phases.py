@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from flowrl.plan.host_values import HostCopies
 from flowrl.plan.trace import LiveMemory
 
 
@@ -229,13 +230,19 @@ def trace_update(mem: LiveMemory, parts: Assembly, chunk) -> Traced:
         group_ids=part.group_ids.cpu(),
     )
     advantages = torch.linspace(-1.0, 1.0, n)
+    if algorithm.auxiliary_modules():
+        raise ValueError(
+            f"{c.trainer} fits its auxiliary networks ({', '.join(algorithm.auxiliary_modules())}) on "
+            "data in CPU memory before each update, reading their losses back: its update is not planned"
+        )
     try:
-        batch, _ = algorithm.prepare(collected, advantages, torch.ones(n, dtype=torch.bool), 0)
+        with HostCopies():  # the epoch's CPU-side data (a replay buffer) as zeros: host memory, not the GPU's
+            batch, _ = algorithm.prepare(collected, advantages, torch.ones(n, dtype=torch.bool), 0)
     except NotImplementedError as err:
         if "meta tensor" not in str(err):
             raise
         raise ValueError(
-            f"flowrl plan: {c.trainer} keeps data of its update in CPU memory (a replay buffer, stored draws), "
+            f"{c.trainer} keeps data of its update in CPU memory (a replay buffer, stored draws), "
             "which a trace on meta tensors cannot copy: its update is not planned"
         ) from None
     plan = scheduler.plan(batch, 0)

@@ -31,6 +31,7 @@ def test_a_host_read_of_a_meta_tensor_raises():
             "configs/sd35m/tiny.yaml",
             ["trainer=tempflow_grpo", "seeds_per_prompt=1", "branches=2", "prompts.group_size=6"],
         ),
+        ("configs/sd35m/tiny.yaml", ["trainer=awm", "num_draws=2"]),  # its draws stored in CPU memory
     ],
     ids=[
         "guard-cfg",
@@ -41,6 +42,7 @@ def test_a_host_read_of_a_meta_tensor_raises():
         "z-image-truncated",
         "ltx2-audio",
         "tempflow-branches",
+        "awm-draws",
     ],
 )
 def test_a_rollout_and_an_update_step_never_read_the_device(config, overrides):

@@ -259,7 +259,11 @@ class PromptConfig:
     train: str = "digits/train"
     """Training prompt set: a shipped name (`flowrl.prompts`) or a .txt / .jsonl path."""
     test: str = "digits/test"
-    """Evaluation prompt set."""
+    """Evaluation prompt set (`eval/...`: what a run reports)."""
+    val: str | None = None
+    """Validation prompt set of image trainers, kept apart from the test set (`val/...`, evaluated beside it):
+    what `eval.best_metric` (the best checkpoint, `eval.restore_best`, `eval.stop_on_drop`) selects on, so that
+    the test set's numbers are never the ones a checkpoint was chosen by. None: they select on the test set."""
     prompts_per_epoch: int = 16
     """Distinct prompts m sampled per epoch (the rollout: m x k samples over every process)."""
     group_size: int = 8

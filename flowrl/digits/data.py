@@ -25,7 +25,7 @@ def digit_of(prompt: str) -> int:
 
 
 def read_prompts(name: str) -> list[str]:
-    """`train` or `test`: the shipped digits prompt set (one prompt per line, `#` comments)."""
+    """`train`, `test` or `val`: the shipped digits prompt set (one prompt per line, `#` comments)."""
     path = PROMPTS_DIR / f"{name}.txt"
     if not path.is_file():
         raise FileNotFoundError(f"no digits prompt set {path}")

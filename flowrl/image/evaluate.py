@@ -3,7 +3,9 @@
 Every evaluation samples `eval.samples_per_prompt` images per test prompt with the same noise (`eval.seed`)
 and the deterministic sampler (ODE for flow models, eta-0 DDIM for UNets), so curves compare like with
 like; it scores them with the training rewards and the `eval.metrics` (gold metrics the trainer never
-optimises) and measures the within-prompt diversity (mean pairwise RMS pixel distance).
+optimises) and measures the within-prompt diversity (mean pairwise RMS pixel distance). With a validation prompt
+set (`prompts.val`) it evaluates that set alike, as `val/...`: what `eval.best_metric` selects on, so that the test
+set's numbers (`eval/...`) are never the ones a checkpoint was chosen by.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class ImageEvaluator:
         rewards (`Rewards`): the training rewards (their weighted sum is `eval/reward`).
         metrics (`dict[str, Callable]`): gold metrics by name, never optimised.
         processes (`Processes`): evaluation prompts are sharded over the processes.
-        test_prompts (`list`): the held-out prompt set.
+        test_prompts (`list`): the held-out prompt set (`eval/...`).
+        val_prompts (`list`, *optional*): the validation prompt set (`val/...`), kept apart from the test set.
         eval_config, sampling (`ImageEvalConfig`, `SamplingConfig`): sizes, steps, guidance, seed.
         initial_latents (`Callable`, *optional*): `(texts, generator, height, width) -> latents` of the
             evaluation samples (FIND's noise policy); None: the policy draws them.
@@ -39,18 +42,26 @@ class ImageEvaluator:
 
     def __init__(self, *, policy, rewards: Rewards, metrics: dict[str, Callable], processes: Processes,
                  test_prompts: list, eval_config: ImageEvalConfig, sampling: SamplingConfig,
-                 initial_latents: Callable | None = None, autocast: Callable | None = None):  # fmt: skip
+                 initial_latents: Callable | None = None, autocast: Callable | None = None,
+                 val_prompts: list | None = None):  # fmt: skip
         self.policy, self.rewards, self.metrics, self.processes = policy, rewards, metrics, processes
         self.test_prompts, self.config, self.sampling = test_prompts, eval_config, sampling
+        self.val_prompts = val_prompts or []
         self.initial_latents = initial_latents
         self.autocast = autocast
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """`eval/<reward>`, `eval/<metric>`, `eval/reward` (the weighted training reward), `eval/diversity` (with
-        `samples_per_prompt` >= 2)."""
+        `samples_per_prompt` >= 2) on the test prompts; the same as `val/...` on the validation prompts."""
+        out = self._evaluate(self.test_prompts, "eval")
+        if self.val_prompts:
+            out.update(self._evaluate(self.val_prompts, "val"))
+        return out
+
+    def _evaluate(self, prompts: list, prefix: str) -> dict[str, float]:
         s, e = self.sampling, self.config
-        prompts = self.test_prompts[: e.max_prompts] if e.max_prompts else self.test_prompts
+        prompts = prompts[: e.max_prompts] if e.max_prompts else prompts
         full = [p for p in prompts for _ in range(e.samples_per_prompt)]
         full_padded = full + full[: (-len(full)) % self.processes.world]
         local = self.processes.local_slice(len(full_padded))
@@ -61,7 +72,7 @@ class ImageEvaluator:
         sources = source_images(full_padded[local])  # editing: the test prompts' source images
         with self.autocast() if self.autocast else nullcontext():
             latents = self.initial_latents(texts, generator, s.height, s.width) if self.initial_latents else None
-            progress = f"eval {len(full)} samples" if self.processes.is_main else None
+            progress = f"{prefix} {len(full)} samples" if self.processes.is_main else None
             rollout = self.policy.rollout(texts, num_steps=e.num_steps or s.num_steps, guidance_scale=guidance,
                                           noise_level=0.0, sampler=sampler, generator=generator, height=s.height,
                                           width=s.width, latents=latents, progress=progress,
@@ -75,10 +86,10 @@ class ImageEvaluator:
             size = (64, 64) if thumbs.ndim == 4 else (thumbs.shape[2], 64, 64)
             thumbs = torch.nn.functional.interpolate(thumbs, size=size, mode="area")
         images = self.processes.gather(thumbs)[: len(full)]
-        out = {f"eval/{name}": nanmean(v) for name, v in scores.items()}
-        out["eval/reward"] = nanmean(self.rewards.combined(scores))
+        out = {f"{prefix}/{name}": nanmean(v) for name, v in scores.items()}
+        out[f"{prefix}/reward"] = nanmean(self.rewards.combined(scores))
         if e.samples_per_prompt >= 2:  # diversity is within a prompt's samples: none with one sample per prompt
-            out["eval/diversity"] = group_diversity(images, e.samples_per_prompt)
+            out[f"{prefix}/diversity"] = group_diversity(images, e.samples_per_prompt)
         return out
 
 

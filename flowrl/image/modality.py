@@ -96,6 +96,7 @@ class ImageModality:
         self.config, self.context, self.memory = config, context, memory
         self.train_prompts = prompt_sets.load(config.prompts.train)
         self.test_prompts = prompt_sets.load(config.prompts.test)
+        self.val_prompts = prompt_sets.load(config.prompts.val) if config.prompts.val else []
         self.rewards, self.eval_fns = None, {}
         if scoring:  # rewards and data first: a bad reward name or prompt fails before any model is loaded
             reward_fns = build_rewards(config.rewards) if reward_fns is None else reward_fns
@@ -112,7 +113,7 @@ class ImageModality:
                 log=context.log,
                 seed=config.run.seed,
                 mixed_precision=config.run.mixed_precision,
-                prompts=self.train_prompts + self.test_prompts,
+                prompts=self.train_prompts + self.test_prompts + self.val_prompts,
             )
         policy.uncond_grad = config.sampling.uncond_grad
         self.policy = policy
@@ -124,7 +125,9 @@ class ImageModality:
         for name, fn in {**self.rewards.fns, **self.eval_fns}.items():
             check = getattr(fn, "check_prompts", None)
             if check is not None:
-                for label, prompts in (("prompts.train", self.train_prompts), ("prompts.test", self.test_prompts)):
+                sets = [("prompts.train", self.train_prompts), ("prompts.test", self.test_prompts)]
+                sets.append(("prompts.val", self.val_prompts))
+                for label, prompts in sets:
                     try:
                         check([str(p) for p in prompts])
                     except ValueError as err:
@@ -156,7 +159,8 @@ class ImageModality:
         return ImageEvaluator(policy=self.policy, rewards=self.rewards, metrics=self.eval_fns,
                               processes=self.context.processes, test_prompts=self.test_prompts,
                               eval_config=self.config.eval, sampling=self.config.sampling,
-                              initial_latents=initial_latents, autocast=self.context.autocast)  # fmt: skip
+                              initial_latents=initial_latents, autocast=self.context.autocast,
+                              val_prompts=self.val_prompts)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
     # an epoch's record and samples

@@ -35,6 +35,11 @@ class TextModality:
         self.config, self.context = config, context
         # before the rewards and the model: a bad prompt set fails first
         self.train_prompts = load_text_prompts(config.prompts.train)
+        if config.prompts.val:
+            raise ValueError(
+                "prompts.val (a validation set for eval.best_metric) is for image trainers; text trainers "
+                "evaluate prompts.test only"
+            )
         test = load_text_prompts(config.prompts.test)
         self.test_prompts = test[: config.eval.max_prompts] if config.eval.max_prompts else test
         if not self.train_prompts or not self.test_prompts:

@@ -183,7 +183,7 @@ class FIND(ImageAlgorithm):
         probe = self.policy.adapter.initial_latents(1, s.height or default_h, s.width or default_w, torch.Generator())
         self.latent_shape = tuple(probe.shape[1:])
         m = self.modality
-        texts = list(dict.fromkeys(str(p) for p in m.train_prompts + m.test_prompts))
+        texts = list(dict.fromkeys(str(p) for p in m.train_prompts + m.test_prompts + m.val_prompts))
         self.prompt_index = {text: i for i, text in enumerate(texts)}
         text_dim = pooled_text(self.policy.encode(texts[:1])).shape[-1]
         with torch.random.fork_rng(devices=[]):  # initial weights from run.seed, whatever ran before

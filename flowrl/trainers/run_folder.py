@@ -171,15 +171,26 @@ class Watch:
     def record(self, epoch: int, evaluation: dict) -> None:
         self.state.eval_history.append({"epoch": epoch, **{k: scalar(v) for k, v in evaluation.items()}})
 
+    def selection_key(self, evaluation: dict) -> tuple[str, float] | None:
+        """`(key, sign)` of `eval.best_metric` in `evaluation`: on the validation prompts (`val/...`) when the run
+        has them (`prompts.val`), else on the test prompts (`eval/...`); None without a best metric."""
+        key = self.config.best_key()
+        if key is None:
+            return None
+        name, sign = key
+        validation = "val/" + name.removeprefix("eval/")
+        return (validation if validation in evaluation else name), sign
+
     def improved(self, evaluation: dict) -> bool:
         """Whether this evaluation beats the best one by `eval.best_metric` (then recorded as the best)."""
-        key = self.config.best_key()
+        key = self.selection_key(evaluation)
         if key is None:
             return False
         name, sign = key
         if name not in evaluation:
+            names = [k.removeprefix("eval/") for k in evaluation if k.startswith("eval/")]
             raise ValueError(f"eval.best_metric {self.config.best_metric!r} is not an evaluation metric; "
-                             f"choose from {', '.join(k.removeprefix('eval/') for k in evaluation)}")  # fmt: skip
+                             f"choose from {', '.join(names)}")  # fmt: skip
         value = scalar(evaluation[name])
         best = self.state.best
         if best is None or sign * value > sign * best["value"]:
@@ -202,7 +213,7 @@ class Watch:
 
     def dropped(self) -> str | None:
         """`eval.stop_on_drop`: why the run stops (the watched metric fell that far below its best), or None."""
-        amount, key = self.config.stop_on_drop, self.config.best_key()
+        amount, key = self.config.stop_on_drop, self.selection_key(self.state.eval_history[-1])
         if amount is None or self.state.best is None:
             return None
         name, sign = key

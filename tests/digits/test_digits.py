@@ -19,14 +19,21 @@ def test_digit_parsing():
 
 
 def test_prompt_sets_cover_every_digit_with_held_out_phrasings():
-    train, test = read_prompts("train"), read_prompts("test")
-    assert sorted({digit_of(p) for p in train}) == list(range(10)) == sorted({digit_of(p) for p in test})
-    assert not set(train) & set(test)
+    """Train, test and validation (what the main job selects its checkpoint on) cover every digit, each in
+    phrasings of its own: neither the test nor the validation phrasings are seen in training (or pretraining, which
+    uses the training prompts), and the validation set shares none with the test set it must stay apart from."""
+    train, test, val = read_prompts("train"), read_prompts("test"), read_prompts("val")
+    for prompts in (test, val):
+        assert sorted({digit_of(p) for p in train}) == list(range(10)) == sorted({digit_of(p) for p in prompts})
+    assert not set(train) & set(test) and not set(train) & set(val) and not set(test) & set(val)
     template = lambda p: p.replace(DIGIT_WORDS[digit_of(p)], "{}").replace(str(digit_of(p)), "{}")  # noqa: E731
-    assert not {template(p) for p in train} & {template(p) for p in test}  # test phrasings are unseen
+    phrasings = [{template(p) for p in prompts} for prompts in (train, test, val)]
+    assert len(val) == 20
+    assert not phrasings[0] & phrasings[1] and not phrasings[0] & phrasings[2] and not phrasings[1] & phrasings[2]
     from flowrl import prompts
 
     assert [p.text for p in prompts.load("digits/train")] == train
+    assert [p.text for p in prompts.load("digits/val")] == val and "digits/val" in prompts.list_sets()
 
 
 def test_real_data_and_pixels():

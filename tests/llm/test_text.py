@@ -128,6 +128,8 @@ def test_config_errors_name_the_problem():
         tiny(**{"kl.beta": 0.1, "kl.form": "gaussian"})
     with pytest.raises(FileNotFoundError, match="neither 'arith' nor a local folder"):
         build_trainer(tiny(**{"model.name": "/does/not/exist"}), output_dir=None)
+    with pytest.raises(ValueError, match="prompts.val .* is for image trainers"):  # a validation set goes unused
+        build_trainer(tiny(**{"prompts.val": "digits/val"}), output_dir=None)
 
 
 def test_kl_penalty_against_the_initial_model(tmp_path):

@@ -212,6 +212,36 @@ def test_the_best_evaluation_is_kept_and_restored_at_the_end(tiny_world, tmp_pat
     assert evaluation[name] == pytest.approx(best[name], abs=1e-6)
 
 
+def test_with_validation_prompts_the_best_is_chosen_on_them_and_the_test_set_is_reported(
+    tiny_world, tmp_path, monkeypatch
+):
+    """`prompts.val`: each evaluation also scores the validation prompts (`val/...`); `eval.best_metric` selects on
+    them, and the run reports the test set's numbers of the chosen epoch. Scripted rewards where the two sets
+    disagree: the test set's best epoch (2) is not the validation set's (1)."""
+    from flowrl.image.evaluate import ImageEvaluator
+
+    scripted = {"eval": [0.1, 0.2, 0.9, 0.3], "val": [0.1, 0.8, 0.2, 0.5]}  # the evaluations of epochs 0-3
+    seen = {"eval": [], "val": []}
+    real = ImageEvaluator._evaluate
+
+    def scripted_reward(self, prompts, prefix):
+        out = real(self, prompts, prefix)
+        seen[prefix].append([str(p) for p in prompts])
+        out[f"{prefix}/reward"] = scripted[prefix][len(seen[prefix]) - 1]
+        return out
+
+    monkeypatch.setattr(ImageEvaluator, "_evaluate", scripted_reward)
+    (tmp_path / "val.txt").write_text("a seven, handwritten\npen drawing of the number 3\n")
+    val = f"prompts.val={tmp_path / 'val.txt'}"
+    overrides = ["run.epochs=3", "eval.every=1", "eval.best_metric=reward", "eval.restore_best=true", val]
+    summary = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "run", overrides=overrides)).train()
+    assert seen["val"] == [["a seven, handwritten", "pen drawing of the number 3"]] * 4
+    assert "a seven, handwritten" not in seen["eval"][0]  # the test prompts are the test set's own
+    assert summary["best"] == {"epoch": 1, "metric": "val/reward", "value": 0.8, "restored": True}
+    assert summary["reward_end"] == 0.2  # the test set's reward of the chosen epoch (its own best, 0.9, unused)
+    assert {"val/reward", "val/digits_gold", "eval/reward", "eval/digits_gold"} <= set(summary["eval_history"][0])
+
+
 def test_best_metric_must_be_an_evaluation_metric(tiny_world, tmp_path):
     trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=["eval.best_metric=gold"]))
     with pytest.raises(ValueError, match="eval.best_metric 'gold' is not an evaluation metric; choose from"):

@@ -228,11 +228,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from flowrl.export import export
+    from flowrl.export import export, indented
 
     record = export(args.run, args.out, checkpoint_path=args.checkpoint, ema=args.ema)
     print(f"exported {record['kind']} weights of {record['checkpoint']} (epoch {record['epoch']}"
           f"{', EMA' if record['ema'] else ''}) to {args.out}\nload them with: {record['load']}")  # fmt: skip
+    if "diffusers" in record:
+        print("sample with a plain diffusers pipeline as flowrl evaluates:\n" + indented(record["diffusers"]))
     return 0
 
 
@@ -255,16 +257,19 @@ def cmd_demos(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
+    from flowrl.export import indented
     from flowrl.sample import sample
 
     record = sample(args.target, args.prompts, n=args.n, seed=args.seed, sampler=args.sampler,
                     noise_level=args.noise_level, num_steps=args.num_steps, guidance_scale=args.guidance_scale,
                     checkpoint=args.checkpoint, ema=args.ema, out=args.out, image=args.image)  # fmt: skip
-    print(f"{len(record['files'])} images of {record['checkpoint']} (epoch {record['epoch']}"
+    count = len(record["files"])
+    kind = "video" if record["files"] and record["files"][0]["file"].endswith(".mp4") else "image"
+    print(f"{count} {kind}{'s' if count != 1 else ''} of {record['checkpoint']} (epoch {record['epoch']}"
           f"{', EMA' if record['ema'] else ''}, sampler {record['sampler']}, seed {record['seed']}) in "
           f"{record['out']}; grid: {record['out']}/grid.png")  # fmt: skip
     if "diffusers" in record:
-        print("the same with a plain diffusers pipeline:\n    " + "\n    ".join(record["diffusers"]))
+        print("the same with a plain diffusers pipeline:\n" + indented(record["diffusers"]))
     return 0
 
 

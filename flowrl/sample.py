@@ -15,7 +15,10 @@ images. It writes
 - `OUT/sample.json`: the run, checkpoint, epoch, sampler, seed and which file holds which prompt;
 
 and for LoRA runs on a diffusers pipeline it exports the adapter (`flowrl export`) into `OUT/lora` and returns the
-three lines that load it into a plain diffusers pipeline.
+lines that sample the first prompt with a plain diffusers pipeline as flowrl did (`flowrl.export.diffusers_lines`:
+size, steps, guidance, negative prompt, seed; an editing prompt set's in-memory source images written to
+`OUT/sources/`). A folder that already holds another call's samples is never written over: the call writes to
+`OUT-2` (`OUT-3`, ...) instead.
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def sample(
             (default: an editing prompt set's own, e.g. `edit_shapes/test`; none: text-to-image); image-to-video
             models: the start frame of every prompt, or a list of one per prompt (in order).
     """
-    from flowrl.export import write
+    from flowrl.export import base_location, diffusers_lines, source_files, write
     from flowrl.image import ImageModality
     from flowrl.policies.sources import source_key
     from flowrl.tracking import image_grid
@@ -124,7 +127,7 @@ def sample(
     config = load_config(run_dir / "config.yaml", ["run.log_with=[]"])
     if TRAINERS.get(config.trainer).modality_class is not ImageModality:
         raise ValueError(f"{config.trainer} is not an image trainer: flowrl sample draws images")
-    out = Path(out) if out else run_dir / "samples" / path.name
+    out = unused_folder(Path(out) if out else run_dir / "samples" / path.name)  # never over another call's files
     writable(out)  # before any model loads: a read-only folder fails at once
     run = load_run(run_dir, str(path), ema=ema)
     policy, s, e = run.policy, config.sampling, config.eval
@@ -166,33 +169,36 @@ def sample(
                             for entry in sources]  # fmt: skip
     if policy.has_lora and policy.adapter.pipeline is not None:
         exported = write(run, out / "lora")
-        pipeline = type(policy.adapter.pipeline).__name__
-        call = f"pipe({texts[0]!r}, num_inference_steps={steps})"
-        if rollout.images.ndim == 5:  # videos: the frames the run samples
-            call = f"{call[:-1]}, num_frames={policy.adapter.options.num_frames})"
-        if sources is not None and isinstance(sources[0][0], (str, Path)):  # editing: the source image
-            call = f"pipe(image=load_image({str(sources[0][0])!r}), prompt={call[5:]}"
-        record["diffusers"] = [
-            f"pipe = {pipeline}.from_pretrained({base_location(config.model.name)!r})",
-            policy.adapter.lora_load_line(out / "lora", lora_kwargs(policy.adapter)),  # or its `lora_loader`'s
-            f"image = {call}.images[0]" if rollout.images.ndim == 4 else f"video = {call}.frames[0]",
-        ]
+        files = source_files(sources[:1], out / "sources") if sources is not None else None  # editing: as files
+        lines = diffusers_lines(
+            policy,
+            base_location(config.model.name),
+            weights=out / "lora",
+            prompt=texts[0],
+            sources=files[0] if files else None,
+            steps=steps,
+            guidance=guidance,
+            height=s.height,
+            width=s.width,
+            seed=seed,
+            sampler=sampler,
+            eta=s.noise_level if noise_level is None else noise_level,
+        )
+        if lines:
+            record["diffusers"] = lines
         record["lora"] = exported["written"]
     (out / "sample.json").write_text(json.dumps(record, indent=2))
     return record
 
 
-def lora_kwargs(adapter) -> str:
-    """The extra `load_lora_weights` arguments the adapter's LoRA needs (Wan 2.2's low-noise expert:
-    `load_into_transformer_2=True`), as source text."""
-    return "".join(f", {k}={v!r}" for k, v in getattr(adapter, "lora_load_kwargs", {}).items())
-
-
-def base_location(name: str) -> str:
-    """Where diffusers loads the base model `name` from (a `tiny:` model: its cached folder)."""
-    from flowrl.models.loaders import TINY_PREFIX, tiny_folder
-
-    return str(tiny_folder(name)) if name.startswith(TINY_PREFIX) else name
+def unused_folder(out: Path) -> Path:
+    """`out`, or when it already holds another call's samples (its `sample.json` or `grid.png`), the first of
+    `out-2`, `out-3`, ... that does not: two calls into one folder keep both sets."""
+    candidate, number, named = out, 1, out if out.name else out.absolute()  # (`.`: the folder's own name)
+    while (candidate / "sample.json").exists() or (candidate / "grid.png").exists():
+        number += 1
+        candidate = named.with_name(f"{named.name}-{number}")
+    return candidate
 
 
 def _save_png(image: torch.Tensor, path: Path) -> None:

@@ -84,3 +84,34 @@ def test_the_registries_page_is_what_flowrl_list_prints():
     assert all(_catalog().values()), "a registry section of `flowrl list` is empty"
     current = (DOCS / "registries.md").read_text()
     assert current == markdown_catalog(), "docs/registries.md is stale: flowrl list --markdown > docs/registries.md"
+
+
+def test_the_diffusers_lines_in_training_md_are_what_flowrl_sample_prints():
+    """docs/training.md's python block is what `flowrl sample runs/sd35m-grpo_guard-pickscore --prompts "a photo of
+    a cat"` prints for the SD3.5-Medium recipe at its last checkpoint: its model, LoRA folder, size, evaluation
+    steps and guidance. A tiny SD3 pipeline stands in for the real one (the lines depend on the family, its
+    scheduler and options, not the network's size)."""
+    from flowrl.export import diffusers_lines
+    from flowrl.models.families import MODEL_FAMILIES
+    from flowrl.policies import DiffusionPolicy
+    from flowrl.trainers import load_config
+
+    config = load_config(DOCS.parent / "configs" / "sd35m" / "grpo_guard_pickscore.yaml")
+    policy = DiffusionPolicy.from_pipeline(MODEL_FAMILIES.get("sd3").tiny(seed=0), options=config.model.options)
+    s, run = config.sampling, config.run
+    lora = Path(run.output_dir, "samples", f"epoch_{run.epochs}", "lora")
+    lines = diffusers_lines(
+        policy,
+        config.model.name,
+        weights=lora,
+        prompt="a photo of a cat",
+        steps=config.eval.num_steps,
+        guidance=s.guidance_scale,
+        height=s.height,
+        width=s.width,
+        seed=0,
+        sampler="ode",
+    )
+    text = (DOCS / "training.md").read_text()
+    block = re.search(r"## Sampling from a run\n.*?```python\n(.*?)```", text, flags=re.S).group(1)
+    assert block == "\n".join(lines) + "\n"

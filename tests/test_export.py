@@ -2,11 +2,14 @@
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from flowrl.cli import main
+from flowrl.export import LINE_LENGTH, indented, ruff_layout
 from flowrl.models.families import MODEL_FAMILIES
 from flowrl.policies import DiffusionPolicy
 from flowrl.prompts.edit_shapes import draw
@@ -28,9 +31,12 @@ def _pipeline(family, folder):
 
 
 def _options(family):
-    """Short T5 prompts and short videos for the families that have those options."""
-    fields = {f.name for f in dataclasses.fields(MODEL_FAMILIES.get(family).Options)}
-    return {k: v for k, v in {"max_sequence_length": 16, "num_frames": 5}.items() if k in fields}
+    """Short T5 prompts and short videos for the families that have those options (32 tokens where a source image
+    adds its own to the prompt: Qwen-Image-Edit-Plus's "Picture 1: ")."""
+    cls = MODEL_FAMILIES.get(family)
+    fields = {f.name for f in dataclasses.fields(cls.Options)}
+    length = 32 if cls.pipeline_needs_sources else 16
+    return {k: v for k, v in {"max_sequence_length": length, "num_frames": 5}.items() if k in fields}
 
 
 def _brightness(images, prompts, **_):
@@ -110,6 +116,119 @@ def test_lora_runs_export_to_load_lora_weights(family, tmp_path, monkeypatch, ca
     MODEL_FAMILIES.get(family).load_lora_into(pipe, tmp_path / "raw")
     torch.testing.assert_close(_samples(DiffusionPolicy.from_pipeline(pipe, options=_options(family)), family), raw,
                                rtol=0, atol=2e-5)  # fmt: skip
+    _the_printed_snippets_run_and_sample_what_flowrl_sampled(family, run, out, tmp_path, capsys)
+
+
+def _the_printed_snippets_run_and_sample_what_flowrl_sampled(family, run, exported, tmp_path, capsys):
+    """The diffusers lines `flowrl sample` and `flowrl export` print (and write to sample.json and
+    flowrl_export.json), executed as printed: they run, and sample (at the run's size, steps, guidance, negative
+    prompt, seed and noise; an editing or image-to-video model from its prompt set's own in-memory image, written
+    beside the samples) what flowrl samples (`flowrl sample`'s first image; export's lines: as flowrl's evaluation,
+    without noise)."""
+    import numpy as np
+    from PIL import Image
+
+    cls = MODEL_FAMILIES.get(family)
+    prompts = {None: "a red cat", "edit": "edit_shapes/test", "start_frame": "motion_shapes/test"}[cls.conditioning]
+
+    def flowrl_sample(folder, *extra, seed=0):
+        argv = ["sample", str(run), "--prompts", prompts, "--n", "1", "--seed", str(seed), "--out", str(folder)]
+        assert main([*argv, *extra]) == 0
+        first = json.loads((folder / "sample.json").read_text())["files"][0]["file"]
+        if cls.video:  # written as an .mp4 (lossy): only its size is compared
+            return None
+        return np.asarray(Image.open(folder / first), dtype=np.float32) / 255
+
+    ours = flowrl_sample(tmp_path / "s")
+    printed = capsys.readouterr().out
+    record = json.loads((tmp_path / "s" / "sample.json").read_text())
+    count = len(record["files"])
+    assert f"{count} {'video' if cls.video else 'image'}{'s' if count > 1 else ''} of " in printed
+    assert indented(record["diffusers"]) in printed  # printed as written
+    if cls.conditioning:  # the prompt set's source image, written beside the samples, as the pipeline's image
+        assert "image=load_image(" in record["diffusers"][-1] and str(tmp_path / "s" / "sources") in printed
+    snippets = [(record["diffusers"], ours)]
+    if not cls.pipeline_needs_sources:  # the run's first test prompt, "a red cat", without a source
+        lines = json.loads((exported / "flowrl_export.json").read_text())["diffusers"]
+        evaluated = ours if cls.time_kind == "flow" else flowrl_sample(tmp_path / "eval", "--noise-level", "0")
+        snippets.append((lines, evaluated))
+    for lines, expected in snippets:
+        _assert_ruff_formatted(lines)
+        namespace = {}
+        exec("\n".join(lines), namespace)  # noqa: S102 - the printed snippet, run as a user would
+        if cls.video:
+            frames = np.asarray(namespace["video"])
+            assert frames.shape[:3] == (_options(family)["num_frames"], 64, 64), frames.shape
+            continue
+        theirs = np.asarray(namespace["image"].convert("RGB"), dtype=np.float32) / 255
+        assert theirs.shape == expected.shape == (64, 64, 3)
+        # the same image up to 8-bit rounding and the pipeline's own arithmetic (another seed: several levels on
+        # average); with a source image FLUX.1 Kontext's rollout is 0.01 off its pipeline on these tiny models (0.7
+        # levels on average), which the looser bound of conditioned families allows
+        difference = np.abs(theirs - expected)
+        mean = (1.0 if cls.conditioning else 0.5) / 255
+        assert difference.max() <= 6 / 255 and difference.mean() <= mean, (lines, difference.max(), difference.mean())
+    if not cls.video:  # the comparison tells images apart: flowrl's image of another seed is far from the snippet's
+        other = flowrl_sample(tmp_path / "seed1", seed=1)
+        assert np.abs(other - ours).mean() > 4 / 255, np.abs(other - ours).mean()
+
+
+def _assert_ruff_formatted(lines):
+    """The lines as `ruff format` (the project's line length) would write them: pasted into a file it formats, they
+    stay as printed."""
+    source = "\n".join(lines) + "\n"
+    command = [sys.executable, "-m", "ruff", "format", "--diff", "--line-length", str(LINE_LENGTH), "-"]
+    done = subprocess.run(command, input=source, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_snippets_are_laid_out_as_ruff_formats_them():
+    """`ruff_layout`: statements split at `;`, strings in double quotes (unless they hold one), a blank line after
+    the imports, calls longer than a line split one argument a line (and an argument still too long the same
+    way); comments and short lines as they are."""
+    long = "/cache/" + "x" * 120
+    lines = [
+        "import torch",
+        "from diffusers import WanPipeline",
+        f"pipe = WanPipeline.from_pretrained('base', **FAMILY.pipeline_load_kwargs({long!r}))",
+        "pipe.load_lora_weights('a'); pipe.load_lora_weights('a/low', load_into_transformer_2=True)",
+        "video = pipe(prompt='it\\'s a \"cat\"', negative_prompt=\"it's\", num_frames=5, height=64, width=64, "
+        "num_inference_steps=2, guidance_scale=1.0, generator=torch.Generator().manual_seed(0)).frames[0]",
+        "# a comment: 'as it is'",
+    ]
+    laid_out = ruff_layout(lines)
+    assert laid_out == [
+        "import torch",
+        "from diffusers import WanPipeline",
+        "",
+        "pipe = WanPipeline.from_pretrained(",
+        '    "base",',
+        "    **FAMILY.pipeline_load_kwargs(",
+        f'        "{long}",',
+        "    ),",
+        ")",
+        'pipe.load_lora_weights("a")',
+        'pipe.load_lora_weights("a/low", load_into_transformer_2=True)',
+        "video = pipe(",
+        "    prompt='it\\'s a \"cat\"',",
+        '    negative_prompt="it\'s",',
+        "    num_frames=5,",
+        "    height=64,",
+        "    width=64,",
+        "    num_inference_steps=2,",
+        "    guidance_scale=1.0,",
+        "    generator=torch.Generator().manual_seed(0),",
+        ").frames[0]",
+        "# a comment: 'as it is'",
+    ]
+    _assert_ruff_formatted(laid_out)
+    printed = [
+        "    import torch",
+        "    from diffusers import WanPipeline",
+        "",
+        "    pipe = WanPipeline.from_pretrained(",
+    ]
+    assert indented(laid_out[:4]).splitlines() == printed
 
 
 def test_full_fine_tunes_export_the_pipeline_folder(tmp_path, monkeypatch, capsys):
@@ -179,6 +298,14 @@ def test_sample_writes_pngs_a_grid_and_the_diffusers_lines(tmp_path, monkeypatch
 
     first = sample(out, "--seed", "5")
     printed = capsys.readouterr().out
+    # a second call into the same folder writes beside the first, not over it
+    assert (
+        main(["sample", str(run), "--prompts", "a blue dog", "--n", "1", "--num-steps", "2", "--out", str(out)]) == 0
+    )
+    assert f"in {out}-2; grid: {out}-2/grid.png" in capsys.readouterr().out
+    assert [f["prompt"] for f in json.loads((out.parent / "samples-2" / "sample.json").read_text())["files"]] == [
+        "a blue dog"
+    ]
     assert "grid.png" in printed and "pipe.load_lora_weights(" in printed and "from_pretrained(" in printed
     record = json.loads((out / "sample.json").read_text())
     assert record["ema"] and record["epoch"] == 1 and record["sampler"] == "ode"

@@ -17,12 +17,12 @@ LAYERS = [
     ("base", ["flowrl", "flowrl.registry", "flowrl.runtime", "flowrl.config", "flowrl.tracking", "flowrl.threads",
               "flowrl.checkpoint", "flowrl.cache"]),
     ("core", ["flowrl.core"]),
-    ("policies and models", ["flowrl.policies", "flowrl.models", "flowrl.sections"]),
+    ("policies and models", ["flowrl.policies", "flowrl.models", "flowrl.sections", "flowrl.objective_sections"]),
     ("modalities", ["flowrl.image", "flowrl.control", "flowrl.llm", "flowrl.digits", "flowrl.rewards",
                     "flowrl.prompts"]),
     ("trainers", ["flowrl.trainers"]),
-    ("commands", ["flowrl.cli", "flowrl.__main__", "flowrl.sample", "flowrl.export", "flowrl.ablate", "flowrl.score",
-                  "flowrl.plan"]),
+    ("commands", ["flowrl.cli", "flowrl.commands", "flowrl.__main__", "flowrl.sample", "flowrl.export",
+                  "flowrl.ablate", "flowrl.score", "flowrl.plan"]),
 ]  # fmt: skip
 """Each layer's modules (a package stands for all of its modules), lowest first."""
 

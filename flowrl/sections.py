@@ -215,7 +215,8 @@ class EvalConfig:
     """Noise seed of evaluation: the same noise at every evaluation, so curves compare like with like."""
     best_metric: str | None = None
     """Keep `checkpoints/best`, the evaluation with the highest value of this metric (`reward`, `digits_gold`,
-    any `eval/*` name; a leading `-` keeps the lowest, e.g. `-digits_realism`); None: no best checkpoint."""
+    any `eval/*` name; a leading `-` keeps the lowest, e.g. `-digits_realism`), on the validation prompts when the
+    run has them (`prompts.val`), else on the test prompts; None: no best checkpoint."""
     restore_best: bool = False
     """At the end of the run, restore the best checkpoint's weights (early stopping on a held-out metric): the
     final checkpoint, `eval_end` in `summary.json`, `flowrl eval` and `flowrl export` then use them."""

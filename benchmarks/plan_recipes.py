@@ -4,7 +4,7 @@ Each recipe (`configs/<family>/*.yaml` but `tiny.yaml`) is planned as `flowrl pl
 trace, both process counts), on GPUs of `--gpu-memory` GiB (80: an H100). A recipe the run refuses at a process
 count (sharding, groups over processes) shows the refusal. Runs on a CPU in a few minutes; writes JSON as it goes.
 
-    python benchmarks/plan_recipes.py [--gpus 1,8] [--gpu-memory 80] [--only sd35m,qwen_image]
+    python benchmarks/plan_recipes.py [--gpus 1,8] [--gpu-memory 80] [--only sd35m,qwen_image] [--merge]
 
 Writes `benchmarks/results/plan_recipes.json` (or `--out`) and prints the markdown table.
 """
@@ -34,7 +34,9 @@ def recipes(only: list[str] | None = None) -> list[Path]:
     paths = sorted(
         p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name not in SKIP and p.name != "tiny.yaml"
     )
-    return [p for p in paths if not only or p.parent.name in only]
+    return [
+        p for p in paths if not only or p.parent.name in only or p.relative_to(ROOT / "configs").as_posix() in only
+    ]
 
 
 def row(path: Path, gpus: list[int], gpu_memory: float) -> dict:
@@ -66,7 +68,8 @@ def markdown(rows: list[dict], gpus: list[int], gpu_memory: float) -> str:
     lines = [f"| recipe | micro-batch | {' | '.join(heads)} |", "| --- | --- |" + " --- |" * len(gpus)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| `{r['recipe']}` | | error: {r['error'][:100]} |" + " |" * (len(gpus) - 1))
+            reason = r["error"].split(": ", 1)[-1].split(": its update is not planned")[0][:160]
+            lines.append(f"| `{r['recipe']}` | | not planned: {reason} |" + " |" * (len(gpus) - 1))
             continue
         cells = []
         for n in gpus:
@@ -86,11 +89,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", default="1,8", help="process counts, comma-separated")
     parser.add_argument("--gpu-memory", type=float, default=80.0)
-    parser.add_argument("--only", default="", help="config folders, comma-separated (default: every one)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="config folders or recipes (sd35m/awm_pickscore.yaml), comma-separated (default: all)",
+    )
+    parser.add_argument("--merge", action="store_true", help="replace these recipes' rows in --out, keep the others")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "plan_recipes.json"))
     args = parser.parse_args(argv)
     gpus = [int(n) for n in args.gpus.split(",")]
-    rows = []
+    kept = json.loads(Path(args.out).read_text())["rows"] if args.merge and Path(args.out).is_file() else []
+    rows, merged = [], kept
     for path in recipes([s for s in args.only.split(",") if s]):
         try:
             rows.append(row(path, gpus, args.gpu_memory))
@@ -107,8 +116,10 @@ def main(argv=None) -> int:
             )
         print(f"{rows[-1]['recipe']}: {rows[-1]['seconds']} s", file=sys.stderr, flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"gpu_memory": args.gpu_memory, "rows": rows}, indent=1))
-    print(markdown(rows, gpus, args.gpu_memory))
+        done = {r["recipe"] for r in rows}
+        merged = sorted([*(r for r in kept if r["recipe"] not in done), *rows], key=lambda r: r["recipe"])
+        Path(args.out).write_text(json.dumps({"gpu_memory": args.gpu_memory, "rows": merged}, indent=1))
+    print(markdown(merged, gpus, args.gpu_memory))
     return 0
 
 

@@ -196,6 +196,23 @@ def test_an_update_fitted_on_host_data_with_host_reads_is_refused_in_one_line():
         plan(load_config("configs/sd15/tiny.yaml", ["trainer=dpok"]))
 
 
+def test_the_docs_plan_table_is_the_benchmark_s_results():
+    """docs/models.md's table of every recipe's plan is what benchmarks/plan_recipes.py wrote (rerun it, then paste
+    its table, when a recipe or the planner changes)."""
+    import importlib.util
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("plan_recipes", root / "benchmarks" / "plan_recipes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = json.loads((root / "benchmarks" / "results" / "plan_recipes.json").read_text())
+    table = module.markdown(results["rows"], [1, 8], results["gpu_memory"])
+    assert table in (root / "docs" / "models.md").read_text()
+    shipped = {p.relative_to(root / "configs").as_posix() for p in module.recipes()}
+    assert {r["recipe"] for r in results["rows"]} == shipped, "a recipe was added or removed: rerun the benchmark"
+
+
 def test_train_checks_the_plan_first_on_a_gpu(monkeypatch):
     config = load_config("configs/sd35m/tiny.yaml")
     assert check_fits(config) is None  # no GPU here: nothing checked

@@ -112,7 +112,10 @@ def test_a_video_file_is_scored_frame_by_frame(tmp_path, capsys):
         (["jpeg_compressibility", "{flat}", "--prompts", "{dir}/two.txt"], "holds 2 prompts for 1 file: give one"),
         (["jpeg_compressibility", "{flat}", "--kwargs", "{quality: 5}"], "--kwargs is not valid JSON"),
         (["jpeg_compressibility", "{flat}", "--kwargs", "[5]"], "--kwargs must be a JSON object"),
-        (["jpeg_compressibility", "{flat}", "--kwargs", '{"qualty": 5}'], "reward 'jpeg_compressibility' takes no argument 'qualty'; its arguments: quality,"),
+        (
+            ["jpeg_compressibility", "{flat}", "--kwargs", '{"qualty": 5}'],
+            "reward 'jpeg_compressibility' takes no argument 'qualty'; its arguments: quality,",
+        ),
         (
             ["jpeg_compressibility", "{flat}", "--server", "http://127.0.0.1:1", "--kwargs", '{"quality": 5}'],
             "with --server the reward's own arguments are the server's",

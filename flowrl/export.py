@@ -112,11 +112,15 @@ def diffusers_lines(
     extra = {
         **cls.pipeline_call_kwargs(guidance, 1, policy.negative_prompt),
         **cls.pipeline_size_kwargs(height, width),
+        **(adapter.pipeline_source_kwargs() if sources else {}),
     }
     arguments.update({k: repr(v) for k, v in extra.items()})
     arguments["generator"] = f"torch.Generator().manual_seed({seed})"
     call = ", ".join(f"{k}={v}" for k, v in arguments.items())
     lines.append(f"video = pipe({call}).frames[0]" if cls.video else f"image = pipe({call}).{cls.pipeline_output}[0]")
+    resized = getattr(adapter.options, "condition_size", None)
+    if sources and resized:  # FLUX.1 Kontext's `condition_size`: no pipeline argument does it
+        lines.append(f"# flowrl resized the source image to {resized[0]} x {resized[1]} (condition_size) first")
     if sampler not in (None, "ode", "ddim"):
         lines.append(f"# flowrl sampled with {sampler}; the pipeline samples with its scheduler's deterministic steps")
     return ruff_layout(lines)

@@ -146,6 +146,11 @@ class ModelAdapter(ABC):
         `width` as flowrl does (default none; FLUX.1 Kontext rescales to `max_area` unless told the same area)."""
         return {}
 
+    def pipeline_source_kwargs(self) -> dict:
+        """The diffusers pipeline's `__call__` arguments that prepare a source image as this adapter does with its
+        `model.options` (default none; FLUX.1 Kontext: `_auto_resize`)."""
+        return {}
+
     @classmethod
     def pipeline_load_kwargs(cls, name_or_path: str) -> dict:
         """Components `load_pipeline` passes to the pipeline's `from_pretrained` instead of loading them itself

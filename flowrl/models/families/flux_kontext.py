@@ -56,9 +56,13 @@ class FluxKontextAdapter(FluxAdapter):
     @classmethod
     def pipeline_size_kwargs(cls, height: int, width: int) -> dict:
         """`FluxKontextPipeline.__call__` arguments that sample `height` x `width` as flowrl does: the pipeline
-        rescales the requested size to `max_area` (default 1024^2), flowrl keeps it; source images keep their size
-        (`_auto_resize=False`, flowrl's `auto_resize: false`)."""
-        return {"max_area": height * width, "_auto_resize": False}
+        rescales the requested size to `max_area` (default 1024^2), flowrl keeps it."""
+        return {"max_area": height * width}
+
+    def pipeline_source_kwargs(self) -> dict:
+        """`_auto_resize` as `model.options.auto_resize`: a source image resized to the preferred Kontext resolution
+        of its aspect ratio, or kept at its size (as with `condition_size`, to which flowrl resized it first)."""
+        return {"_auto_resize": self.options.auto_resize and self.options.condition_size is None}
 
     def prepare_sources(self, images):
         """The pipeline's step 3 (`FluxKontextPipeline.__call__`: resize, then `image_processor.preprocess` to [-1, 1])

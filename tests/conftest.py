@@ -142,3 +142,14 @@ def tiny_world(session_cache):
     config = BuildConfig(pretrain_steps=3, classifier_epochs=3, transformer=TINY_MODEL)
     model_path = build_model(config, log=None)
     return DigitsWorld(model_path, DigitClassifiers(build_classifiers(config, log=None)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """A test that builds an `Accelerator` with mixed precision (gpu_bench's tiny mode) leaves accelerate's
+    process-wide state behind, which a later test's `Accelerator(mixed_precision=...)` in the same worker refuses."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

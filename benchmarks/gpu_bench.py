@@ -47,11 +47,12 @@ FAMILIES = {
     "qwen_image": dict(name="Qwen/Qwen-Image", guidance=4.0, size=512, text=512, checkpointing=True),
     "z_image": dict(name="Tongyi-MAI/Z-Image", guidance=5.0, size=512, text=512),
     "sana": dict(name="Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers", guidance=4.5, size=1024, text=300),
-    "sdxl": dict(name="stabilityai/stable-diffusion-xl-base-1.0", guidance=5.0, size=1024),
+    "sdxl": dict(name="stabilityai/stable-diffusion-xl-base-1.0", guidance=5.0, size=1024, sampler="ddim"),
     "wan": dict(name="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", guidance=5.0, size=256, text=512, frames=5),
 }
 """Per family: the published checkpoint whose architecture is built, CFG (or FLUX's guidance embedding), the
-training resolution of the peers' recipes, text tokens, Wan's frames (Flow-Factory's wan21 t2v: 256 px, 5 frames), and
+training resolution of the peers' recipes, text tokens, the sampler where the flow SDE does not fit (SDXL's DDIM steps,
+as configs/sdxl/ samples), Wan's frames (Flow-Factory's wan21 t2v: 256 px, 5 frames), and
 gradient checkpointing where the recipes set it (a 12B+ network's activations at a micro-batch of 2)."""
 
 
@@ -81,6 +82,7 @@ def config_for(family: str, args) -> dict:
             "height": 64 if args.tiny else s["size"],
             "width": 64 if args.tiny else s["size"],
             "forward_batch_size": args.forward_batch or None,
+            **({"sampler": s["sampler"]} if "sampler" in s else {}),
         },
         "prompts": {
             "train": "drawbench_style",

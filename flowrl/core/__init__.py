@@ -1,13 +1,12 @@
-"""The shared ratio-normalisation-and-clipping core: pure tensor functions over masked `[B, K]` tensors."""
+"""The shared ratio-normalisation-and-clipping core: pure tensor functions over masked `[B, K]` tensors.
 
-import flowrl.core.humanline  # noqa: F401  (registers humanline)
-import flowrl.core.troll  # noqa: F401  (registers troll)
-from flowrl.core import (  # noqa: F401  (register the text-literature and preference objectives)
-    llm_entropy_objectives,  # noqa: F401  (register Clip-Cov, KL-Cov, R2VPO, SSPO, ESPO, the 80/20 rule)
-    llm_group_objectives,  # noqa: F401  (register TRPA, Reg-GRPO, GTPO, ST-PPO)
-    llm_objectives,
-    preference,
-)
+Every module of this package (and of `flowrl.core.text`, the text-literature objectives) is imported here, so an
+objective registers itself by being a module: a new objective is its own module plus its test.
+"""
+
+import importlib
+import pkgutil
+
 from flowrl.core.advantages import (
     ADVANTAGES,
     PerPromptStatTracker,
@@ -65,6 +64,14 @@ from flowrl.core.steps import (
     steps_to_mask,
 )
 
+
+def _import_modules() -> None:
+    """Import every module of `flowrl.core`, its subpackages' too: each objective module registers its objectives."""
+    for module in pkgutil.walk_packages(__path__, f"{__name__}."):
+        importlib.import_module(module.name)
+
+
+_import_modules()
 
 __all__ = [
     "ADVANTAGES",

@@ -1,5 +1,5 @@
 """The objective registry: what an objective is (a log-ratio estimator + a surrogate + defaults) and where the
-objectives of `flowrl.core.objectives` (and the LLM, preference and TROLL modules) register themselves.
+objectives of `flowrl.core.objectives` (and of `flowrl.core.text`, `flowrl.core.preference`, ...) register themselves.
 
 The surrogates, the log-ratio estimators and the presets live in `flowrl.core.objectives`; the entry point that
 runs one, `compute_policy_loss`, in `flowrl.core.policy_loss`.
@@ -44,7 +44,7 @@ and the extra inputs a caller
 passes to `compute_policy_loss`: `entropy` (`[B, K]` token entropies), `segment_ids` (`[B, K]` integer segment
 of each element: turns, sentences), `state` (the objective's controller state, a dict it updates) and
 `topk_logp` / `old_topk_logp` (`[B, K, V]` log-probs of each element's next-token support under the current
-policy, carrying the gradient, and under the behaviour policy: TROLL, `flowrl.core.troll`)."""
+policy, carrying the gradient, and under the behaviour policy: TROLL, `flowrl.core.text.troll`)."""
 
 EXTRA_INPUTS = ("entropy", "segment_ids", "state", "topk_logp", "old_topk_logp")
 

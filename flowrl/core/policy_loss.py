@@ -94,7 +94,7 @@ def compute_policy_loss(
             within its row (ST-PPO, SSPO); segments need not be contiguous.
         topk_logp, old_topk_logp (`torch.Tensor`, *optional*): `[B, K, V]` log-probs of each element's next-token
             support (V tokens) under the current policy (carries the gradient) and the behaviour policy; needed by
-            the objectives whose `inputs` name them (TROLL, `flowrl.core.troll`).
+            the objectives whose `inputs` name them (TROLL, `flowrl.core.text.troll`).
         state (`dict`, *optional*): a stateful objective's controller state (`get_objective(name).init_state()`),
             updated in place; the caller checkpoints it.
         **hparams: the objective's hyper-parameters (see `get_objective(name).hparams`) and

@@ -185,7 +185,7 @@ def trl_loss_as_objective(args: GRPOConfig) -> dict[str, Any]:
 
 
 GROUP_INPUTS = ("group", "token_ids", "ref_logp")
-"""Per-completion inputs of the group objectives (`flowrl.core.llm_group_objectives`) that trl's loss never gets."""
+"""Per-completion inputs of the group objectives (`flowrl.core.text.group`) that trl's loss never gets."""
 
 
 def _unbridged(name: str, objective) -> str | None:

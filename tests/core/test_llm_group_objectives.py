@@ -1,4 +1,4 @@
-"""The group objectives (`flowrl.core.llm_group_objectives`): TRPA, Reg-GRPO, GTPO, ST-PPO.
+"""The group objectives (`flowrl.core.text.group`): TRPA, Reg-GRPO, GTPO, ST-PPO.
 
 Hand-computed values on tiny tensors (the arithmetic in the comments), value/gradient parity with direct autograd
 implementations of the published formulas (fp64, ragged rows, several groups), the invariants each has at the old
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.core import compute_policy_loss, get_objective
-from flowrl.core.llm_group_objectives import conflict_runs, row_groups
+from flowrl.core.text.group import conflict_runs, row_groups
 
 
 def grad_of(name, logp, old, adv, mask=None, **kw):

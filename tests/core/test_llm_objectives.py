@@ -1,4 +1,4 @@
-"""The text-literature objectives (`flowrl.core.llm_objectives`, `llm_entropy_objectives`): hand-computed values
+"""The text-literature objectives (`flowrl.core.text`: clipping, sequence, reinforce, entropy): hand-computed values
 from the papers and the reference notes, and value/gradient parity with direct autograd implementations of the
 published formulas."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.core import compute_policy_loss, get_objective
-from flowrl.core.llm_entropy_objectives import entropy_groups
+from flowrl.core.text.entropy import entropy_groups
 
 
 def grad_of(name, logp, old, adv, mask=None, **kw):

@@ -1,4 +1,4 @@
-"""TROLL (arXiv:2510.03817, flowrl/core/troll.py): hand-computed projections, the plain policy gradient at the old
+"""TROLL (arXiv:2510.03817, flowrl/core/text/troll.py): hand-computed projections, the plain policy gradient at the old
 weights, the implicit gradient through the projection, the support built from the top-k tokens."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flowrl.core import compute_policy_loss, get_objective
-from flowrl.core.troll import project, with_tail
+from flowrl.core.text.troll import project, with_tail
 from flowrl.llm.logprobs import support_ids
 
 

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from flowrl.core.dist import all_reduce_sum
-from flowrl.core.llm_objectives import segment_log_ratio
 from flowrl.core.objectives import Surrogate, ppo_clip, register_objective
+from flowrl.core.text.sequence import segment_log_ratio
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 `clip_cov` and `kl_cov` (arXiv:2505.22617) act on the tokens whose log-probability covaries most with the
 advantage; `r2vpo` constrains the ratio's variance instead of clipping it; `sspo` and `espo` set clip ranges from
 token entropies, and the `high_entropy` preset trains DAPO on the batch's highest-entropy tokens. Like every
-objective of `flowrl.core.llm_objectives`, each returns the per-element value `v` and `g = dv/dx`; batch
+objective of `flowrl.core.text`, each returns the per-element value `v` and `g = dv/dx`; batch
 statistics go through `flowrl.core.dist`, so every process uses the global batch's. The tests check value and
 gradient against a direct autograd implementation (`tests/core/test_llm_objectives.py`).
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from flowrl.core.dist import all_reduce_sum, gather_valid
-from flowrl.core.llm_objectives import segment_log_ratio, segment_mean
 from flowrl.core.objectives import Surrogate, _clip_between, ppo_clip, register_objective
+from flowrl.core.text.sequence import segment_log_ratio, segment_mean
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
     ("base", ["flowrl", "flowrl.registry", "flowrl.runtime", "flowrl.config", "flowrl.tracking", "flowrl.threads",
-              "flowrl.checkpoint", "flowrl.cache"]),
+              "flowrl.checkpoint", "flowrl.cache", "flowrl._moved"]),
     ("core", ["flowrl.core"]),
     ("policies and models", ["flowrl.policies", "flowrl.models", "flowrl.sections", "flowrl.objective_sections"]),
     ("modalities", ["flowrl.image", "flowrl.control", "flowrl.llm", "flowrl.digits", "flowrl.rewards",

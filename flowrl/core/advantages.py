@@ -57,6 +57,22 @@ def _group_stats(r: torch.Tensor, inverse: torch.Tensor, num_groups: int):
     return count, mean, var_unbiased, var_pop, high == low
 
 
+def _grouped(rewards: torch.Tensor, group_ids):
+    """`(r, inverse, count, mean, var_unbiased, var_pop, degenerate)`: checked rewards and their group statistics."""
+    inverse, num_groups = group_index(group_ids, device=rewards.device)
+    r = _check_rewards(rewards, inverse.numel())
+    return (r, inverse, *_group_stats(r, inverse, num_groups))
+
+
+def _finish(adv: torch.Tensor, inverse: torch.Tensor, degenerate: torch.Tensor, clip: float | None):
+    """The tail of every group estimator: 0 in the groups whose rewards are all equal, clipped to `[-clip, clip]`
+    if given, and the statistics."""
+    adv = torch.where(degenerate[inverse], torch.zeros_like(adv), adv)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv, _stats(adv, degenerate)
+
+
 def _stats(adv: torch.Tensor, degenerate: torch.Tensor) -> dict[str, float]:
     num_groups = degenerate.numel()
     zero = int(degenerate.sum())
@@ -97,9 +113,7 @@ def group_advantages(
     """
     if std not in ("group", "global", "none"):
         raise ValueError(f"std must be one of 'group', 'global', 'none', got {std!r}")
-    inverse, num_groups = group_index(group_ids, device=rewards.device)
-    r = _check_rewards(rewards, inverse.numel())
-    _, mean, var_unbiased, var_pop, degenerate = _group_stats(r, inverse, num_groups)
+    r, inverse, _, mean, var_unbiased, var_pop, degenerate = _grouped(rewards, group_ids)
     centred = r - mean[inverse]  # [N]
     if std == "group":
         scale = (var_unbiased if unbiased else var_pop).sqrt()[inverse] + eps
@@ -107,10 +121,7 @@ def group_advantages(
         scale = r.std(unbiased=unbiased and r.numel() > 1) + eps
     else:
         scale = torch.ones_like(r)
-    adv = torch.where(degenerate[inverse], torch.zeros_like(r), centred / scale)
-    if clip is not None:
-        adv = adv.clamp(-clip, clip)
-    return adv, _stats(adv, degenerate)
+    return _finish(centred / scale, inverse, degenerate, clip)
 
 
 @ADVANTAGES.register("leave_one_out")
@@ -131,19 +142,14 @@ def leave_one_out_advantages(
         normalize_std (`bool`, defaults to `False`): also divide by the group's sample std (+ `eps`).
         clip (`float`, *optional*): clip advantages to `[-clip, clip]`.
     """
-    inverse, num_groups = group_index(group_ids, device=rewards.device)
-    r = _check_rewards(rewards, inverse.numel())
-    count, mean, var_unbiased, _, degenerate = _group_stats(r, inverse, num_groups)
+    r, inverse, count, mean, var_unbiased, _, degenerate = _grouped(rewards, group_ids)
     if (count < 2).any():
         raise ValueError("leave-one-out advantages need at least 2 samples in every group (K >= 2)")
     k = count[inverse]
     adv = k / (k - 1) * (r - mean[inverse])  # [N]
     if normalize_std:
         adv = adv / (var_unbiased.sqrt()[inverse] + eps)
-    adv = torch.where(degenerate[inverse], torch.zeros_like(r), adv)
-    if clip is not None:
-        adv = adv.clamp(-clip, clip)
-    return adv, _stats(adv, degenerate)
+    return _finish(adv, inverse, degenerate, clip)
 
 
 @ADVANTAGES.register("batch")
@@ -274,9 +280,8 @@ class SmoothAdvantageStandardizer:
 
     def __call__(self, rewards: torch.Tensor, prompts: Sequence[str]) -> tuple[torch.Tensor, dict[str, float]]:
         """Fold this batch into the per-prompt pools and return `(advantages[N], stats)`."""
-        inverse, num_groups = group_index(list(prompts), device=rewards.device)
-        r = _check_rewards(rewards, inverse.numel())
-        count, mean, var_unbiased, _, equal = _group_stats(r, inverse, num_groups)
+        r, inverse, count, mean, var_unbiased, _, equal = _grouped(rewards, list(prompts))
+        num_groups = count.numel()
         if num_groups and int(count.min()) < 2:
             raise ValueError("advantage.estimator=sas needs at least 2 samples of every prompt per step "
                              "(prompts.group_size >= 2): the group std is a sample std")  # fmt: skip

@@ -38,9 +38,22 @@ class RewardWeightsError(FileNotFoundError):
 def register(name: str, factory: Callable[..., Any] | None = None, *, description: str | None = None):
     """Register a reward factory (a class or function whose call with kwargs returns the reward callable).
 
-    Usable as a decorator: `@rewards.register("my_reward")`.
+    Usable as a decorator: `@rewards.register("my_reward")`. The name is written once, here: a class gets it as its
+    `name` attribute (what `Reward`'s error messages say); a class that sets another `name` itself is refused.
     """
-    return REWARDS.register(name, factory, description=description)
+
+    def add(item):
+        if isinstance(item, type) and item.__dict__.get("name", name) != name:
+            raise ValueError(
+                f"reward class {item.__name__} sets name = {item.__dict__['name']!r} but is registered as {name!r}: "
+                "drop its name attribute (the registration sets it)"
+            )
+        REWARDS.register(name, item, description=description)
+        if isinstance(item, type):
+            item.name = name
+        return item
+
+    return add if factory is None else add(factory)
 
 
 def _import(path: str):

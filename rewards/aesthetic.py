@@ -41,7 +41,6 @@ class AestheticReward(Reward):
         device, dtype, batch_size: see `Reward`.
     """
 
-    name = "aesthetic"
     differentiable = True
 
     def __init__(

@@ -46,7 +46,6 @@ class ClipScore(Reward):
         device, dtype, batch_size: see `Reward`.
     """
 
-    name = "clip_score"
     differentiable = True
 
     def __init__(

@@ -55,7 +55,6 @@ class FirstFrameFidelity(Reward):
         device, dtype, batch_size: see `Reward`.
     """
 
-    name = "first_frame_fidelity"
     video = True
     needs_source_images = True
 
@@ -89,7 +88,6 @@ class FirstFrameSimilarity(Reward):
         device, dtype, batch_size: see `Reward`.
     """
 
-    name = "first_frame_similarity"
     video = True
     needs_source_images = True
 
@@ -136,7 +134,6 @@ class Motion(Reward):
         device, dtype, batch_size: see `Reward`.
     """
 
-    name = "motion"
     video = True
 
     def __init__(self, target: float = 0.02, device=None, dtype: torch.dtype = torch.float32, batch_size: int = 64):
@@ -163,7 +160,6 @@ class VlmImageToVideo(VlmVideo):
     template is the number of video frames. Arguments: those of `vlm_video`.
     """
 
-    name = "vlm_i2v"
     needs_source_images = True
     default_template = {"score": "i2v", "yes_no": "i2v_yes_no"}
 

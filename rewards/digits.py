@@ -53,7 +53,6 @@ class _DigitsReward(Reward):
 class DigitsAlignment(_DigitsReward):
     """Digits world: reward classifier's probability of the prompted digit (needs: the digits world, built offline)."""
 
-    name = "digits_alignment"
     differentiable = True
 
     def score(self, images, prompts, **metadata):
@@ -65,8 +64,6 @@ class DigitsAlignment(_DigitsReward):
 class DigitsAccuracy(_DigitsReward):
     """Digits world: 1 if the reward classifier's top class is the prompted digit (the alignment metric)."""
 
-    name = "digits_accuracy"
-
     def score(self, images, prompts, **metadata):
         logits = self.classifiers.reward.to(self.device)(self._pixels(images))
         return (logits.argmax(-1) == self._targets(prompts)).float()
@@ -75,8 +72,6 @@ class DigitsAccuracy(_DigitsReward):
 @register("digits_gold")
 class DigitsGold(_DigitsReward):
     """Digits world gold metric: 1 if an independent MLP classifier (other data, never optimised) sees the digit."""
-
-    name = "digits_gold"
 
     def score(self, images, prompts, **metadata):
         logits = self.classifiers.gold.to(self.device)(self._pixels(images))
@@ -90,8 +85,6 @@ class DigitsRealism(_DigitsReward):
     About 1 for samples as close to real digits of their class as held-out real digits are; larger values mean
     samples drift away from the real-digit distribution (lower is better).
     """
-
-    name = "digits_realism"
 
     def __init__(self, classifiers=None, seed: int = 0, **kwargs):
         super().__init__(classifiers, seed, **kwargs)
@@ -139,7 +132,6 @@ class DigitsHackable(_DigitsReward):
             digits loses realism from about epoch 12 and gold accuracy by epoch 40).
     """
 
-    name = "digits_hackable"
     differentiable = True
 
     def __init__(self, classifiers=None, seed: int = 0, logit_weight: float = 0.1, ink_weight: float = 3.0, **kwargs):

@@ -70,7 +70,6 @@ def _first_source(source_images, images: torch.Tensor, name: str) -> torch.Tenso
 class EditConsistency(Reward):
     """Editing: SSIM with the source image outside the edited `region` (1 = untouched; needs: nothing)."""
 
-    name = "edit_consistency"
     needs_source_images = True
 
     def __init__(self, outside_region: bool = True, device=None, dtype: torch.dtype = torch.float32,
@@ -95,7 +94,6 @@ class EditConsistency(Reward):
 class EditColor(Reward):
     """Editing (`edit_shapes`): 1 - mean RGB distance to the target colour on the shape (needs: region, color)."""
 
-    name = "edit_color"
     needs_source_images = True
 
     def score(self, images, prompts, source_images=None, region=None, color=None, **metadata):

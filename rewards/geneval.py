@@ -508,8 +508,6 @@ class GenEvalReward(Reward):
         label_map (`dict`, *optional*): detector label -> COCO class name (see `TransformersDetector`).
     """
 
-    name = "geneval"
-
     def __init__(
         self,
         detector: str | Callable[..., list[list[Detection]]] | None = None,

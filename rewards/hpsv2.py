@@ -45,7 +45,6 @@ class HPSv2(Reward):
         device, dtype, batch_size: see `Reward`.
     """
 
-    name = "hpsv2"
     differentiable = True
 
     def __init__(

@@ -321,8 +321,6 @@ class HttpReward(Reward):
         timeout (`float`, *optional*): the former name of `timeout_s` (deprecated).
     """
 
-    name = "http"
-
     def __init__(self, url: str, timeout_s: float = 60.0, deadline_s: float = 600.0, retries: int = 3,
                  backoff: float = 0.5, max_backoff: float = 10.0, token: str | None = None, format: str = "raw",
                  raw_dtype: str = "uint8", lossy_quality: int = 90, batch_size: int = 64,

@@ -245,7 +245,6 @@ class ImageReward(Reward):
         device, dtype, batch_size: see `Reward`.
     """
 
-    name = "imagereward"
     differentiable = True
 
     def __init__(

@@ -46,7 +46,6 @@ class _JpegSize(Reward):
 class JpegCompressibility(_JpegSize):
     """Minus the JPEG (quality 95) size in kB: smaller files score higher (DDPO; needs: nothing)."""
 
-    name = "jpeg_compressibility"
     sign = -1.0
 
 
@@ -54,5 +53,4 @@ class JpegCompressibility(_JpegSize):
 class JpegIncompressibility(_JpegSize):
     """The JPEG (quality 95) size in kB: larger, more detailed files score higher (DDPO; needs: nothing)."""
 
-    name = "jpeg_incompressibility"
     sign = 1.0

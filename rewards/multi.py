@@ -47,8 +47,6 @@ class MultiReward(Reward):
             to build, so one reward can appear twice: `clip_b={"name": "clip_score", "model": ...}`.
     """
 
-    name = "multi"
-
     def __init__(
         self,
         weights: Mapping[str, float],

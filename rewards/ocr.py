@@ -136,8 +136,6 @@ class OcrReward(Reward):
         device, dtype, batch_size: see `Reward` (the OCR engine itself always runs on the CPU, image by image).
     """
 
-    name = "ocr"
-
     def __init__(self, device=None, dtype: torch.dtype = torch.float32, batch_size: int = 32):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
         import importlib.util

@@ -57,7 +57,6 @@ class PairwiseWinRate:
         **kwargs: constructor kwargs of the `score` reward (or of the judge, when `judge` is a factory path).
     """
 
-    name = "pairwise_winrate"
     differentiable = False
 
     def __init__(self, judge: str | Callable | None = None, score: str | None = None, both_orders: bool = False,

@@ -36,7 +36,6 @@ class PickScore(Reward):
         device, dtype, batch_size: see `Reward`.
     """
 
-    name = "pickscore"
     differentiable = True
 
     def __init__(

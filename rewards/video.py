@@ -67,8 +67,6 @@ class PerFrame:
         **kwargs: the image reward's arguments.
     """
 
-    name = "per_frame"
-
     def __init__(self, reward: str, max_frames: int | None = None, **kwargs):
         from flowrl import rewards
 
@@ -95,7 +93,6 @@ class TemporalConsistency(Reward):
     so it is a regulariser beside a content reward (a small weight), not a goal.
     """
 
-    name = "temporal_consistency"
     video = True
 
     def __init__(self, device=None, dtype: torch.dtype = torch.float32, batch_size: int = 64):

@@ -384,8 +384,6 @@ class VlmScore(VlmJudge):
     answer without a score, this scores NaN (`on_unparsable`). Arguments: those of `VlmJudge` but `answer`.
     """
 
-    name = "vlm_score"
-
     def __init__(self, url: str, model: str, **kwargs: Any):
         super().__init__(url, model, answer="score", **kwargs)
 
@@ -400,8 +398,6 @@ class VlmYesNo(VlmJudge):
     own (it does not). Arguments: those of `VlmJudge` but `answer`.
     """
 
-    name = "vlm_yes_no"
-
     def __init__(self, url: str, model: str, **kwargs: Any):
         super().__init__(url, model, answer="yes_no", **kwargs)
 
@@ -414,7 +410,6 @@ class VlmEdit(VlmJudge):
     divided by 5) or, with `answer: yes_no`, `TEMPLATES["edit_yes_no"]`. Arguments: those of `VlmJudge`.
     """
 
-    name = "vlm_edit"
     needs_source_images = True
     default_template = {"score": "edit", "yes_no": "edit_yes_no"}
 
@@ -436,7 +431,6 @@ class VlmVideo(VlmJudge):
     template is the number of frames. Arguments: `frames` (8, as Pref-GRPO) and those of `VlmJudge`.
     """
 
-    name = "vlm_video"
     video = True
     default_template = {"score": "video", "yes_no": "video_yes_no"}
 
@@ -479,8 +473,6 @@ class VlmPairwise(PairwiseWinRate):
         max_tokens (`int`, defaults to 1024): the answer's length limit (room for the reasoning before the verdict).
         **client: `JudgeClient` arguments, as `VlmJudge`.
     """
-
-    name = "vlm_pairwise"
 
     def __init__(self, url: str, model: str, *, both_orders: bool = False, template: str | None = None,
                  frames: int = 8, system: str | None = None, image_size: int | None = None,

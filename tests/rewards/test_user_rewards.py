@@ -66,3 +66,43 @@ def test_bad_dotted_paths():
         rewards.get("no_such_module_xyz:fn")
     with pytest.raises(ValueError, match="has no attribute"):
         rewards.get("flowrl.rewards.jpeg:nope")
+
+
+def test_registration_names_the_class_once():
+    """`@rewards.register("x")` is where a reward's name is written: the class gets it (its error messages say it),
+    a class that sets another name is refused, and no built-in reward writes its name a second time."""
+    import ast
+    from pathlib import Path
+
+    from flowrl.rewards.base import Reward
+
+    @rewards.register("name_test_reward")
+    class Named(Reward):
+        def score(self, images, prompts, **metadata):
+            return images.sum(dim=(1, 2, 3))
+
+    try:
+        assert Named.name == "name_test_reward" and rewards.get("name_test_reward").name == "name_test_reward"
+        with pytest.raises(ValueError, match="reward 'name_test_reward' needs images"):
+            rewards.get("name_test_reward")(torch.zeros(2, 1, 4, 4), ["a", "b"])
+    finally:
+        rewards.REWARDS.unregister("name_test_reward")
+
+    class Other(Reward):
+        name = "other"
+
+    with pytest.raises(ValueError, match="sets name = 'other' but is registered as 'renamed'"):
+        rewards.register("renamed", Other)
+    assert "renamed" not in rewards.list_rewards() and Other.name == "other"
+
+    written = []
+    for path in Path(rewards.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            decorators = [d for d in getattr(node, "decorator_list", []) if isinstance(d, ast.Call)]
+            if isinstance(node, ast.ClassDef) and any(getattr(d.func, "id", "") == "register" for d in decorators):
+                names = [t.id for s in node.body if isinstance(s, ast.Assign) for t in s.targets if hasattr(t, "id")]
+                written += [f"{path.name}: {node.name}" for n in names if n == "name"]
+    assert not written, f"rewards that write their registered name twice: {written}"
+    for name in rewards.list_rewards():
+        factory = rewards.REWARDS.get(name)
+        assert not isinstance(factory, type) or factory.name == name

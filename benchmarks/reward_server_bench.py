@@ -47,7 +47,7 @@ if impl == "old":
     sys.path.insert(0, folder)
     from old_server import RewardServer
 else:
-    from flowrl.rewards.server import RewardServer
+    from flowrl.rewards.serving.server import RewardServer
 from flowrl import rewards
 
 if reward_name == "mean":
@@ -95,7 +95,7 @@ def client(impl: str, url: str, size: int, batch: int, fmt: str, start_at: float
     if impl == "old":
         from old_http import HttpReward
     else:
-        from flowrl.rewards.http import HttpReward
+        from flowrl.rewards.serving.http import HttpReward
     reward = HttpReward(url, batch_size=batch, **FORMATS[fmt])
     images = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
     prompts = [f"a photo of a cat, client {seed}"] * batch
@@ -199,7 +199,7 @@ def main() -> None:
         import old_http  # noqa: F401
         import PIL.PngImagePlugin  # noqa: F401
 
-        import flowrl.rewards.http  # noqa: F401
+        import flowrl.rewards.serving.http  # noqa: F401
 
         servers = {impl: start_server(impl, folder, args.reward) for impl in ("old", "new")}
         rows = []

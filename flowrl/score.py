@@ -104,7 +104,7 @@ def build_reward(name: str, kwargs: dict[str, Any], server: str | None = None):
             raise ValueError(f"reward {name!r} does not take these --kwargs {sorted(kwargs)}: {err}") from None
     import inspect
 
-    from flowrl.rewards.http import HttpReward
+    from flowrl.rewards.serving.http import HttpReward
 
     allowed = [p for p in inspect.signature(HttpReward).parameters if p != "url"]
     unknown = sorted(set(kwargs) - set(allowed))

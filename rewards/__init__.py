@@ -8,7 +8,7 @@ factory); `rewards.list_rewards()` lists what is registered.
 Built-in rewards (each in its own module, heavy imports deferred to construction): `jpeg_compressibility`,
 `jpeg_incompressibility`, `aesthetic`, `clip_score`, `pickscore`, `hpsv2`, `imagereward`, `geneval` (GenEval's
 rules over an object detector, `flowrl.rewards.geneval`), and `http` (a reward
-served by `flowrl serve-reward`, see `flowrl.rewards.server`). `MultiReward` combines several, `combine_advantages`
+served by `flowrl serve-reward`, see `flowrl.rewards.serving`). `MultiReward` combines several, `combine_advantages`
 turns per-reward scores into advantages (`sum` or `gdpo`), `RewardExecutor` scores in a background thread. See
 docs/rewards.md.
 """
@@ -126,14 +126,14 @@ def _import_modules() -> None:
     import importlib
     import pkgutil
 
-    for module in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{module.name}")
+    for module in pkgutil.walk_packages(__path__, f"{__name__}."):  # and the modules of its packages (serving)
+        importlib.import_module(module.name)
 
 
 _import_modules()
-from flowrl.rewards.executor import RewardExecutor  # noqa: E402
 from flowrl.rewards.multi import MultiReward, MultiRewardOutput, combine_advantages  # noqa: E402
 from flowrl.rewards.scoring import Rewards  # noqa: E402
+from flowrl.rewards.serving.executor import RewardExecutor  # noqa: E402
 
 
 __all__ = [

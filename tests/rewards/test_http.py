@@ -21,7 +21,8 @@ import torch
 
 from flowrl import rewards
 from flowrl.cli import main
-from flowrl.rewards.http import (
+from flowrl.rewards.jpeg import JpegCompressibility
+from flowrl.rewards.serving.http import (
     HttpReward,
     RewardServerError,
     RewardServerUnavailable,
@@ -29,8 +30,7 @@ from flowrl.rewards.http import (
     encode_images,
     request_body,
 )
-from flowrl.rewards.jpeg import JpegCompressibility
-from flowrl.rewards.server import RewardServer
+from flowrl.rewards.serving.server import RewardServer
 
 
 PROMPTS = ["a cat", "a dog", "a fox", "an owl", "a yak"]
@@ -269,7 +269,7 @@ def test_a_server_that_is_down_is_a_clear_error_after_the_deadline(images, caplo
     port = free_port()
     client = HttpReward(f"127.0.0.1:{port}", deadline_s=0.5, backoff=0.01, timeout_s=2)
     start = time.monotonic()
-    caplog.set_level(logging.WARNING, logger="flowrl.rewards.http")
+    caplog.set_level(logging.WARNING, logger="flowrl.rewards.serving.http")
     with pytest.raises(RewardServerUnavailable) as info:
         client(images, PROMPTS)
     assert 0.5 <= time.monotonic() - start < 5
@@ -303,7 +303,7 @@ def test_unavailable_answers_are_waited_for_and_other_5xx_retried_a_few_times(ca
     client = HttpReward("127.0.0.1:1", backoff=0.001, retries=1)
     fake = _Replies(503, httpx.ReadTimeout("slow"), 502, httpx.RemoteProtocolError("gone"), 504, 200)
     client._http = lambda: fake
-    with caplog.at_level(logging.WARNING, logger="flowrl.rewards.http"):
+    with caplog.at_level(logging.WARNING, logger="flowrl.rewards.serving.http"):
         assert client(torch.zeros(2, 3, 4, 4), ["a", "b"]).tolist() == [0.5, 0.5]
     assert len(set(fake.ids)) == 1 and len(fake.ids) == 6  # one request, resent as it was
     metrics = client.pop_metrics()
@@ -411,7 +411,7 @@ def test_a_server_killed_mid_run_and_restarted_loses_and_duplicates_no_scores(ca
         killer = threading.Thread(target=kill_and_restart, args=(int(url.rsplit(":", 1)[1]),), daemon=True)
         killer.start()
         got, took = [], []
-        with caplog.at_level(logging.WARNING, logger="flowrl.rewards.http"):
+        with caplog.at_level(logging.WARNING, logger="flowrl.rewards.serving.http"):
             for i, (batch, p) in enumerate(zip(batches, prompts)):
                 if i == 8:
                     kill.set()
@@ -521,7 +521,7 @@ def test_serve_reward_without_fastapi_says_how_to_install_it(monkeypatch, capsys
 
 
 def test_the_cli_serves_until_interrupted(monkeypatch, capsys, images):
-    from flowrl.rewards import server as server_module
+    from flowrl.rewards.serving import server as server_module
 
     def serve_then_interrupt(self):
         client = HttpReward(self.url)

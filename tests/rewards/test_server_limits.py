@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from flowrl.rewards.http import HttpReward, RewardServerError, request_body
 from flowrl.rewards.jpeg import JpegCompressibility
-from flowrl.rewards.server import RewardServer
-from flowrl.rewards.server_requests import BODY_COST, PIXEL_COST
+from flowrl.rewards.serving.http import HttpReward, RewardServerError, request_body
+from flowrl.rewards.serving.server import RewardServer
+from flowrl.rewards.serving.server_requests import BODY_COST, PIXEL_COST
 
 from .test_http import _start_cli_server, _stop, _wait_for_url, post
 

@@ -13,8 +13,8 @@ The protocol is plain JSON (no pickle), so any endpoint that speaks it works:
     GET /health   -> {"reward": NAME, "status": "ok"}
 
 PNG and uint8 pixels are `round(255 * x)` of the [0, 1] images; float32 pixels are sent as they are; JPEG and WebP
-are lossy (at the client's `lossy_quality`). The server is `flowrl.rewards.server`; the encoding helpers here are
-shared by both sides.
+are lossy (at the client's `lossy_quality`). The server is `flowrl.rewards.serving.server`; the encoding helpers here
+are shared by both sides.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the reward server (`flowrl.rewards.server`) accepts: the request parser, the per-request and per-image
+"""What the reward server (`flowrl.rewards.serving.server`) accepts: the request parser, the per-request and per-image
 pixel limits, the memory budget of the requests in flight, and the address checks.
 
 Every limit is checked before the work it bounds: the announced body size before the body is read, its memory
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from flowrl.rewards.http import TooLarge, decode_images
+from flowrl.rewards.serving.http import TooLarge, decode_images
 
 
 MAX_BODY_BYTES = 256 * 1024 * 1024

@@ -1,6 +1,6 @@
-"""The HTTP side of the reward server (`flowrl.rewards.server`): the FastAPI application that checks each request's
-token, size and memory charge before reading its body, reads it into one buffer, hands it to the server and
-answers in one-line JSON.
+"""The HTTP side of the reward server (`flowrl.rewards.serving.server`): the FastAPI application that checks each
+request's token, size and memory charge before reading its body, reads it into one buffer, hands it to the server
+and answers in one-line JSON.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import json
 import logging
 import re
 
-from flowrl.rewards.http import REQUEST_ID_HEADER, scores_to_json
-from flowrl.rewards.server_requests import BODY_COST, RequestError, one_line, release_memory
+from flowrl.rewards.serving.http import REQUEST_ID_HEADER, scores_to_json
+from flowrl.rewards.serving.server_requests import BODY_COST, RequestError, one_line, release_memory
 
 
-logger = logging.getLogger("flowrl.rewards.server")
+logger = logging.getLogger("flowrl.rewards.serving.server")
 
 BODY_TIMEOUT_S = 120.0
 """A request body must arrive within this many seconds (a client trickling one is answered 408 and dropped)."""

@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 def run(config: str, epochs: int, mode: str, threads: int, folder: Path, workers: int = 1, staleness: int = 1) -> dict:
     """One run of `config` (`mode` sync or async with `workers` rollout workers at `staleness`) and its medians over
     the epochs after the first: the epoch, its rollout, update and the rest, the learner's wait, the publication."""
+    from flowrl.run.async_rollouts import publication
     from flowrl.trainers import build_trainer, load_config
-    from flowrl.trainers.async_rollouts import publication
 
     overrides = [
         f"run.epochs={epochs}",

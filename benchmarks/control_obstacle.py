@@ -36,7 +36,7 @@ def train(demos: Path, actor: str, seed: int, out: Path) -> Path:
 
 
 def measure(run: Path, episodes: int) -> dict:
-    from flowrl.trainers.inference import load_run
+    from flowrl.trainers import load_run
 
     actor = load_run(run, device="cpu").algorithm.policy.actor  # the demonstrations are raw observations
 

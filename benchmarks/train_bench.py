@@ -32,7 +32,7 @@ from flowrl.trainers import build_trainer, load_config  # noqa: E402
 
 def network_work(trainer, collected, optimizer_steps: int) -> float:
     """Seconds of the bare network calls one epoch makes (same shapes, same number of calls)."""
-    from flowrl.trainers.scheduler import UpdateBatch
+    from flowrl.run.scheduler import UpdateBatch
 
     cfg = trainer.config
     chunk, steps = cfg.batch.micro_batch_size, cfg.sampling.num_steps

@@ -16,7 +16,52 @@ import sys
 import warnings
 
 
-MOVED: dict[str, str] = {}
+MOVED: dict[str, str] = {
+    # #46: the run machinery left flowrl/trainers/ for flowrl/run/; the algorithms are grouped by modality
+    "flowrl.trainers.advantages": "flowrl.run.advantages",
+    "flowrl.trainers.algorithm": "flowrl.run.algorithm",
+    "flowrl.trainers.artifacts": "flowrl.run.artifacts",
+    "flowrl.trainers.async_rollouts": "flowrl.run.async_rollouts",
+    "flowrl.trainers.driver": "flowrl.run.driver",
+    "flowrl.trainers.engine": "flowrl.run.engine",
+    "flowrl.trainers.ess": "flowrl.run.ess",
+    "flowrl.trainers.grad_probe": "flowrl.run.grad_probe",
+    "flowrl.trainers.inference": "flowrl.run.inference",
+    "flowrl.trainers.inline_rollouts": "flowrl.run.inline_rollouts",
+    "flowrl.trainers.learner_group": "flowrl.run.learner_group",
+    "flowrl.trainers.local_ray": "flowrl.run.local_ray",
+    "flowrl.trainers.registry": "flowrl.run.registry",
+    "flowrl.trainers.run_folder": "flowrl.run.run_folder",
+    "flowrl.trainers.run_loop": "flowrl.run.run_loop",
+    "flowrl.trainers.scheduler": "flowrl.run.scheduler",
+    "flowrl.trainers.sharding": "flowrl.run.sharding",
+    "flowrl.trainers.state": "flowrl.run.state",
+    "flowrl.trainers.stats": "flowrl.run.stats",
+    "flowrl.trainers.wire": "flowrl.run.wire",
+    "flowrl.trainers.acflow": "flowrl.trainers.image.acflow",
+    "flowrl.trainers.awm": "flowrl.trainers.image.awm",
+    "flowrl.trainers.dgpo": "flowrl.trainers.image.dgpo",
+    "flowrl.trainers.diffusion_dpo": "flowrl.trainers.image.diffusion_dpo",
+    "flowrl.trainers.dpok": "flowrl.trainers.image.dpok",
+    "flowrl.trainers.find": "flowrl.trainers.image.find",
+    "flowrl.trainers.flow_dppo": "flowrl.trainers.image.flow_dppo",
+    "flowrl.trainers.flow_grpo": "flowrl.trainers.image.flow_grpo",
+    "flowrl.trainers.gardo": "flowrl.trainers.image.gardo",
+    "flowrl.trainers.grpo_guard": "flowrl.trainers.image.grpo_guard",
+    "flowrl.trainers.image_fpo": "flowrl.trainers.image.image_fpo",
+    "flowrl.trainers.loop": "flowrl.trainers.image.loop",
+    "flowrl.trainers.nft": "flowrl.trainers.image.nft",
+    "flowrl.trainers.tempflow_grpo": "flowrl.trainers.image.tempflow_grpo",
+    "flowrl.trainers.window_grpo": "flowrl.trainers.image.window_grpo",
+    "flowrl.trainers.bc": "flowrl.trainers.control.bc",
+    "flowrl.trainers.dppo": "flowrl.trainers.control.dppo",
+    "flowrl.trainers.fpo": "flowrl.trainers.control.fpo",
+    "flowrl.trainers.ppo": "flowrl.trainers.control.ppo",
+    "flowrl.trainers.matching": "flowrl.trainers.shared.matching",
+    "flowrl.trainers.preference": "flowrl.trainers.shared.preference",
+    # (flowrl.trainers.image, .control and .text are packages now: ImageAlgorithm and ControlAlgorithm are in
+    # flowrl.trainers.shared.image and .control, the text trainer in flowrl.trainers.text.text)
+}
 """Old module path -> the module it is now (old paths keep working, with a `DeprecationWarning`)."""
 
 

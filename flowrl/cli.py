@@ -42,7 +42,7 @@ def _family_line(name: str) -> str:
     counts, and the image trainers that train its time convention."""
     from flowrl.models.families import MODEL_FAMILIES
     from flowrl.trainers import TRAINERS
-    from flowrl.trainers.image import ImageAlgorithm
+    from flowrl.trainers.shared.image import ImageAlgorithm
 
     cls = MODEL_FAMILIES.get(name)
     fits = lambda t: cls.time_kind in t.time_kinds and (t.video or not cls.video)  # noqa: E731
@@ -152,8 +152,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from flowrl import checkpoint
     from flowrl.plan import check_fits
+    from flowrl.run.artifacts import check_artifacts
     from flowrl.trainers import build_trainer
-    from flowrl.trainers.artifacts import check_artifacts
 
     config = _train_config(args)
     check_artifacts(config)  # every missing model and reward file in one message, before anything loads
@@ -176,7 +176,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"flowrl train: {how} at epoch {trainer.epoch} of {config.run.epochs}; {where}{hint}", file=sys.stderr)
         return 143 if isinstance(err, Terminated) else 130
     except Exception as err:
-        from flowrl.trainers.run_folder import RunFolderError
+        from flowrl.run.run_folder import RunFolderError
 
         started = trainer.log is not None and not isinstance(err, (RunFolderError, checkpoint.CheckpointError))
         nothing_to_resume = isinstance(err, RunFolderError) and _resumable(trainer.output_dir) is None
@@ -204,7 +204,7 @@ def _next_command(args: argparse.Namespace, run_dir) -> str | None:
     run (the same command starts it)."""
     import shlex
 
-    from flowrl.trainers.run_folder import holds_run
+    from flowrl.run.run_folder import holds_run
 
     if _resumable(run_dir) is not None:
         return f"continue with: flowrl train {shlex.quote(str(run_dir))} --resume"

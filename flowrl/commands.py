@@ -23,7 +23,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_demos(args: argparse.Namespace) -> int:
     """Record a control run's policy as demonstrations (`flowrl.control.demos`)."""
     from flowrl.control.demos import record
-    from flowrl.trainers.inference import load_run
+    from flowrl.trainers import load_run
 
     run = load_run(args.run, args.checkpoint or "latest", device="cpu")
     if not hasattr(run.modality, "normalizer"):
@@ -63,8 +63,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     import torch
 
-    from flowrl.trainers import load_config
-    from flowrl.trainers.inference import build_parts, load_run
+    from flowrl.run.inference import build_parts
+    from flowrl.trainers import load_config, load_run
 
     target = Path(args.target)
     overrides = list(args.set or [])
@@ -72,7 +72,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         run = load_run(target, args.checkpoint or "latest", rewards=True, overrides=overrides)
         algorithm, label, epoch = run.algorithm, str(run.checkpoint), run.epoch
     else:
-        from flowrl.trainers.artifacts import check_artifacts
+        from flowrl.run.artifacts import check_artifacts
 
         config = load_config(target, [*overrides, "run.log_with=[]"])
         check_artifacts(config)

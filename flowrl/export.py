@@ -1,7 +1,7 @@
 """From a trained run to what a diffusers user loads in one line (`flowrl export`).
 
 A checkpoint is for resuming; `export` loads the run's policy at a checkpoint without a trainer
-(`flowrl.trainers.inference.load_run`) and writes its weights in diffusers' own formats:
+(`flowrl.run.inference.load_run`) and writes its weights in diffusers' own formats:
 
 - LoRA runs: `pytorch_lora_weights.safetensors` (with the adapter config as metadata), for
   `pipe.load_lora_weights(DIR)`;
@@ -27,8 +27,8 @@ from pathlib import Path
 def export(run_dir: str | Path, out: str | Path, *, checkpoint_path: str | Path | None = None,
            ema: bool | None = None) -> dict:  # fmt: skip
     """Export a run's (latest or given) checkpoint to `out`; returns what was written and how to load it."""
-    from flowrl.trainers.inference import load_run
-    from flowrl.trainers.run_folder import writable
+    from flowrl.run.run_folder import writable
+    from flowrl.trainers import load_run
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():

@@ -1,7 +1,7 @@
 """Images from a trained run (`flowrl sample`): PNG files, a labelled grid and how to do the same in diffusers.
 
 `sample(RUN_OR_CHECKPOINT, prompts)` loads the run's policy at a checkpoint (the latest, `best`, or a given folder)
-without a trainer (`flowrl.trainers.inference.load_run`: no optimizer, no reward model), with the EMA weights when
+without a trainer (`flowrl.run.inference.load_run`: no optimizer, no reward model), with the EMA weights when
 the run kept them, and samples `n` images per prompt with one seeded generator, so the same seed gives the same
 images. It writes
 
@@ -111,10 +111,10 @@ def sample(
     from flowrl.export import base_location, diffusers_lines, source_files, write
     from flowrl.image import ImageModality
     from flowrl.policies.sources import source_key
+    from flowrl.run.inference import resolve
+    from flowrl.run.run_folder import writable
     from flowrl.tracking import image_grid
-    from flowrl.trainers import TRAINERS, load_config
-    from flowrl.trainers.inference import load_run, resolve
-    from flowrl.trainers.run_folder import writable
+    from flowrl.trainers import TRAINERS, load_config, load_run
     from flowrl.video import contact_sheet, write_mp4
 
     if n < 1:

@@ -5,8 +5,8 @@ import yaml
 
 from flowrl.config import ConfigError, apply_overrides, save_config, to_dict
 from flowrl.trainers import load_config
-from flowrl.trainers.flow_grpo import FlowGRPOConfig
-from flowrl.trainers.grpo_guard import GRPOGuardConfig
+from flowrl.trainers.image.flow_grpo import FlowGRPOConfig
+from flowrl.trainers.image.grpo_guard import GRPOGuardConfig
 
 
 def test_yaml_overrides_only_the_given_values(tmp_path):

@@ -24,7 +24,7 @@ DYING = """
 import os, signal, sys
 from flowrl import checkpoint
 from flowrl.cli import main
-from flowrl.trainers.scheduler import UpdateScheduler
+from flowrl.run.scheduler import UpdateScheduler
 
 mode, at = sys.argv[1], int(sys.argv[2])
 if mode == "checkpoint":  # SIGKILL while checkpoint `at` is written: weights on disk, no manifest yet

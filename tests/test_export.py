@@ -265,8 +265,8 @@ def test_full_fine_tunes_export_the_pipeline_folder(tmp_path, monkeypatch, capsy
 
 
 def _loaded(trainer, run_dir):
-    """A trainer's policy as `flowrl.trainers.inference.load_run` hands it to `write` (its raw weights)."""
-    from flowrl.trainers.inference import LoadedRun
+    """A trainer's policy as `flowrl.run.inference.load_run` hands it to `write` (its raw weights)."""
+    from flowrl.run.inference import LoadedRun
 
     return LoadedRun(run_dir, run_dir / "checkpoints" / f"epoch_{trainer.epoch}", trainer.config, trainer.epoch,
                      trainer.modality, trainer.algorithm, ema=False)  # fmt: skip

@@ -76,8 +76,8 @@ def test_a_rollout_and_an_update_step_never_wait_for_the_gpu(tmp_path):
     # every device-to-host read and blocking copy in the denoising loops raises under CUDA's sync debug mode; the
     # rollout's and the update's loops run inside it (the optimizer step reads its gradient norm: outside)
     from flowrl.policies.rollout import Collected
+    from flowrl.run.stats import EpochStats
     from flowrl.trainers import build_trainer, load_config
-    from flowrl.trainers.stats import EpochStats
 
     pipe = tiny_sd3().to("cuda", torch.bfloat16)
     pipe.save_pretrained(tmp_path / "sd3")

@@ -1,4 +1,5 @@
-"""Imports point down only: core <- policies/models <- modalities <- trainers <- commands (docs/architecture.md).
+"""Imports point down only: core <- policies/models <- modalities <- run <- trainers <- commands
+(docs/architecture.md).
 
 Every `import` in the package, at module level or inside a function, is read from the source; a module may import
 its own layer or a lower one. A new module outside the layers below fails here until it is placed in one.
@@ -20,6 +21,7 @@ LAYERS = [
     ("policies and models", ["flowrl.policies", "flowrl.models", "flowrl.sections", "flowrl.objective_sections"]),
     ("modalities", ["flowrl.image", "flowrl.control", "flowrl.llm", "flowrl.digits", "flowrl.rewards",
                     "flowrl.prompts"]),
+    ("run", ["flowrl.run"]),
     ("trainers", ["flowrl.trainers"]),
     ("commands", ["flowrl.cli", "flowrl.commands", "flowrl.__main__", "flowrl.sample", "flowrl.export",
                   "flowrl.ablate", "flowrl.score", "flowrl.plan"]),
@@ -93,7 +95,32 @@ def test_the_core_imports_torch_and_nothing_of_flowrl_above_it():
                 assert _layer(name) in (0, 1), f"{path}:{line} imports {name}"
 
 
-@pytest.mark.parametrize("bad", ["flowrl.trainers.driver", "flowrl.cli"])
+ALGORITHMS = ("flowrl.trainers.image", "flowrl.trainers.control", "flowrl.trainers.text")
+"""The folders of algorithms: one trainer per module, none importing another (shared pieces: trainers.shared)."""
+
+
+def _in(module: str, packages) -> bool:
+    return any(module == package or module.startswith(package + ".") for package in packages)
+
+
+def test_no_algorithm_imports_another():
+    """An algorithm builds on `flowrl.trainers.shared` and the layers below, never on another algorithm."""
+    found = []
+    for module, path in _modules():
+        if _in(module, ALGORITHMS):
+            found += [f"{path.relative_to(ROOT)}:{line} imports {name}" for line, name in _imports(module, path)
+                      if _in(name, ALGORITHMS)]
+    assert not found, "algorithms import algorithms (what they share goes to trainers/shared/):\n" + "\n".join(found)
+
+
+def test_the_algorithm_check_can_fail(tmp_path):
+    path = tmp_path / "loop.py"
+    path.write_text("from flowrl.trainers.image.flow_grpo import FlowGRPO\n")
+    ((_, name),) = list(_imports("flowrl.trainers.image.loop", path))
+    assert _in(name, ALGORITHMS) and _in("flowrl.trainers.image.loop", ALGORITHMS)
+
+
+@pytest.mark.parametrize("bad", ["flowrl.run.driver", "flowrl.cli"])
 def test_the_check_can_fail(bad, tmp_path):
     """An upward import written into a core module is caught (the test is not vacuous)."""
     path = tmp_path / "objectives.py"

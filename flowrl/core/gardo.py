@@ -2,7 +2,7 @@
 
 GARDO ("Gated and Adaptive Regularization with Diversity-aware Optimization") regularises only the samples whose
 proxy reward looks unreliable, resets the reference to the policy from time to time (a trainer hook:
-`flowrl.trainers.gardo`), and scales the positive advantages by how far each sample lies from its group. The
+`flowrl.trainers.image.gardo`), and scales the positive advantages by how far each sample lies from its group. The
 formulas follow the released code (tinnerhrhe/GARDO @ 1cc77fb, `scripts/train_sd3_grpo_gardo.py` and
 `flow_grpo/stat_tracking.py`); docs/algorithms/gardo.md lists where the paper could not be checked.
 

@@ -108,7 +108,7 @@ class Objective:
     elementwise: bool = True
     """Whether each element's loss depends on that element's inputs alone (PPO, GRPO-Guard). False when the
     log-ratio couples the K axis (GSPO's sequence ratio): a loop that splits K must then fix the coefficients
-    `dL/dlogp [B, K]` from a full pass first (`flowrl.trainers.update`)."""
+    `dL/dlogp [B, K]` from a full pass first (`flowrl.run.scheduler`)."""
     surrogate_inputs: tuple[str, ...] = ()
     """Inputs (`INPUTS`) the surrogate takes."""
     ratio_inputs: tuple[str, ...] = ()

@@ -9,7 +9,7 @@ the mask, per-element weights and the objective's aggregation, plus the per-elem
 the same way; a per-row loss (`Terms.row_loss`, control's value loss) is returned apart, since it is averaged over
 rows, not elements.
 
-Pure tensor functions: the update scheduler (`flowrl.trainers.scheduler`) decides which rows form a batch, how its
+Pure tensor functions: the update scheduler (`flowrl.run.scheduler`) decides which rows form a batch, how its
 losses are scaled into a global mini-batch and where the backward passes run.
 """
 

@@ -73,7 +73,7 @@ class TextEvalConfig(EvalConfig):
 @dataclasses.dataclass
 class ESSScalingConfig:
     """VCPO's learning-rate scaling by the effective sample size of each optimizer step's importance weights
-    (Huang et al. 2026, arXiv:2602.17616; mit-han-lab/vcpo `ess_scaling`): `flowrl.trainers.ess`."""
+    (Huang et al. 2026, arXiv:2602.17616; mit-han-lab/vcpo `ess_scaling`): `flowrl.run.ess`."""
 
     rule: Literal["none", "sqrt", "linear"] = "none"
     """`none`: off. `sqrt` (VCPO's, for AdamW-style optimizers): `lr <- lr sqrt(min(1, rho / base_ratio))`;
@@ -97,7 +97,7 @@ def _text_rewards() -> list[RewardConfig]:
 
 @dataclasses.dataclass
 class TextConfig(HasObjective, HasKL, PromptedConfig):
-    """The text trainer: see `flowrl.trainers.text`."""
+    """The text trainer: see `flowrl.trainers.text.text`."""
 
     kl_forms: ClassVar[tuple[str, ...]] = ("k1", "k2", "k3")
     renamed: ClassVar[dict[str, str]] = {

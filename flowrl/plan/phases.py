@@ -58,9 +58,9 @@ def traced_config(config, steps: int = TRACE_STEPS):
 
 def check_launch(config, gpus: int) -> str:
     """What the run refuses at `gpus` processes (its engine's and driver's checks); returns the sharding it uses."""
-    from flowrl.trainers.driver import check_world
-    from flowrl.trainers.engine import check_shardable
-    from flowrl.trainers.registry import TRAINERS
+    from flowrl.run.driver import check_world
+    from flowrl.run.engine import check_shardable
+    from flowrl.trainers import TRAINERS
 
     algorithm_class = TRAINERS.get(config.trainer)
     shard = config.run.shard if gpus > 1 else "none"
@@ -76,9 +76,9 @@ class Assembly:
 
     def __init__(self, config, gpus: int, folder):
         from flowrl.image.modality import build_image_policy
-        from flowrl.trainers.engine import Engine
-        from flowrl.trainers.registry import TRAINERS
-        from flowrl.trainers.scheduler import UpdateScheduler
+        from flowrl.run.engine import Engine
+        from flowrl.run.scheduler import UpdateScheduler
+        from flowrl.trainers import TRAINERS
 
         algorithm_class = TRAINERS.get(config.trainer)
         if algorithm_class.modality_class.__name__ != "ImageModality":
@@ -216,7 +216,7 @@ def trace_update(mem: LiveMemory, parts: Assembly, chunk) -> Traced:
     """One micro-batch's forward and backward through the run's update scheduler, on the chunk's rows (two trained
     steps: every step's backward is alike; a whole backward's activations grow with its steps, added by size)."""
     from flowrl.policies.rollout import Collected
-    from flowrl.trainers.stats import EpochStats
+    from flowrl.run.stats import EpochStats
 
     algorithm, scheduler, c = parts.algorithm, parts.scheduler, parts.algorithm.config
     n = min(len(chunk), c.batch.micro_batch_size)

@@ -1,6 +1,6 @@
 """What an algorithm is to the loop: a small class that supplies advantages, the loss for a batch and extra models.
 
-The run driver (`flowrl.trainers.driver.Trainer`) calls the hooks in this order each epoch, one meaning each:
+The run driver (`flowrl.run.driver.Trainer`) calls the hooks in this order each epoch, one meaning each:
 
 1. `advantages(collected, valid)`: the advantage of every sample of the epoch, before any learned baseline;
 2. `prepare(collected, advantages, trainable, epoch)`: the `UpdateBatch` the update trains on (behaviour log-probs,
@@ -16,7 +16,7 @@ own. Class attributes declare the rest: `needs_reference` (a frozen reference mo
 whole groups), `couples_rows` (a loss defined on the whole mini-batch), `shard_refusal`.
 
 A modality's base class (`ImageAlgorithm`, `ControlAlgorithm`, `TextAlgorithm`) connects an algorithm to its
-modality's collector and evaluator; the registry (`flowrl.trainers.registry.register`) names it once.
+modality's collector and evaluator; the registry (`flowrl.run.registry.register`) names it once.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 from flowrl.core import get_objective
 from flowrl.core.objectives import uses_batch_statistics
 from flowrl.core.terms import Terms
-from flowrl.trainers.advantages import AdvantageEstimator
-from flowrl.trainers.scheduler import MicroBatch, UpdateBatch
+from flowrl.run.advantages import AdvantageEstimator
+from flowrl.run.scheduler import MicroBatch, UpdateBatch
 
 
 class Algorithm(ABC):
@@ -54,7 +54,7 @@ class Algorithm(ABC):
     """Whether mini-batches are whole groups (shuffled as units): a loss that compares a group's samples."""
     couples_rows: ClassVar[bool] = False
     """Whether the loss of a batch couples its rows (beyond the objective's batch statistics): it is then computed
-    on the whole mini-batch (`flowrl.trainers.scheduler`)."""
+    on the whole mini-batch (`flowrl.run.scheduler`)."""
     element_calls: ClassVar[bool] = False
     """Whether each element column is scored by network calls of its own (an image's denoising steps, flow-matching
     draws), so a backward per column frees that column's activations (`batch.backward: auto` runs it); tokens and
@@ -175,7 +175,7 @@ class Algorithm(ABC):
     # ------------------------------------------------------------------------------------------
 
     def lagged_copies(self) -> list:
-        """Parameter copies the algorithm keeps beside the policy (`flowrl.trainers.state.EMA`: DiffusionNFT's old
+        """Parameter copies the algorithm keeps beside the policy (`flowrl.run.state.EMA`: DiffusionNFT's old
         policy, AWM's KL-EMA copy, DGPO's lagged copy), each with its own prefix; checkpointed with the run."""
         return []
 

@@ -25,7 +25,7 @@ synchronous run's numbers, bit for bit when the workers use as many torch thread
 
 Under `torchrun` (DDP, FSDP2, ZeRO) the learner is a group: every learner trains its share of each epoch's batch as
 in the synchronous mode, its main process alone runs the schedule and talks to Ray, and publishing gathers the full
-trained state from the shards (`flowrl.trainers.learner_group`). Weights travel through Ray's object store; each
+trained state from the shards (`flowrl.run.learner_group`). Weights travel through Ray's object store; each
 epoch's `async/publish_s` and `async/publish_bytes` say what publishing cost the learner.
 
 `backend: inline` (`InlineCollector`) runs one worker in the learner's process, one batch at a time, each sampled
@@ -45,8 +45,9 @@ from pathlib import Path
 
 import torch
 
-from flowrl.trainers import sharding, wire
-from flowrl.trainers.learner_group import broadcast_batch, cluster_gpus, leave_learner_group, share, visible_gpus
+from flowrl.run import sharding, wire
+from flowrl.run.learner_group import broadcast_batch, cluster_gpus, leave_learner_group, share, visible_gpus
+from flowrl.run.registry import load_config
 
 
 class AsyncError(RuntimeError):
@@ -93,13 +94,15 @@ class RolloutWorker:
 
     Args:
         config (`dict`): the run's resolved config (`flowrl.config.to_dict`).
+        config_class (`type`): its class (the learner's; Ray sends it by name, so a worker's process imports the
+            algorithm's module, and with it every trainer of `flowrl.trainers`, before it builds the trainer).
         index (`int`): the worker's number (its run folder's name, its log lines).
         threads (`int` or `None`): torch threads (None: leave the process's count, as an inline worker does).
         cpu (`bool`): sample on the CPU even when a GPU is visible (a Ray worker that reserved none).
     """
 
-    def __init__(self, config: dict, index: int, threads: int | None = 1, cpu: bool = False):
-        from flowrl.trainers import Trainer, load_config
+    def __init__(self, config: dict, config_class: type, index: int, threads: int | None = 1, cpu: bool = False):
+        from flowrl.run.driver import Trainer
 
         if threads is not None:
             torch.set_num_threads(max(1, threads))
@@ -110,7 +113,7 @@ class RolloutWorker:
         overrides = [f"run.output_dir={self.folder}", "run.log_with=[]", "run.mode=sync", "run.shard=none",
                      "run.offload=false", f"run.threads={'torch' if threads is None else threads}",
                      *(["run.cpu=true"] if cpu else [])]  # fmt: skip
-        self.trainer = Trainer(load_config(config, overrides))
+        self.trainer = Trainer(load_config(config, overrides, config_class))
         self.module = self.trainer.algorithm.trained_module()
         self.version = -1
 
@@ -192,7 +195,7 @@ class AsyncCollector:
     """The learner's collector in the asynchronous mode: `collect(epoch)` as the synchronous one, the batch from
     the rollout workers (see the module docstring). In a learner group (`torchrun`) every learner has one: the main
     process runs the schedule and talks to Ray, the others take their share of each batch from it and join the
-    publications (`flowrl.trainers.learner_group`).
+    publications (`flowrl.run.learner_group`).
 
     Args:
         trainer (`flowrl.trainers.Trainer`): the learner (its config's `asynchrony` section and `run.epochs`; what
@@ -238,7 +241,7 @@ class AsyncCollector:
             sigterm = signal.getsignal(signal.SIGTERM)
             if self.cfg.address is None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
-            from flowrl.trainers.local_ray import start_local_cluster
+            from flowrl.run.local_ray import start_local_cluster
 
             # a cluster of its own: on this machine's loopback interface, its processes gone with the run
             start = ray.init if self.cfg.address is not None else lambda **kw: start_local_cluster(ray, **kw)
@@ -268,7 +271,9 @@ class AsyncCollector:
             max_restarts=0,
             scheduling_strategy="SPREAD",  # one worker per node first: a lost node takes few with it
         )(RayRolloutWorker)
-        worker = actor.remote(to_dict(self.config), index, self.cfg.worker_threads, self.cfg.worker_gpus == 0)
+        worker = actor.remote(
+            to_dict(self.config), type(self.config), index, self.cfg.worker_threads, self.cfg.worker_gpus == 0
+        )
         if self.weights_ref is not None:
             worker.load.remote(self.published, self.weights_ref)
         return worker

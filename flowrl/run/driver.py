@@ -1,15 +1,15 @@
 """The run driver: a trainer assembled from its parts, and the loop that calls them in named phases.
 
 `Trainer(config)` builds the parts of a run: the **engine** (device, precision, processes, sharding, optimizers;
-`flowrl.trainers.engine`), the **modality** (policy, rewards, prompt sets: `flowrl.image`, `flowrl.control`,
+`flowrl.run.engine`), the **modality** (policy, rewards, prompt sets: `flowrl.image`, `flowrl.control`,
 `flowrl.llm`), the **algorithm** (advantages, the loss for a batch, extra models: the registered class), its
-**collector** and **evaluator**, and the **update scheduler** (`flowrl.trainers.scheduler`). `train()` then runs
-epochs (`flowrl.trainers.run_loop`):
+**collector** and **evaluator**, and the **update scheduler** (`flowrl.run.scheduler`). `train()` then runs
+epochs (`flowrl.run.run_loop`):
 
     collect -> check -> advantages -> prepare -> update -> finish -> evaluate / log / checkpoint
 
 with evaluations every `eval.every` epochs (and before the first and after the last), checkpoints every
-`run.save_every`, the best evaluation kept and the over-optimisation brake (`flowrl.trainers.run_folder.Watch`).
+`run.save_every`, the best evaluation kept and the over-optimisation brake (`flowrl.run.run_folder.Watch`).
 Everything random is seeded per epoch, so a resumed run continues exactly.
 """
 
@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from flowrl import checkpoint
+from flowrl.run import run_folder
+from flowrl.run.engine import Engine
+from flowrl.run.registry import TRAINERS
+from flowrl.run.scheduler import UpdateScheduler
+from flowrl.run.state import RunState
 from flowrl.tracking import MetricsLog
-from flowrl.trainers import run_folder
-from flowrl.trainers.engine import Engine
-from flowrl.trainers.registry import TRAINERS
-from flowrl.trainers.scheduler import UpdateScheduler
-from flowrl.trainers.state import RunState
 
 
 class Trainer:
@@ -187,7 +187,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def train(self, resume: str | Path | bool | None = None, overwrite: bool = False) -> dict:
-        """Run (or resume) training to `run.epochs`; returns the summary (`flowrl.trainers.run_loop.RunLoop`).
+        """Run (or resume) training to `run.epochs`; returns the summary (`flowrl.run.run_loop.RunLoop`).
 
         Args:
             resume: `True` continues the run folder's latest checkpoint, a path continues that checkpoint.
@@ -196,7 +196,7 @@ class Trainer:
 
         A fresh run that fails before its first epoch ends leaves nothing behind in its folder.
         """
-        from flowrl.trainers.run_loop import RunLoop
+        from flowrl.run.run_loop import RunLoop
 
         try:
             return RunLoop(self).run(resume, overwrite)
@@ -208,8 +208,8 @@ class Trainer:
     def _async_collector(self):
         """`run.mode: async`: the collector that takes each epoch's batch from rollout workers (Ray actors, or one
         in this process with `asynchrony.backend: inline`)."""
-        from flowrl.trainers.async_rollouts import AsyncCollector
-        from flowrl.trainers.inline_rollouts import InlineCollector
+        from flowrl.run.async_rollouts import AsyncCollector
+        from flowrl.run.inline_rollouts import InlineCollector
 
         if self.engine.processes.world > 1 and self.config.asynchrony.backend == "inline":
             raise ValueError(

@@ -5,7 +5,7 @@ trained module (DDP-prepared, FSDP2-sharded or inside a DeepSpeed ZeRO engine), 
 and any auxiliary networks with optimizers of their own (critics, value networks). It runs backward passes (a loss is
 always this process's share of a global sum, so gradients are summed over the processes), clips, steps, skips and
 counts non-finite steps, and gathers and scatters sharded states for checkpoints. It knows nothing of images, tokens
-or actions, nor of mini-batches (`flowrl.trainers.scheduler` cuts those).
+or actions, nor of mini-batches (`flowrl.run.scheduler` cuts those).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from flowrl.run import sharding
+from flowrl.run.state import EMA
 from flowrl.runtime import Processes, RunContext
 from flowrl.sections import OptimConfig, RunConfig
 from flowrl.threads import ThreadGovernor
 from flowrl.tracking import PeakMemory
-from flowrl.trainers import sharding
-from flowrl.trainers.state import EMA
 
 
 class NonFiniteError(RuntimeError):

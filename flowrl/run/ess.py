@@ -13,7 +13,7 @@ its trained tokens or steps, at the weights the step starts from),
 and the learning rate returns to `lr` after the step. `rho` is 1 when every weight is equal (on-policy: the first
 mini-batch of an epoch) and `1 / B` when one sequence holds all the weight. The sums run over every process's rows
 of the mini-batch (computed from a shared maximum, so no weight overflows). The update scheduler calls `observe` on
-each batch's loss inputs and `step` around the optimizer step (`flowrl.trainers.scheduler`); a config turns it on
+each batch's loss inputs and `step` around the optimizer step (`flowrl.run.scheduler`); a config turns it on
 with an `ess_scaling` section (`rule`, `base_ratio`: the text trainer's, `flowrl.llm.config.ESSScalingConfig`).
 """
 

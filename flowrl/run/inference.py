@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from flowrl import checkpoint as checkpoints
+from flowrl.run import sharding
+from flowrl.run.registry import TRAINERS, load_config
 from flowrl.runtime import RunContext
-from flowrl.trainers import sharding
-from flowrl.trainers.registry import TRAINERS
 
 
 class InferenceEngine:
@@ -88,8 +88,6 @@ def load_run(target: str | Path, which: str | None = "latest", *, ema: bool | No
         device (`str`, *optional*): default: the CUDA device when there is one.
         overrides (`list[str]`): `section.key=value` changes to the run's config (evaluation settings).
     """
-    from flowrl.trainers import load_config
-
     run_dir, path = resolve(target, which)
     try:
         path = checkpoints.verify(path)

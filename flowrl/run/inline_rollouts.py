@@ -18,8 +18,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from flowrl.trainers import wire
-from flowrl.trainers.async_rollouts import PublishClock, RolloutWorker, async_metrics, publication
+from flowrl.run import wire
+from flowrl.run.async_rollouts import PublishClock, RolloutWorker, async_metrics, publication
 
 
 class _RandomState:
@@ -61,7 +61,7 @@ class InlineCollector:
 
     Args:
         trainer (`flowrl.trainers.Trainer`): the learner (its config's `asynchrony` section; what it publishes:
-            `flowrl.trainers.async_rollouts.publication`; its modality takes back each batch's worker state).
+            `flowrl.run.async_rollouts.publication`; its modality takes back each batch's worker state).
     """
 
     def __init__(self, trainer):
@@ -86,7 +86,7 @@ class InlineCollector:
         start = time.time()
         if self.worker is None:
             with self.random.active():
-                self.worker = RolloutWorker(to_dict(self.config), 0, threads=None)
+                self.worker = RolloutWorker(to_dict(self.config), type(self.config), 0, threads=None)
             self.version = epoch  # a resumed run starts at its checkpoint's epoch
             self._publish()
         within = [v for v in self.published if self.version - v <= self.cfg.max_staleness]

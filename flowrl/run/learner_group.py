@@ -5,7 +5,7 @@ does, each on its contiguous share of the epoch's batch (the batch contract), wh
 Rank 0 alone talks to Ray: it receives each epoch's batch from a worker and sends it to the other learners over
 the process group (`broadcast_batch`: the wire blob as bytes, never a pickle); every learner keeps its share
 (`share`). Publishing is a collective: each learner takes part in gathering the full trained state from the
-shards (`flowrl.trainers.sharding.full_parameters`), and rank 0 puts it in Ray's object store.
+shards (`flowrl.run.sharding.full_parameters`), and rank 0 puts it in Ray's object store.
 
 Placement: a run's own Ray cluster (`asynchrony.address: null`) gets only the GPUs of this machine that its
 learner processes do not use (`cluster_gpus`), so a rollout worker never lands on a learner's GPU unless
@@ -56,7 +56,7 @@ def share(collected, processes):
 
 
 def broadcast_batch(blob: bytes | None, numbers: list[float], processes) -> tuple[bytes, list[float]]:
-    """Rank 0's `blob` (a batch as `flowrl.trainers.wire` bytes) and `numbers` (its `async/*` metrics; the others
+    """Rank 0's `blob` (a batch as `flowrl.run.wire` bytes) and `numbers` (its `async/*` metrics; the others
     pass as many placeholders) on every learner: two broadcasts over the process group (gloo on CPUs, NCCL on
     GPUs), the bytes as a uint8 tensor."""
     import torch.distributed as dist

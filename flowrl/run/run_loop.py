@@ -5,7 +5,7 @@
                 -> [restore the best at the end] -> checkpoint
     summary.json, plots, the summary screen
 
-The loop owns the run folder's life (`flowrl.trainers.run_folder`): a resume is verified before anything in the
+The loop owns the run folder's life (`flowrl.run.run_folder`): a resume is verified before anything in the
 folder changes, and a fresh run that fails before its first epoch leaves nothing behind.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from flowrl import checkpoint
 from flowrl.config import save_config, to_dict
+from flowrl.run import run_folder
 from flowrl.tracking import MetricsLog, flat_config, plot_curves, scalar, summary_screen
-from flowrl.trainers import run_folder
 
 
 class RunLoop:

@@ -31,11 +31,11 @@ import torch
 from flowrl.core import get_objective
 from flowrl.core.objectives import uses_batch_statistics
 from flowrl.core.terms import ElementLayout, Terms, carries_gradient, normaliser, terms_loss
+from flowrl.run.ess import ESSScaling
+from flowrl.run.grad_probe import GradProbe
+from flowrl.run.stats import EpochStats
 from flowrl.runtime import seeded
 from flowrl.sections import BatchConfig
-from flowrl.trainers.ess import ESSScaling
-from flowrl.trainers.grad_probe import GradProbe
-from flowrl.trainers.stats import EpochStats
 
 
 @dataclasses.dataclass
@@ -113,7 +113,7 @@ class UpdateScheduler:
         self.coupled_steps = spec is not None and not spec.elementwise
         """Whether it couples a row's elements (a per-step backward needs the coefficient pass)."""
         self.ess = ESSScaling.of(getattr(algorithm, "config", None), self.processes)
-        """VCPO's hook (a config's `ess_scaling` section): each step's lr scaled by its ESS (`flowrl.trainers.ess`)."""
+        """VCPO's hook (a config's `ess_scaling` section): each step's lr scaled by its ESS (`flowrl.run.ess`)."""
 
     # ------------------------------------------------------------------------------------------
     # the plan: which rows each optimizer step trains

@@ -1,6 +1,6 @@
 """Rollouts and weights as bytes between processes: safetensors plus a JSON header, never pickles.
 
-The asynchronous mode (`flowrl.trainers.async_rollouts`) moves each epoch's `Collected` batch from a rollout worker
+The asynchronous mode (`flowrl.run.async_rollouts`) moves each epoch's `Collected` batch from a rollout worker
 to the learner, and the learner's weights back. Both travel as one safetensors blob: the tensors by name, and the
 rest (numbers, strings, prompts, the rollout's plain fields) as JSON in the blob's metadata. Decoding builds only
 flowrl's own `Record` dataclasses, `Collected` and `Prompt`; a blob naming anything else is refused.

@@ -61,7 +61,7 @@ def test_bc_learns_the_expert_s_actions(tmp_path):
 def test_init_from_starts_fine_tuning_from_the_clone_and_the_critic_warms_up_alone(tmp_path):
     demos = write_demos(tmp_path / "demos.npz")
     build_trainer(bc_config(tmp_path / "bc", demos, **{"run.epochs": 3, "run.save_every": 3})).train()
-    from flowrl.trainers.inference import load_run
+    from flowrl.trainers import load_run
 
     cloned = load_run(tmp_path / "bc").algorithm.policy.actor.state_dict()
     for trainer_name in ("fpo", "dppo"):

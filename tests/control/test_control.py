@@ -15,8 +15,8 @@ gym = pytest.importorskip("gymnasium")  # the `rl` extra (CI installs it)
 from flowrl.config import ConfigError  # noqa: E402
 from flowrl.control.envs import BIMODAL_ID, Normalizer, RunningMeanStd, make_vec_env  # noqa: E402
 from flowrl.core import compute_policy_loss  # noqa: E402
+from flowrl.run.scheduler import UpdateBatch  # noqa: E402
 from flowrl.trainers import build_trainer, load_config  # noqa: E402
-from flowrl.trainers.scheduler import UpdateBatch  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 
 
@@ -238,7 +238,7 @@ def test_ppo_update_matches_stable_baselines3_on_its_own_rollout(tmp_path, monke
         order = torch.as_tensor(next(replay))
         return (order % T) * E + order // T
 
-    import flowrl.trainers.scheduler as scheduler
+    import flowrl.run.scheduler as scheduler
 
     batch = UpdateBatch(data=rollout, rows=torch.arange(T * E), size=T * E, advantages=rollout.advantages,
                         trainable=torch.ones(T * E, dtype=torch.bool))  # fmt: skip

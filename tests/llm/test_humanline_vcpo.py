@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from flowrl.core import compute_policy_loss, get_objective
+from flowrl.run.ess import ESSScaling, ess_ratio, lr_scale
 from flowrl.trainers import build_trainer, load_config
-from flowrl.trainers.ess import ESSScaling, ess_ratio, lr_scale
 from tests.llm.helpers import full_and_resumed, tiny
 
 

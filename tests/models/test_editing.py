@@ -195,7 +195,7 @@ def test_per_prompt_statistics_key_an_editing_prompt_by_its_source_too():
     from types import SimpleNamespace
 
     from flowrl.prompts import group_key
-    from flowrl.trainers.algorithm import Algorithm
+    from flowrl.run.algorithm import Algorithm
 
     rows = prompt_sets.load("edit_shapes/train")
     same_text = [p for p in rows if str(p) == str(rows[0])][:2]

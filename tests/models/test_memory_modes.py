@@ -11,7 +11,7 @@ from flowrl.models import ModelConfig
 from flowrl.models.build import enable_checkpointing, offloads_text, prepare_training, repeated_blocks
 from flowrl.models.families import MODEL_FAMILIES
 from flowrl.policies import DiffusionPolicy
-from flowrl.trainers.engine import fused_options
+from flowrl.run.engine import fused_options
 
 
 TEXT = {"max_sequence_length": 16}

@@ -48,7 +48,7 @@ def update_batch(rollout, advantages=None):
     """`rollout` (one process's whole batch) as an `UpdateBatch` with `advantages` (default 0), every row trained."""
     import torch
 
-    from flowrl.trainers.scheduler import UpdateBatch
+    from flowrl.run.scheduler import UpdateBatch
 
     n = len(rollout)
     advantages = torch.zeros(n) if advantages is None else advantages

@@ -9,7 +9,7 @@ from flowrl.config import ConfigError
 from flowrl.policies import DiffusionPolicy
 from flowrl.policies.fpo import cfm_losses
 from flowrl.trainers import build_trainer, load_config
-from flowrl.trainers.acflow import critic_weights
+from flowrl.trainers.image.acflow import critic_weights
 
 from .conftest import collected, make_trainer, micro_loss, training_rows
 

@@ -1,6 +1,6 @@
 """What a run downloads, checked first: offline, a real-model recipe ends at once in one message that lists every
 missing artifact (model, reward models, processors) with its download line, before anything loads and without
-the hub client's retries (`flowrl.trainers.artifacts`)."""
+the hub client's retries (`flowrl.run.artifacts`)."""
 
 import glob
 import os
@@ -14,8 +14,8 @@ import pytest
 from huggingface_hub import constants
 
 from flowrl.cli import main
+from flowrl.run.artifacts import check_artifacts, needed
 from flowrl.trainers import load_config
-from flowrl.trainers.artifacts import check_artifacts, needed
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from flowrl.config import save_config
+from flowrl.run.async_rollouts import AsyncCollector, AsyncError
 from flowrl.trainers import build_trainer
-from flowrl.trainers.async_rollouts import AsyncCollector, AsyncError
 from tests.conftest import DIGITS_BASE, tiny_config
 
 

@@ -20,8 +20,8 @@ import torch
 
 from flowrl import cli
 from flowrl.config import save_config
+from flowrl.run.async_rollouts import AsyncCollector
 from flowrl.trainers import build_trainer
-from flowrl.trainers.async_rollouts import AsyncCollector
 from tests.conftest import DIGITS_BASE, tiny_config
 
 

@@ -9,10 +9,10 @@ from flowrl.config import ConfigError
 from flowrl.image.steps import step_kl
 from flowrl.policies import Transitions
 from flowrl.policies.rollout import Collected
+from flowrl.run.scheduler import UpdateBatch
 from flowrl.runtime import seeded
 from flowrl.trainers import build_trainer, load_config
-from flowrl.trainers.dpok import ReplayBuffer
-from flowrl.trainers.scheduler import UpdateBatch
+from flowrl.trainers.image.dpok import ReplayBuffer
 
 from .conftest import make_trainer, tiny_config, training_rows
 

@@ -9,7 +9,7 @@ import torch
 
 from flowrl.core.terms import Terms
 from flowrl.rewards import RewardError
-from flowrl.trainers.engine import NonFiniteError
+from flowrl.run.engine import NonFiniteError
 
 from .conftest import make_trainer, tiny_config
 

@@ -7,7 +7,7 @@ from flowrl.config import ConfigError
 from flowrl.policies.rollout import Collected
 from flowrl.runtime import row_generators
 from flowrl.trainers import load_config
-from flowrl.trainers.find import FINDNoisePolicy
+from flowrl.trainers.image.find import FINDNoisePolicy
 
 from .conftest import make_trainer, micro_loss, tiny_config, training_rows, update_batch
 
@@ -129,7 +129,7 @@ def test_with_the_prior_as_old_policy_a_policy_far_from_it_gets_no_policy_gradie
         policy.mean.fill_(1.0)
     rollout, _, _ = trainer.collector.sample(0)
     collected = Collected(data=rollout, rows=torch.arange(len(rollout)), size=len(rollout))
-    with caplog.at_level("WARNING", logger="flowrl.trainers.find"):
+    with caplog.at_level("WARNING", logger="flowrl.trainers.image.find"):
         batch, stats = trainer.algorithm.prepare(collected, torch.linspace(0, 1, len(rollout)),
                                                  torch.ones(len(rollout), dtype=torch.bool), 0)  # fmt: skip
     assert stats["noise/in_band_frac"] == 0.0

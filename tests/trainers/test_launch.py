@@ -5,7 +5,7 @@ import pytest
 
 
 def test_accelerate_cpu_launch_of_many_processes_is_refused():
-    from flowrl.trainers.engine import LaunchError, check_launch
+    from flowrl.run.engine import LaunchError, check_launch
 
     with pytest.raises(LaunchError, match="torchrun --nproc_per_node N"):
         check_launch({"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
@@ -26,7 +26,7 @@ def test_shipped_accelerate_configs_launch(name, shard):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    from flowrl.trainers.engine import launch_precision, launch_shard
+    from flowrl.run.engine import launch_precision, launch_shard
 
     path = Path(__file__).resolve().parents[2] / "configs" / "accelerate" / name
     args = launch_command_parser().parse_args(["--config_file", str(path), "-m", "flowrl", "train", "run.yaml"])
@@ -43,7 +43,7 @@ def test_shipped_accelerate_configs_launch(name, shard):
 
 
 def test_launch_precision():
-    from flowrl.trainers.engine import LaunchError, launch_precision
+    from flowrl.run.engine import LaunchError, launch_precision
 
     assert launch_precision("no", {}) == "no" and launch_precision("bf16", {}) == "bf16"
     assert launch_precision("no", {"ACCELERATE_MIXED_PRECISION": "bf16"}) == "bf16"
@@ -53,7 +53,7 @@ def test_launch_precision():
 
 
 def test_launch_shard_refusals():
-    from flowrl.trainers.engine import LaunchError, launch_shard
+    from flowrl.run.engine import LaunchError, launch_shard
 
     assert launch_shard("zero3", {}) == "zero3"  # no accelerate config: run.shard decides
     stage3 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}

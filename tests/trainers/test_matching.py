@@ -1,4 +1,4 @@
-"""The decoupled family on final samples: DiffusionNFT, AWM and image FPO (`flowrl.trainers.matching`)."""
+"""The decoupled family on final samples: DiffusionNFT, AWM and image FPO (`flowrl.trainers.shared.matching`)."""
 
 import dataclasses
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from flowrl.trainers import load_config
-from flowrl.trainers.awm import awm_weight
-from flowrl.trainers.matching import draw_times
-from flowrl.trainers.nft import implicit_velocities, nft_loss, optimality
+from flowrl.trainers.image.awm import awm_weight
+from flowrl.trainers.image.nft import implicit_velocities, nft_loss, optimality
+from flowrl.trainers.shared.matching import draw_times
 
 from .conftest import collected, elements, make_trainer, micro_batch, micro_loss, tiny_config, train_and_resume
 

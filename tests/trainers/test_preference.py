@@ -1,5 +1,5 @@
 """The preference trainers: Diffusion-DPO (online and offline) and DGPO (`flowrl.core.preference`,
-`flowrl.trainers.preference`, `flowrl.trainers.diffusion_dpo`, `flowrl.trainers.dgpo`)."""
+`flowrl.trainers.shared.preference`, `flowrl.trainers.image.diffusion_dpo`, `flowrl.trainers.image.dgpo`)."""
 
 import json
 import math
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from flowrl.core import compute_policy_loss
 from flowrl.core.preference import group_sums, preference_loss
 from flowrl.trainers import load_config
-from flowrl.trainers.diffusion_dpo import best_and_worst
-from flowrl.trainers.preference import group_draws
+from flowrl.trainers.image.diffusion_dpo import best_and_worst
+from flowrl.trainers.shared.preference import group_draws
 
 from .conftest import make_trainer, tiny_config, train_and_resume, training_rows
 

@@ -15,9 +15,9 @@ import torch
 from flowrl.core import AGGREGATIONS, get_objective
 from flowrl.core.terms import Terms
 from flowrl.policies.rollout import Record, per_sample
+from flowrl.run.scheduler import UpdateBatch, UpdateScheduler, _Own
 from flowrl.runtime import Processes
 from flowrl.sections import BatchConfig
-from flowrl.trainers.scheduler import UpdateBatch, UpdateScheduler, _Own
 
 
 N, K = 16, 5
@@ -255,7 +255,7 @@ def test_statistics_pool_over_micro_batches_as_over_one():
 
 def test_an_algorithm_that_updates_groups_needs_whole_groups_per_process(tiny_world, tmp_path, monkeypatch):
     from flowrl.runtime import Processes
-    from flowrl.trainers.flow_grpo import FlowGRPO
+    from flowrl.trainers.image.flow_grpo import FlowGRPO
 
     from .conftest import make_trainer, tiny_config
 

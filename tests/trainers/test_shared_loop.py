@@ -7,7 +7,7 @@ import torch
 from flowrl import rewards
 from flowrl.checkpoint import CheckpointError
 from flowrl.image.evaluate import group_diversity
-from flowrl.trainers.driver import informative_groups
+from flowrl.run.driver import informative_groups
 
 from .conftest import make_trainer, tiny_config, training_rows
 

@@ -14,8 +14,8 @@ import torch
 from flowrl.core import AGGREGATIONS, get_objective, list_objectives
 from flowrl.models import tiny_sd3
 from flowrl.policies import DiffusionPolicy
+from flowrl.run.stats import EpochStats
 from flowrl.trainers import build_trainer, load_config
-from flowrl.trainers.stats import EpochStats
 
 
 def _brightness(images, prompts, **_):
@@ -187,7 +187,7 @@ def test_sharding_is_refused_where_the_calls_would_not_stay_in_step(policy, tmp_
 
 
 def test_shard_blocks_are_the_outermost_block_lists(policy):
-    from flowrl.trainers.sharding import shard_blocks
+    from flowrl.run.sharding import shard_blocks
 
     model = policy.model
     units = shard_blocks(model)

@@ -1,4 +1,4 @@
-"""Rollouts and weights as safetensors blobs (`flowrl.trainers.wire`): what the asynchronous mode sends."""
+"""Rollouts and weights as safetensors blobs (`flowrl.run.wire`): what the asynchronous mode sends."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ import torch
 from flowrl.policies.diffusion_rollout import DiffusionRollout
 from flowrl.policies.rollout import Collected
 from flowrl.prompts import Prompt
-from flowrl.trainers import wire
+from flowrl.run import wire
 
 
 def _collected() -> Collected:

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO under flowrl's update (`flowrl.trainers.sharding`): what the trainers rely on, proven on a gloo
+"""DeepSpeed ZeRO under flowrl's update (`flowrl.run.sharding`): what the trainers rely on, proven on a gloo
 group of two CPU processes against plain torch on one. The trainers' 2-process runs are in test_distributed.py."""
 
 import os
@@ -17,7 +17,7 @@ WORKER = textwrap.dedent(
     """
     import math, sys
     import torch, torch.distributed as dist
-    from flowrl.trainers import sharding
+    from flowrl.run import sharding
 
     stage = int(sys.argv[1])
     dist.init_process_group("gloo")

@@ -9,7 +9,7 @@ defaults in `config/config.yaml` and `config/loss/grpo.yaml`). With `x = log pi_
 
 (the k3 term on the raw, unclamped `x`). The anchor `pi_ref` is the policy one optimizer step earlier: HALOs syncs
 its reference to the policy after each backward and before the optimizer step, which the text trainer reproduces
-with `sync_reference: true` (`flowrl.trainers.text`); with the default anchor (the behaviour policy) the same loss
+with `sync_reference: true` (`flowrl.trainers.text.text`); with the default anchor (the behaviour policy) the same loss
 is Humanline's clipping alone. HALOs' defaults: `log eps_P = -1`, `log eps_R = 1.5`, `eps = 0.01`, `beta = 0.01`;
 its loss is a masked token mean over each micro-batch (flowrl's `token_mean`, over the mini-batch).
 """

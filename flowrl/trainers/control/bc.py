@@ -27,11 +27,10 @@ from flowrl.control.rollout import ControlRollout
 from flowrl.core.terms import Terms
 from flowrl.policies.fpo import FPODraws, cfm_losses, sample_taus
 from flowrl.policies.rollout import Collected
+from flowrl.run.registry import register
 from flowrl.runtime import seeded
-from flowrl.trainers.control import ControlAlgorithm
-from flowrl.trainers.fpo import FlowPolicyConfig
-from flowrl.trainers.ppo import GaussianPolicyConfig
-from flowrl.trainers.registry import register
+from flowrl.trainers.shared.control import ControlAlgorithm
+from flowrl.trainers.shared.policies import FlowPolicyConfig, GaussianPolicyConfig
 
 
 class DemoModality(ControlModality):

@@ -24,10 +24,10 @@ import torch
 
 from flowrl.control.config import ControlConfig
 from flowrl.core.terms import Terms
+from flowrl.run.registry import register
 from flowrl.sections import ObjectiveConfig
-from flowrl.trainers.control import ControlAlgorithm
-from flowrl.trainers.fpo import FlowPolicyConfig
-from flowrl.trainers.registry import register
+from flowrl.trainers.shared.control import ControlAlgorithm
+from flowrl.trainers.shared.policies import FlowPolicyConfig
 
 
 @dataclasses.dataclass

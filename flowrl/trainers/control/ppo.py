@@ -12,36 +12,16 @@ RMSprop this update is A2C's (Huang et al. 2022, arXiv:2205.09123; `tests/contro
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import torch
 
 from flowrl.control.config import ControlConfig
 from flowrl.control.policies import GaussianPolicy
 from flowrl.core.terms import Terms
+from flowrl.run.registry import register
 from flowrl.sections import ObjectiveConfig
-from flowrl.trainers.control import ControlAlgorithm
-from flowrl.trainers.registry import register
-
-
-@dataclasses.dataclass
-class GaussianPolicyConfig:
-    """The Gaussian policy's mean MLP and log-std."""
-
-    hidden: int = 64
-    """Hidden width (SB3: 64)."""
-    depth: int = 2
-    """Hidden layers (SB3: 2)."""
-    activation: Literal["tanh", "relu", "silu"] = "tanh"
-    """Activation (SB3: tanh)."""
-    log_std_init: float = 0.0
-    """Initial log-std of every action dimension (state-independent, trained)."""
-    ortho_init: bool = True
-    """Orthogonal init (gain sqrt(2), 0.01 for the action head)."""
-
-    def build(self, obs_dim: int, act_dim: int) -> GaussianPolicy:
-        return GaussianPolicy(obs_dim, act_dim, hidden=self.hidden, depth=self.depth, activation=self.activation,
-                              log_std_init=self.log_std_init, ortho_init=self.ortho_init)  # fmt: skip
+from flowrl.trainers.shared.control import ControlAlgorithm
+from flowrl.trainers.shared.policies import GaussianPolicyConfig
 
 
 @dataclasses.dataclass

@@ -40,9 +40,15 @@ import torch
 from flowrl.core.ratios import reduce_elements
 from flowrl.core.terms import Terms
 from flowrl.policies.value import StateValueNet, pooled_text
+from flowrl.run.registry import register
 from flowrl.sections import AdvantageConfig, HasKL, KLConfig
-from flowrl.trainers.matching import MatchingConfig, MatchingDraws, PerDrawAlgorithm, conditional_path, row_draws
-from flowrl.trainers.registry import register
+from flowrl.trainers.shared.matching import (
+    MatchingConfig,
+    MatchingDraws,
+    PerDrawAlgorithm,
+    conditional_path,
+    row_draws,
+)
 
 
 WEIGHTINGS = ("exp", "exp_norm", "softplus")

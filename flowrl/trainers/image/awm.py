@@ -30,10 +30,10 @@ from flowrl.core import velocity_mse
 from flowrl.core.ratios import reduce_elements
 from flowrl.core.terms import Terms
 from flowrl.image import SamplingConfig
+from flowrl.run.registry import register
+from flowrl.run.state import EMA
 from flowrl.sections import AdvantageConfig, HasKL, HasObjective, KLConfig, ObjectiveConfig
-from flowrl.trainers.matching import MatchingConfig, PerDrawAlgorithm
-from flowrl.trainers.registry import register
-from flowrl.trainers.state import EMA
+from flowrl.trainers.shared.matching import MatchingConfig, PerDrawAlgorithm
 
 
 AWM_WEIGHTINGS = ("ghuber", "uniform", "t", "t2")

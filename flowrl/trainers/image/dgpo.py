@@ -32,11 +32,11 @@ from typing import ClassVar, Literal
 
 from flowrl.core import velocity_mse
 from flowrl.image import SamplingConfig
+from flowrl.run.registry import register
+from flowrl.run.state import EMA
 from flowrl.sections import AdvantageConfig, HasKL, KLConfig
-from flowrl.trainers.matching import MatchingConfig
-from flowrl.trainers.preference import PreferenceAlgorithm
-from flowrl.trainers.registry import register
-from flowrl.trainers.state import EMA
+from flowrl.trainers.shared.matching import MatchingConfig
+from flowrl.trainers.shared.preference import PreferenceAlgorithm
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ gradient; Flow-GRPO pairs samples 1 and 0 anyway). The group's other members do 
 paths (`flowrl.image.preferences`; the digits example: `python -m flowrl.digits.preferences DIR`),
 `prompts.prompts_per_epoch` pairs per epoch, drawn without replacement; the policy samples only for evaluation.
 
-Each pair trains on `num_draws` draws `(t, eps)` shared by its two images (`flowrl.trainers.preference`; t
+Each pair trains on `num_draws` draws `(t, eps)` shared by its two images (`flowrl.trainers.shared.preference`; t
 logit-normal by default, as both codes draw it) with the flow-matching form of the paper's eq. 14 (`T omega(lambda_t)`
 folded into beta, as both codes do):
 
@@ -31,9 +31,9 @@ from typing import ClassVar, Literal
 import torch
 
 from flowrl.image import SamplingConfig
-from flowrl.trainers.matching import MatchingConfig
-from flowrl.trainers.preference import PreferenceAlgorithm
-from flowrl.trainers.registry import register
+from flowrl.run.registry import register
+from flowrl.trainers.shared.matching import MatchingConfig
+from flowrl.trainers.shared.preference import PreferenceAlgorithm
 
 
 @dataclasses.dataclass
@@ -51,7 +51,7 @@ class DiffusionDPOConfig(MatchingConfig):
     num_draws: int = 1
     """Draws `(t, eps)` per pair and epoch (Flow-Factory: `num_train_timesteps` 1; Flow-GRPO: `int(0.99 T)` = 39)."""
     t_sampling: Literal["uniform", "logit_normal", "grid", "stratified"] = "logit_normal"
-    """Noise levels of the draws: logit-normal (0, 1) as both codes draw them (`flowrl.trainers.matching`)."""
+    """Noise levels of the draws: logit-normal (0, 1) as both codes draw them (`flowrl.trainers.shared.matching`)."""
     beta: float = 100.0
     """beta of the loss (Flow-GRPO `config/dpo.py` and Flow-Factory's example: 100; Flow-Factory's dataclass
     default: 2000)."""

@@ -33,6 +33,8 @@ from flowrl.image import HasSteps, ImageConfig, StepConfig
 from flowrl.image.steps import STEP_KL_FORMS
 from flowrl.policies.diffusion import Transitions
 from flowrl.policies.value import StateValueNet, pooled_text
+from flowrl.run.registry import register
+from flowrl.run.scheduler import UpdateBatch
 from flowrl.runtime import seeded
 from flowrl.sections import (
     AdvantageConfig,
@@ -44,9 +46,7 @@ from flowrl.sections import (
     OptimConfig,
     PromptConfig,
 )
-from flowrl.trainers.image import ImageAlgorithm
-from flowrl.trainers.registry import register
-from flowrl.trainers.scheduler import UpdateBatch
+from flowrl.trainers.shared.image import ImageAlgorithm
 
 
 @dataclasses.dataclass

@@ -34,9 +34,9 @@ from flowrl.core.terms import Terms
 from flowrl.image import ImageConfig
 from flowrl.policies.noise import InitialNoisePolicy, NoiseDraws
 from flowrl.policies.value import pooled_text
+from flowrl.run.registry import register
 from flowrl.sections import AdvantageConfig, HasKL, HasObjective, KLConfig, ObjectiveConfig
-from flowrl.trainers.image import ImageAlgorithm
-from flowrl.trainers.registry import register
+from flowrl.trainers.shared.image import ImageAlgorithm
 
 
 logger = logging.getLogger(__name__)

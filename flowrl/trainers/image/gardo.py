@@ -33,10 +33,10 @@ import torch
 from flowrl.core import RiskController, diversity_factor, nearest_peer_distance, rank_uncertainty, uncertainty_gate
 from flowrl.image import StepConfig
 from flowrl.registry import import_path
+from flowrl.run.advantages import AdvantageEstimator
+from flowrl.run.registry import register
 from flowrl.sections import AdvantageConfig, KLConfig
-from flowrl.trainers.advantages import AdvantageEstimator
-from flowrl.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig
-from flowrl.trainers.registry import register
+from flowrl.trainers.shared.flow_grpo import FlowGRPO, FlowGRPOConfig
 
 
 @dataclasses.dataclass

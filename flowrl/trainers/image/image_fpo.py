@@ -1,6 +1,6 @@
 """FPO for images: Flow Policy Optimization's likelihood-free ratio over final latents (arXiv:2507.21053).
 
-The image counterpart of the control trainer `fpo` (`flowrl.trainers.fpo`), on the same ratio
+The image counterpart of the control trainer `fpo` (`flowrl.trainers.control.fpo`), on the same ratio
 (`flowrl.policies.fpo`): the policy samples the epoch with any solver (CFG-free Euler ODE by default); each
 final latent `x1` gets `num_draws` stored pairs `(tau_i, eps_i)` and the behaviour losses
 `l_old_i = mean_d ||v_old(x_tau_i, tau_i) - (eps_i - x1)||^2`, computed before the update in the chunks a
@@ -24,9 +24,9 @@ import torch
 from flowrl.core.terms import Terms
 from flowrl.image import SamplingConfig
 from flowrl.policies.fpo import cfm_losses, fpo_log_ratio
+from flowrl.run.registry import register
 from flowrl.sections import AdvantageConfig, HasObjective, ObjectiveConfig
-from flowrl.trainers.matching import MatchingAlgorithm, MatchingConfig
-from flowrl.trainers.registry import register
+from flowrl.trainers.shared.matching import MatchingAlgorithm, MatchingConfig
 
 
 @dataclasses.dataclass

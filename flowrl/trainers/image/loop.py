@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from flowrl.run.registry import register
 from flowrl.sections import AdvantageConfig, BatchConfig
-from flowrl.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig
-from flowrl.trainers.registry import register
+from flowrl.trainers.shared.flow_grpo import FlowGRPO, FlowGRPOConfig
 
 
 @dataclasses.dataclass

@@ -34,10 +34,10 @@ import torch
 from flowrl.core.ratios import reduce_elements
 from flowrl.core.terms import Terms
 from flowrl.image import SamplingConfig
+from flowrl.run.registry import register
+from flowrl.run.state import EMA
 from flowrl.sections import AdvantageConfig, HasKL, KLConfig
-from flowrl.trainers.matching import MatchingConfig, PerDrawAlgorithm
-from flowrl.trainers.registry import register
-from flowrl.trainers.state import EMA
+from flowrl.trainers.shared.matching import MatchingConfig, PerDrawAlgorithm
 
 
 def optimality(advantages: torch.Tensor, scale: float) -> torch.Tensor:

@@ -29,9 +29,9 @@ from flowrl.image import SamplingConfig, StepConfig
 from flowrl.image.sampler import ImageSampler
 from flowrl.image.steps import StepTerms
 from flowrl.policies.diffusion import DiffusionRollout
+from flowrl.run.registry import register
 from flowrl.sections import AdvantageConfig
-from flowrl.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig
-from flowrl.trainers.registry import register
+from flowrl.trainers.shared.flow_grpo import FlowGRPO, FlowGRPOConfig
 
 
 BRANCH_SELECTIONS = ("all", "first_fraction", "window")

@@ -26,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 
 from flowrl.image import SamplingConfig, StepConfig
+from flowrl.run.registry import register
 from flowrl.sections import AdvantageConfig, ObjectiveConfig
-from flowrl.trainers.flow_grpo import FlowGRPO, FlowGRPOConfig
-from flowrl.trainers.registry import register
+from flowrl.trainers.shared.flow_grpo import FlowGRPO, FlowGRPOConfig
 
 
 def mix_sampling(**changes) -> SamplingConfig:

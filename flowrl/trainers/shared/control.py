@@ -26,7 +26,7 @@ from flowrl.control.config import ControlConfig
 from flowrl.control.modality import ControlModality
 from flowrl.core import normalize
 from flowrl.core.terms import Terms
-from flowrl.trainers.algorithm import Algorithm
+from flowrl.run.algorithm import Algorithm
 
 
 class ControlAlgorithm(Algorithm):
@@ -48,7 +48,7 @@ class ControlAlgorithm(Algorithm):
 
     def init_actor(self, source: str) -> None:
         """Copy the policy network of the run or checkpoint `source` (`init_from`) into this run's actor."""
-        from flowrl.trainers.inference import load_run
+        from flowrl.run.inference import load_run
 
         loaded = load_run(source, device="cpu", overrides=["init_from=null"])
         theirs, cfg = loaded.algorithm.policy.actor, loaded.config

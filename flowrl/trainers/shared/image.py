@@ -15,7 +15,7 @@ import torch
 from flowrl.core import get_objective
 from flowrl.image import ImageModality
 from flowrl.image.steps import StepTerms
-from flowrl.trainers.algorithm import Algorithm
+from flowrl.run.algorithm import Algorithm
 
 
 class ImageAlgorithm(Algorithm):

@@ -27,7 +27,7 @@ from flowrl.image import ImageConfig
 from flowrl.policies.fpo import FPODraws
 from flowrl.policies.rollout import per_sample
 from flowrl.runtime import seeded
-from flowrl.trainers.image import ImageAlgorithm
+from flowrl.trainers.shared.image import ImageAlgorithm
 
 
 T_SAMPLINGS = ("uniform", "logit_normal", "grid", "stratified")

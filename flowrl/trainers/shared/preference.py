@@ -1,11 +1,11 @@
 """The preference trainers' shared base: final samples compared within groups at shared flow-matching draws.
 
-Diffusion-DPO (`flowrl.trainers.diffusion_dpo`) and DGPO (`flowrl.trainers.dgpo`) keep, like the rest of the
-final-sample family (`flowrl.trainers.matching`), only each sample's final latent `x1`, and train on draws `(t, eps)`
-of the conditional path `x_t = (1 - t) x1 + t eps` (target `eps - x1`). Their losses compare the members of a group
-(a chosen/rejected pair; a prompt's samples), so every member of a group gets the **same** draws: draw `j` of group
-`g` comes from `(seed, epoch, 5, 2, g)` (DGPO's times, shared by the whole batch as its code does, from
-`(seed, epoch, 5, 1)`), the same on any number of processes and on resume.
+Diffusion-DPO (`flowrl.trainers.image.diffusion_dpo`) and DGPO (`flowrl.trainers.image.dgpo`) keep, like the rest of
+the final-sample family (`flowrl.trainers.shared.matching`), only each sample's final latent `x1`, and train on
+draws `(t, eps)` of the conditional path `x_t = (1 - t) x1 + t eps` (target `eps - x1`). Their losses compare the
+members of a group (a chosen/rejected pair; a prompt's samples), so every member of a group gets the **same** draws:
+draw `j` of group `g` comes from `(seed, epoch, 5, 2, g)` (DGPO's times, shared by the whole batch as its code does,
+from `(seed, epoch, 5, 1)`), the same on any number of processes and on resume.
 
 Each draw's flow-matching error `l = mean_d (v(x_t, t) - (eps - x1))^2` under the frozen reference is computed once
 per epoch, before the update (the reference does not move), and stored with the draws; the update scores the trained
@@ -27,7 +27,7 @@ from flowrl.core.ratios import reduce_elements
 from flowrl.core.terms import Terms
 from flowrl.policies.rollout import per_sample
 from flowrl.runtime import seeded
-from flowrl.trainers.matching import MatchingAlgorithm, MatchingDraws, conditional_path, draw_times
+from flowrl.trainers.shared.matching import MatchingAlgorithm, MatchingDraws, conditional_path, draw_times
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ behaviour (and reference) log-probs in training-sized chunks (so the ratio is ex
 log-probs with any registered objective (the text literature's: `flowrl list objectives`). Token entropies are
 computed only for objectives that use them (ASPO, SSPO, ESPO, `top_entropy_quantile`), sentence ids for segment
 objectives; a stateful objective's controller (R2VPO's lambda, Clip-Cov's draw counter) is checkpointed with the
-run. Objectives that read batch statistics see the whole mini-batch (`flowrl.trainers.scheduler`).
+run. Objectives that read batch statistics see the whole mini-batch (`flowrl.run.scheduler`).
 
 TROLL (`objective.name: troll`, `flowrl.core.troll`) reads each token's next-token support: `prepare` stores the
 sampled token and the behaviour policy's `top_k` most likely others with their log-probs (`[B, T, top_k + 1]`, only
@@ -30,9 +30,9 @@ from flowrl.core import get_objective, kl_estimate
 from flowrl.core.terms import Terms
 from flowrl.llm.config import TextConfig
 from flowrl.llm.modality import TextModality
-from flowrl.trainers.algorithm import Algorithm
-from flowrl.trainers.registry import register
-from flowrl.trainers.state import EMA
+from flowrl.run.algorithm import Algorithm
+from flowrl.run.registry import register
+from flowrl.run.state import EMA
 
 
 @register("text", description="GRPO-style RL of Hugging Face causal LMs with any objective of the core")

@@ -106,13 +106,13 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_reward(args: argparse.Namespace) -> int:
-    """Serve a registered reward over HTTP until Ctrl-C (`flowrl.rewards.server.serve_reward`)."""
+    """Serve a registered reward over HTTP until Ctrl-C (`flowrl.rewards.serving.server.serve_reward`)."""
     import os
 
     from flowrl.config import apply_overrides
-    from flowrl.rewards.http import TOKEN_ENV
-    from flowrl.rewards.server import serve_reward
-    from flowrl.rewards.server_requests import is_loopback
+    from flowrl.rewards.serving.http import TOKEN_ENV
+    from flowrl.rewards.serving.server import serve_reward
+    from flowrl.rewards.serving.server_requests import is_loopback
 
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
 

@@ -85,3 +85,21 @@ def collected(rollout):
     from flowrl.policies.rollout import Collected
 
     return Collected(data=rollout, rows=torch.arange(len(rollout)), size=len(rollout))
+
+
+def brightness(images, prompts, **_):
+    """A reward that needs no model: each image's mean pixel value (for trainers on the tiny pipelines)."""
+    return images.float().mean(dim=(1, 2, 3))
+
+
+def assert_grads_close(grads, expected_grads, rtol=1e-3, atol=1e-4):
+    """Each parameter's gradient equals the direct implementation's (`atol` relative to the largest expected entry);
+    a parameter the direct loss does not reach gets no gradient, or zeros."""
+    import torch
+
+    scale = max(float(e.abs().max()) for e in expected_grads if e is not None)
+    for g, e in zip(grads, expected_grads, strict=True):
+        if e is None:
+            assert g is None or torch.all(g == 0)
+        else:
+            torch.testing.assert_close(g, e, rtol=rtol, atol=atol * scale)

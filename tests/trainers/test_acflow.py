@@ -11,7 +11,7 @@ from flowrl.policies.fpo import cfm_losses
 from flowrl.trainers import build_trainer, load_config
 from flowrl.trainers.image.acflow import critic_weights
 
-from .conftest import collected, make_trainer, micro_loss, training_rows
+from .conftest import brightness, collected, make_trainer, micro_loss, training_rows
 
 
 def acflow_config(tmp_path, overrides=(), **top):
@@ -235,10 +235,6 @@ def test_config_and_model_checks(tiny_world, unet_pipe, tmp_path):
         build_trainer(config, policy=DiffusionPolicy.from_pipeline(unet_pipe), reward_fns=fns, eval_fns={})
 
 
-def _brightness(images, prompts, **_):
-    return images.float().mean(dim=(1, 2, 3))
-
-
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_trains_with_lora_on_tiny_sd3_and_flux_pipelines(family, tmp_path):
     """Packed Flux latents, CFG / guidance embeddings, and the W2 reference as the network with LoRA disabled."""
@@ -252,7 +248,7 @@ def test_trains_with_lora_on_tiny_sd3_and_flux_pipelines(family, tmp_path):
                  "rewards=[{name: brightness}]", "eval.metrics=[]", "critic.warmup_epochs=0"]  # fmt: skip
     config = acflow_config(tmp_path, overrides, sampling={"num_steps": 2, "guidance_scale": 3.5,
                                                           "sampler": "ode"})  # fmt: skip
-    trainer = build_trainer(config, policy=policy, reward_fns={"brightness": _brightness}, eval_fns={})
+    trainer = build_trainer(config, policy=policy, reward_fns={"brightness": brightness}, eval_fns={})
     assert policy.reference_model is None  # LoRA: the reference is the base with its adapter disabled
     names = [n for n, p in policy.model.named_parameters() if p.requires_grad]
     before = [p.detach().clone() for p in trainer.params]

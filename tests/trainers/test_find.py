@@ -9,7 +9,7 @@ from flowrl.runtime import row_generators
 from flowrl.trainers import load_config
 from flowrl.trainers.image.find import FINDNoisePolicy
 
-from .conftest import make_trainer, micro_loss, tiny_config, training_rows, update_batch
+from .conftest import brightness, make_trainer, micro_loss, tiny_config, training_rows, update_batch
 
 
 def find_config(tmp_path, overrides=(), **top):
@@ -246,10 +246,6 @@ def test_config_checks():
         find_config(None, ["kl.form=gaussian_dt"])
 
 
-def _brightness(images, prompts, **_):
-    return images.float().mean(dim=(1, 2, 3))
-
-
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_trains_on_tiny_sd3_and_flux_pipelines(family, tmp_path):
     from flowrl.models import tiny_flux, tiny_sd3
@@ -263,7 +259,7 @@ def test_trains_on_tiny_sd3_and_flux_pipelines(family, tmp_path):
                  "prompts.group_size=2", "eval.max_prompts=1", "run.epochs=1", "rewards=[{name: brightness}]",
                  "eval.metrics=[]", "noise_policy=conditioned"]  # fmt: skip
     config = find_config(tmp_path, overrides)
-    trainer = build_trainer(config, policy=policy, reward_fns={"brightness": _brightness}, eval_fns={})
+    trainer = build_trainer(config, policy=policy, reward_fns={"brightness": brightness}, eval_fns={})
     before = _weights(trainer.algorithm.noise_policy)
     record = trainer.train_epoch(0)
     assert math.isfinite(float(record["loss"])) and math.isfinite(record["calibration/loss"])

@@ -17,9 +17,7 @@ from flowrl.policies import DiffusionPolicy
 from flowrl.run.stats import EpochStats
 from flowrl.trainers import build_trainer, load_config
 
-
-def _brightness(images, prompts, **_):
-    return images.float().mean(dim=(1, 2, 3))
+from .conftest import brightness
 
 
 # trust regions at this policy's scale: the perturbation moves element-mean log-ratios by about 1e-3
@@ -62,7 +60,7 @@ def _trainer(policy, tmp_path, objective, **top):
         "run": {"epochs": 1, "log_with": [], "output_dir": str(tmp_path / "run")},
         **top,
     }
-    return build_trainer(load_config(data), policy=policy, reward_fns={"brightness": _brightness}, eval_fns={})
+    return build_trainer(load_config(data), policy=policy, reward_fns={"brightness": brightness}, eval_fns={})
 
 
 def _perturbed(trainer, seed=0, scale=3e-3, epoch=1):

@@ -9,7 +9,7 @@ computed only for objectives that use them (ASPO, SSPO, ESPO, `top_entropy_quant
 objectives; a stateful objective's controller (R2VPO's lambda, Clip-Cov's draw counter) is checkpointed with the
 run. Objectives that read batch statistics see the whole mini-batch (`flowrl.run.scheduler`).
 
-TROLL (`objective.name: troll`, `flowrl.core.troll`) reads each token's next-token support: `prepare` stores the
+TROLL (`objective.name: troll`, `flowrl.core.text.troll`) reads each token's next-token support: `prepare` stores the
 sampled token and the behaviour policy's `top_k` most likely others with their log-probs (`[B, T, top_k + 1]`, only
 for objectives whose inputs name `topk_logp`: the default path's cost is unchanged) and every training forward
 gathers the current log-probs at the same ids. `sync_reference: true` is Humanline's syncing (arXiv:2509.24207,
@@ -49,7 +49,7 @@ class TextAlgorithm(Algorithm):
         self.needs_entropy = "entropy" in spec.inputs or "top_entropy_quantile" in self.objective_hparams
         self.needs_segments = "segment_ids" in spec.inputs
         self.group_inputs = tuple(k for k in ("group", "token_ids", "ref_logp") if k in spec.required)
-        """What a group objective takes per element (`flowrl.core.llm_group_objectives`): group ids (mini-batches then
+        """What a group objective takes per element (`flowrl.core.text.group`): group ids (mini-batches then
         hold whole groups), token ids, the reference's log-probs (a reference model is then kept)."""
         if "group" in self.group_inputs:
             self.updates_groups = True

@@ -61,6 +61,17 @@ MOVED: dict[str, str] = {
     "flowrl.trainers.preference": "flowrl.trainers.shared.preference",
     # (flowrl.trainers.image, .control and .text are packages now: ImageAlgorithm and ControlAlgorithm are in
     # flowrl.trainers.shared.image and .control, the text trainer in flowrl.trainers.text.text)
+    # #46: reward serving apart from the reward models (flowrl.rewards.serving), the text objectives in one folder
+    # (flowrl.core.text; flowrl.core.llm_objectives was split into flowrl.core.text.clipping, .sequence and .reinforce)
+    "flowrl.rewards.executor": "flowrl.rewards.serving.executor",
+    "flowrl.rewards.http": "flowrl.rewards.serving.http",
+    "flowrl.rewards.server": "flowrl.rewards.serving.server",
+    "flowrl.rewards.server_app": "flowrl.rewards.serving.server_app",
+    "flowrl.rewards.server_requests": "flowrl.rewards.serving.server_requests",
+    "flowrl.core.humanline": "flowrl.core.text.humanline",
+    "flowrl.core.troll": "flowrl.core.text.troll",
+    "flowrl.core.llm_entropy_objectives": "flowrl.core.text.entropy",
+    "flowrl.core.llm_group_objectives": "flowrl.core.text.group",
 }
 """Old module path -> the module it is now (old paths keep working, with a `DeprecationWarning`)."""
 

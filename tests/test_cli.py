@@ -207,7 +207,7 @@ def test_a_run_stopped_without_a_resumable_checkpoint_says_the_command_that_goes
     """Ctrl-C before the first checkpoint (the best one kept): the message, the refusals of a plain rerun and of
     --resume name the command that starts it again, which works; a run stopped by a dead reward server after a
     checkpoint names the resume command, which works."""
-    from flowrl.rewards.http import RewardServerUnavailable
+    from flowrl.rewards.serving.http import RewardServerUnavailable
     from flowrl.trainers import Trainer
 
     real, stop = Trainer.train_epoch, {}

@@ -123,25 +123,26 @@ def pipeline(
     """The epoch time of the synchronous run and of the asynchronous pipeline, from measured phase times.
 
     Synchronous: the phases one after another, `r + u + o` (`sync`, on all the threads). Asynchronous (`learner`:
-    the update and the rest on the learner's threads; `worker_rollout_s`: one worker's rollout on its threads;
-    `publish_s`: publishing the weights once): at `max_staleness` s the workers may sample epochs up to s versions
-    ahead of the learner's weights, so at most `min(W, s)` batches are in flight and workers beyond s idle. The learner
-    needs a batch per `u + o + p`, the workers deliver one per `r / min(W, s)`: the epoch is the larger of the two,
-    and the pipeline is bound by that side. At staleness 0 nothing overlaps: `r + u + o + p`. More workers stop
-    paying once the rollout keeps up (`keep_up_workers = ceil(r / (u + o + p))`, which needs staleness as large);
-    the mode pays at all only where the learner's side is shorter than the synchronous epoch. Threads beyond the
-    `cores` while the phases overlap share them (each phase slowed by `busy / cores`)."""
+    the update and the rest on the learner's threads, `L = u + o + p` with `p` = `publish_s`, publishing the weights
+    once; `worker_rollout_s` = `r`: one worker's rollout on its threads): the workers may sample epoch `e` once
+    `e - published <= max_staleness` (the dispatch rule of `flowrl.run.async_rollouts`), so while the learner waits
+    for epoch `e` the epochs `e .. e + s` may be in flight: the rollout side delivers `a = min(W, s + 1)` batches
+    per `r`. The epoch is the larger of `L` and `r / a`, and the pipeline is bound by that side. At staleness 0
+    nothing overlaps: `r + L`. More workers stop paying once the rollout keeps up (`keep_up_workers =
+    ceil(r / L)`, at staleness one less). The mode pays at all only where the learner's side is shorter than the
+    synchronous epoch. Cores: per epoch the learner is busy `L` on its threads and the workers `r` in all on
+    theirs; where that work is more than the `cores` give in the epoch, every phase slows by the ratio."""
     sync_s = sync.rollout_s + sync.update_s + sync.other_s
     learner_s = learner.update_s + learner.other_s + publish_s
-    ahead = min(workers, staleness)
     keep_up = math.ceil(worker_rollout_s / learner_s) if learner_s > 0 else 1
-    if ahead == 0:
+    if staleness == 0:
         async_s, bound, share = worker_rollout_s + learner_s, "serial", 1.0
     else:
-        busy = learner_threads + ahead * worker_threads
-        share = max(1.0, busy / cores) if cores else 1.0
-        learner_side, rollout_side = learner_s * share, worker_rollout_s * share / ahead
-        async_s = max(learner_side, rollout_side)
+        ahead = min(workers, staleness + 1)
+        learner_side, rollout_side = learner_s, worker_rollout_s / ahead
+        busy = learner_threads * learner_s + worker_threads * worker_rollout_s  # thread-seconds per epoch
+        share = max(1.0, busy / (cores * max(learner_side, rollout_side))) if cores else 1.0
+        async_s = max(learner_side, rollout_side) * share
         bound = "learner" if learner_side >= rollout_side else "rollout"
     return {
         "sync_s": sync_s,
@@ -180,6 +181,58 @@ def model(rollout_s: float, update_s: float, devices=(4, 8, 16, 64), latencies=(
     return out
 
 
+def predict(record: dict, cores: int, learner_threads: int) -> None:
+    """Each asynchronous run's `predicted` entry of a config's `record`, from its measured phases (`pipeline`)."""
+    sync, learner, worker = record["sync"], record["learner"], record["worker"]
+    for p in record["pipelines"]:
+        m = p["measured"]
+        p["predicted"] = pipeline(
+            phases(sync),
+            phases(learner),
+            worker["rollout_s"],
+            learner["publish_s"],
+            m["workers"],
+            m["max_staleness"],
+            cores,
+            learner_threads,
+        )
+
+
+def table(config: str, record: dict) -> None:
+    """Print a config's prediction beside the measurement, and the cluster-scale model."""
+    sync, learner, worker = record["sync"], record["learner"], record["worker"]
+    print(
+        f"\n{config}: phases (s) sync {phases(sync)}, learner {phases(learner)}, worker rollout "
+        f"{worker['rollout_s']:.2f}, publish {learner['publish_s']:.3f}"
+    )
+    print(
+        "| workers | max staleness | epoch s predicted | epoch s measured | bound | speed-up predicted | "
+        "speed-up measured | learner idle | mean staleness |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"| sync | - | {sync['rollout_s'] + sync['update_s'] + sync['other_s']:.2f} | {sync['epoch_s']:.2f} | "
+        f"- | 1 | 1 | 0 | 0 |"
+    )
+    for p in record["pipelines"]:
+        m, pr = p["measured"], p["predicted"]
+        print(
+            f"| {m['workers']} | {m['max_staleness']} | {pr['async_s']:.2f} | {m['epoch_s']:.2f} | {pr['bound']}"
+            f"{' (oversubscribed)' if pr['oversubscribed'] else ''} | {pr['speedup']:.2f} | "
+            f"{sync['epoch_s'] / m['epoch_s']:.2f} | {m['learner_idle_frac']:.2f} | {m['staleness']:.2f} |"
+        )
+    print(
+        "| devices | reward latency (x sync compute step) | best split (rollout + train) | sync step s | "
+        "async step s | speed-up |"
+    )
+    print("|---|---|---|---|---|---|")
+    for m in record["model"]:
+        print(
+            f"| {m['devices']} | {m['latency_x']:g} | {m['rollout_devices']} + {m['train_devices']} | "
+            f"{m['sync_s']:.3f} | {m['async_s']:.3f} | {m['speedup']:.2f} |"
+        )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="configs/digits/flow_grpo.yaml,configs/wan/tiny.yaml")
@@ -187,8 +240,20 @@ def main():
     parser.add_argument("--threads", type=int, default=2, help="the synchronous run's torch threads")
     parser.add_argument("--pipelines", default="1:1,2:1,2:2", help="asynchronous runs, WORKERS:MAX_STALENESS each")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "async_bench.json"))
+    parser.add_argument(
+        "--tabulate",
+        action="store_true",
+        help="run nothing: the tables of the runs stored in --out, their predictions made again by this model",
+    )
     args = parser.parse_args()
     out = Path(args.out)
+    if args.tabulate:
+        results = json.loads(out.read_text())
+        meta = results["meta"]
+        for config, record in results["runs"].items():
+            predict(record, meta["cpus"], max(1, meta["threads"] - 1))
+            table(config, record)
+        return
     cores = len(os.sched_getaffinity(0))
     stored = json.loads(out.read_text()) if out.is_file() else {}  # configs not run keep their stored results
     results = {
@@ -213,54 +278,17 @@ def main():
                 workers, staleness = (int(x) for x in spec.split(":"))
                 folder = Path(tmp) / f"async-{workers}-{staleness}"
                 measured = run(config, args.epochs, "async", learner_threads, folder, workers, staleness)
-                predicted = pipeline(
-                    phases(sync),
-                    phases(learner),
-                    worker["rollout_s"],
-                    learner["publish_s"],
-                    workers,
-                    staleness,
-                    cores,
-                    learner_threads,
-                )
-                pipelines.append({"measured": measured, "predicted": predicted})
-        results["runs"][config] = {
+                pipelines.append({"measured": measured})
+        record = {
             "sync": sync,
             "learner": learner,
             "worker": worker,
             "pipelines": pipelines,
             "model": model(sync["rollout_s"], sync["update_s"]),
         }
-        print(
-            f"\n{config}: phases (s) sync {phases(sync)}, learner {phases(learner)}, worker rollout "
-            f"{worker['rollout_s']:.2f}, publish {learner['publish_s']:.3f}"
-        )
-        print(
-            "| workers | max staleness | epoch s predicted | epoch s measured | bound | speed-up predicted | "
-            "speed-up measured | learner idle | mean staleness |"
-        )
-        print("|---|---|---|---|---|---|---|---|---|")
-        print(
-            f"| sync | - | {sync['rollout_s'] + sync['update_s'] + sync['other_s']:.2f} | {sync['epoch_s']:.2f} | "
-            f"- | 1 | 1 | 0 | 0 |"
-        )
-        for p in pipelines:
-            m, pr = p["measured"], p["predicted"]
-            print(
-                f"| {m['workers']} | {m['max_staleness']} | {pr['async_s']:.2f} | {m['epoch_s']:.2f} | {pr['bound']}"
-                f"{' (oversubscribed)' if pr['oversubscribed'] else ''} | {pr['speedup']:.2f} | "
-                f"{sync['epoch_s'] / m['epoch_s']:.2f} | {m['learner_idle_frac']:.2f} | {m['staleness']:.2f} |"
-            )
-        print(
-            "| devices | reward latency (x sync compute step) | best split (rollout + train) | sync step s | "
-            "async step s | speed-up |"
-        )
-        print("|---|---|---|---|---|---|")
-        for m in results["runs"][config]["model"]:
-            print(
-                f"| {m['devices']} | {m['latency_x']:g} | {m['rollout_devices']} + {m['train_devices']} | "
-                f"{m['sync_s']:.3f} | {m['async_s']:.3f} | {m['speedup']:.2f} |"
-            )
+        predict(record, cores, learner_threads)
+        results["runs"][config] = record
+        table(config, record)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"written to {args.out}")

@@ -1,7 +1,7 @@
 """The asynchronous pipeline's throughput model (`benchmarks/async_bench.py`: `pipeline`), on hand-derived numbers:
 the synchronous epoch is the phases' sum; the asynchronous one is the slower of the learner's side and the rollout
-side, the rollout shared by at most `min(workers, max_staleness)` batches in flight; staleness 0 overlaps nothing;
-threads beyond the cores share them."""
+side, the rollout shared by at most `min(workers, max_staleness + 1)` batches in flight while the learner waits;
+staleness 0 overlaps nothing; work beyond the cores shares them."""
 
 import importlib.util
 import sys
@@ -42,12 +42,14 @@ def test_a_rollout_bound_pipeline_gains_from_workers_up_to_the_staleness_bound(b
     sync, learner = bench.Phases(4.0, 1.0), bench.Phases(4.0, 1.0)
     one = bench.pipeline(sync, learner, worker_rollout_s=4.0, publish_s=0.0, workers=1, staleness=1)
     assert (one["sync_s"], one["async_s"], one["bound"]) == (5.0, 4.0, "rollout")  # the update hides in the rollout
-    # staleness 1 lets one batch ahead: a second worker idles
-    assert bench.pipeline(sync, learner, 4.0, 0.0, workers=2, staleness=1)["async_s"] == 4.0
-    two = bench.pipeline(sync, learner, 4.0, 0.0, workers=2, staleness=2)
+    # while the learner waits for epoch e, staleness 1 lets epochs e and e + 1 be sampled: two workers, a third idles
+    two = bench.pipeline(sync, learner, 4.0, 0.0, workers=2, staleness=1)
     assert two["async_s"] == 2.0 and two["bound"] == "rollout" and two["speedup"] == 2.5  # max(1, 4 / 2)
-    assert two["keep_up_workers"] == 4  # ceil(4 / 1): past 4 workers (and staleness 4) the learner bounds
-    four = bench.pipeline(sync, learner, 4.0, 0.0, workers=8, staleness=4)
+    assert bench.pipeline(sync, learner, 4.0, 0.0, workers=3, staleness=1)["async_s"] == 2.0
+    three = bench.pipeline(sync, learner, 4.0, 0.0, workers=3, staleness=2)
+    assert three["async_s"] == pytest.approx(4 / 3)  # max(1, 4 / 3)
+    assert two["keep_up_workers"] == 4  # ceil(4 / 1): past 4 workers (and staleness 3) the learner bounds
+    four = bench.pipeline(sync, learner, 4.0, 0.0, workers=8, staleness=3)
     assert four["async_s"] == 1.0 and four["bound"] == "learner"  # max(1, 4 / 4): ties go to the learner
 
 
@@ -55,8 +57,32 @@ def test_staleness_zero_overlaps_nothing_and_oversubscribed_threads_share_the_co
     sync, learner = bench.Phases(1.0, 2.0, 0.5), bench.Phases(1.0, 2.0, 0.5)
     serial = bench.pipeline(sync, learner, worker_rollout_s=1.0, publish_s=0.25, workers=3, staleness=0)
     assert serial["async_s"] == 3.75 and serial["bound"] == "serial"  # 1 + 2 + 0.5 + 0.25
-    # one learner thread and two busy workers on two cores: each phase at 2/3 speed
+    # per 2.5 s epoch (learner-bound: max(2.5, 3 / 2)) the learner works 2.5 s and the workers 3 s: 5.5
+    # thread-seconds on two cores that give 5 in the epoch, so every phase slows by 1.1
     shared = bench.pipeline(sync, learner, worker_rollout_s=3.0, publish_s=0.0, workers=2, staleness=2, cores=2)
-    assert shared["oversubscribed"] and shared["async_s"] == pytest.approx(max(2.5 * 1.5, 3.0 * 1.5 / 2))
+    assert shared["oversubscribed"] and shared["async_s"] == pytest.approx(2.5 * 5.5 / 5)
     own = bench.pipeline(sync, learner, worker_rollout_s=3.0, publish_s=0.0, workers=2, staleness=2, cores=3)
     assert not own["oversubscribed"] and own["async_s"] == 2.5
+
+
+def test_the_docs_comparison_is_the_stored_run_tabulated_by_this_model():
+    """docs/async.md's prediction-vs-measurement table is what `async_bench.py --tabulate` prints for the stored runs
+    (the predictions made again by the current model): a change to the model or the results shows in the docs."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "async_bench.py"), "--tabulate"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    printed, config = set(), None
+    for line in done.stdout.splitlines():
+        if line.startswith("configs/"):
+            config = line.split(":")[0].removeprefix("configs/").removesuffix(".yaml")
+        elif line.startswith("| ") and "epoch s" not in line and "devices" not in line and line.count("|") == 10:
+            printed.add(f"| `{config}` " + line)
+    docs = (ROOT / "docs" / "async.md").read_text()
+    rows = {line for line in docs.splitlines() if line.startswith("| `digits/") or line.startswith("| `wan/")}
+    assert len(printed) == 8 and rows == printed

@@ -112,9 +112,9 @@ def build_policy(config, device):
     """The family's pipeline at its published size with random weights, built on `device`, set up as a run sets it
     up (attention backend, LoRA, precision, checkpointing, text encoders offloaded for 8B+ networks)."""
     from flowrl.models.attention import configure_attention
-    from flowrl.models.build import DTYPES, offloads_text, prepare_training
     from flowrl.models.published import build_pipeline
     from flowrl.policies import DiffusionPolicy
+    from flowrl.policies.build import DTYPES, offloads_text, prepare_training
     from flowrl.prompts import load
 
     m = config.model

@@ -61,6 +61,12 @@ MOVED: dict[str, str] = {
     "flowrl.trainers.preference": "flowrl.trainers.shared.preference",
     # (flowrl.trainers.image, .control and .text are packages now: ImageAlgorithm and ControlAlgorithm are in
     # flowrl.trainers.shared.image and .control, the text trainer in flowrl.trainers.text.text)
+    # #46: the family registry beside its families (no policies <-> models circle): `ModelAdapter` and its options in
+    # flowrl.models.adapter; MODEL_FAMILIES, register_family and adapter_for in flowrl.models.families; the helpers
+    # families share (guidance_embedding, decode_vae, text_kwargs) in flowrl.models.helpers. The policy built from a
+    # run's model section is flowrl.policies' (flowrl.models no longer imports flowrl.policies).
+    "flowrl.policies.adapters": "flowrl.models.adapter",
+    "flowrl.models.build": "flowrl.policies.build",
     # #46: reward serving apart from the reward models (flowrl.rewards.serving), the text objectives in one folder
     # (flowrl.core.text; flowrl.core.llm_objectives was split into flowrl.core.text.clipping, .sequence and .reinforce)
     "flowrl.rewards.executor": "flowrl.rewards.serving.executor",

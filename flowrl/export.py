@@ -66,7 +66,7 @@ def diffusers_lines(
 
     import diffusers
 
-    from flowrl.policies.adapters import ModelAdapter
+    from flowrl.models.adapter import ModelAdapter
 
     adapter = policy.adapter
     cls, pipeline = type(adapter), type(adapter).pipeline_class

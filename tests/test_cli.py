@@ -55,12 +55,12 @@ def test_config_and_data_mistakes_are_one_line(tmp_path, capsys, changes, match)
 
 def test_prompt_file_mistakes_name_the_file_before_any_model_loads(tmp_path, capsys, monkeypatch):
     import flowrl.image.modality
-    import flowrl.models.build
+    import flowrl.policies.build
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before the prompts were checked")
 
-    monkeypatch.setattr(flowrl.models.build, "load_policy", no_model)
+    monkeypatch.setattr(flowrl.policies.build, "load_policy", no_model)
     monkeypatch.setattr(flowrl.image.modality, "build_image_policy", no_model)
     empty, latin, cats = tmp_path / "empty.txt", tmp_path / "latin1.txt", tmp_path / "cats.txt"
     empty.write_text("# nothing here\n")

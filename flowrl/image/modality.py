@@ -17,8 +17,8 @@ from flowrl.image.collect import ImageCollector
 from flowrl.image.config import ImageConfig
 from flowrl.image.evaluate import ImageEvaluator, sample_grid
 from flowrl.image.sampler import ImageSampler
-from flowrl.models import ModelConfig, load_policy, prepare_training
-from flowrl.models.build import offloads_text
+from flowrl.models import ModelConfig
+from flowrl.policies.build import load_policy, offloads_text, prepare_training
 from flowrl.rewards import Rewards
 from flowrl.rewards.scoring import reward_summary
 from flowrl.runtime import RunContext

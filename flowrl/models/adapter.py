@@ -1,4 +1,5 @@
-"""How each diffusers architecture is conditioned, called, scheduled and decoded.
+"""How each diffusers architecture is conditioned, called, scheduled and decoded: `ModelAdapter`, the base class of
+every model family (`flowrl.models.families`, where the family registry is), and `CallableAdapter`.
 
 An adapter wraps a diffusers pipeline object used only as a container of components and of its helper
 methods (`encode_prompt`, `prepare_latents`, latent packing, the image post-processor), so prompt encoding,
@@ -19,19 +20,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
-
-from flowrl.registry import Registry
-
-
-MODEL_FAMILIES: Registry = Registry("model family")
-"""Family name -> adapter class. Each family is one module of `flowrl.models.families` (its adapter, options and
-tiny offline builder), registered by `register_family` when that package is imported."""
-
-
-def register_family(cls):
-    """Class decorator: register a `ModelAdapter` subclass under its `family` (and its pipeline class)."""
-    MODEL_FAMILIES.register(cls.family, cls, description=(cls.__doc__ or "").strip().splitlines()[0])
-    return cls
 
 
 @dataclasses.dataclass
@@ -223,9 +211,21 @@ class ModelAdapter(ABC):
         No CFG combination here: the policy batches both branches into one call.
         """
 
-    @abstractmethod
+    packed_latents: bool = False
+    """Whether latents are 2x2-packed tokens `[B, h*w/4, 4C]` (FLUX.1, Qwen-Image, FLUX.2: 4 `in_channels` each)."""
+
     def initial_latents(self, batch_size: int, height: int, width: int, generator) -> torch.Tensor:
-        """Initial noise `[B, C, h, w]` drawn exactly as the pipeline draws it."""
+        """Initial noise `[B, C, h, w]` (or packed tokens) drawn exactly as the pipeline draws it."""
+        return self.pipeline_latents(batch_size, height, width, generator)
+
+    def pipeline_latents(self, batch_size, height, width, generator, *, dtype=None, image: bool = False):
+        """The noise of the pipeline's `prepare_latents(batch_size, channels, height, width, dtype, device, generator,
+        None)` (`channels`: `in_channels`, / 4 if packed; `dtype`: the model's), after a `None` source with `image`."""
+        channels = self.model.config.in_channels // (4 if self.packed_latents else 1)
+        dtype = self.dtype if dtype is None else dtype
+        args = (batch_size, channels, height, width, dtype, self.device, generator, None)
+        out = self.pipeline.prepare_latents(*((None, *args) if image else args))
+        return out[0] if isinstance(out, tuple) else out
 
     @abstractmethod
     def schedule(self, num_steps: int, latent_shape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,30 +336,6 @@ class ModelAdapter(ABC):
         raise ValueError(f"model family {self.family!r} does not encode text with source images")
 
 
-def guidance_embedding(model, guidance_scale: float, n: int, device) -> torch.Tensor | None:
-    """`[n]` fp32 guidance for a guidance-distilled transformer (Flux.1, Kontext, FLUX.2 dev: the scale goes to its
-    guidance embedding), or None when `model` has none. `model` is the bare network: a DDP wrapper has no config."""
-    if not model.config.get("guidance_embeds", False):
-        return None
-    return torch.full([1], guidance_scale, device=device, dtype=torch.float32).expand(n)
-
-
-def text_kwargs(options) -> dict:
-    """`encode_prompt`'s `max_sequence_length` when the options set one."""
-    length = getattr(options, "max_sequence_length", None)
-    return {} if length is None else {"max_sequence_length": length}
-
-
-def decode_vae(pipeline, latents, shift: bool = True) -> torch.Tensor:
-    """Latents through the pipeline's VAE (scaling, optional shift) to images `[B, 3, H, W]` in [0, 1]."""
-    vae = pipeline.vae
-    latents = latents.to(vae.dtype) / vae.config.scaling_factor
-    if shift and vae.config.get("shift_factor") is not None:
-        latents = latents + vae.config.shift_factor
-    image = vae.decode(latents, return_dict=False)[0]
-    return pipeline.image_processor.postprocess(image, output_type="pt")
-
-
 class CallableAdapter(ModelAdapter):
     """Any velocity network plus a text encoder and a decoder given as callables (e.g. the digits world).
 
@@ -429,17 +405,3 @@ class CallableAdapter(ModelAdapter):
 
     def default_size(self):
         return self.latent_shape[-2], self.latent_shape[-1]
-
-
-def adapter_for(pipeline, options=None) -> ModelAdapter:
-    """The adapter for a diffusers pipeline instance (every registered family: `MODEL_FAMILIES`), with the family's
-    `options` (a dict of its `Options` fields, or an `Options`)."""
-    import flowrl.models.families  # noqa: F401  (the families register themselves)
-
-    name = type(pipeline).__name__
-    for family in MODEL_FAMILIES:
-        cls = MODEL_FAMILIES.get(family)
-        if cls.pipeline_class == name:
-            return cls(pipeline, options=options)
-    supported = ", ".join(MODEL_FAMILIES.get(f).pipeline_class for f in MODEL_FAMILIES)
-    raise ValueError(f"no flowrl adapter for {name}; supported pipelines: {supported}")

@@ -74,19 +74,49 @@ QWEN_CHAT_TEMPLATE = (
 """A ChatML template (what Qwen tokenizers ship; Z-Image calls `apply_chat_template`)."""
 
 
-def tiny_qwen2_tokenizer(extra_special: tuple[str, ...] = ()):
-    """A byte-level BPE `Qwen2Tokenizer` (every string tokenizes) with the Qwen special tokens and a ChatML chat
-    template, built in memory: what Qwen-Image, Z-Image, FLUX.2 klein and HunyuanVideo 1.5 tokenize with."""
+TINY_MERGES = (("Ġ", "a"), ("c", "a"), ("ca", "t"), ("d", "o"), ("do", "g"))
+"""The byte-level tokenizers' few merges (` a`, `cat`, `dog`), so that some words are one token."""
+
+
+def byte_level_words(*texts: str) -> list[str]:
+    """The distinct words of `texts` as a byte-level BPE tokenizer pre-tokenizes them (GPT-2's split, `Ġ` for a
+    leading space), in order of first appearance."""
     from transformers import Qwen2Tokenizer
 
-    chars = _bytes_to_unicode()
-    vocab = {c: i for i, c in enumerate(chars)}
-    merges = [("Ġ", "a"), ("c", "a"), ("ca", "t"), ("d", "o"), ("do", "g")]
+    plain = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(_bytes_to_unicode())}, merges=[])
+    pre = plain._tokenizer.pre_tokenizer.pre_tokenize_str
+    return list(dict.fromkeys(word for text in texts for word, _ in pre(text)))
+
+
+def whole_word_merges(words, merges=()) -> list[tuple[str, str]]:
+    """BPE merges that spell each of `words` as one token, after `merges`: left to right, each prefix of a word merges
+    with its next character (a merge already listed is not repeated); an `(a, b)` pair among `words` is a merge of
+    its own. A tiny tokenizer with these spends about as many tokens on a pipeline's prompt template as the real
+    tokenizer does, so a template prefix a pipeline drops by count is the same text."""
+    merges = list(merges)
+    for word in words:
+        if isinstance(word, tuple):
+            merges += [word]
+            continue
+        merges += [(word[:i], word[i]) for i in range(1, len(word)) if (word[:i], word[i]) not in merges]
+    return merges
+
+
+def tiny_qwen2_tokenizer(extra_special: tuple[str, ...] = (), merges=TINY_MERGES, chat_template=QWEN_CHAT_TEMPLATE):
+    """A byte-level BPE `Qwen2Tokenizer` (every string tokenizes) with the Qwen special tokens (and `extra_special`)
+    and a ChatML chat template (None: none), built in memory: what Qwen-Image, Z-Image, FLUX.2 klein, HunyuanVideo
+    1.5 and Kandinsky 5 tokenize with. `merges` (`whole_word_merges` keeps a template's words whole) add one token
+    each after the 256 byte characters."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(_bytes_to_unicode())}
+    merges = list(merges)
     for a, b in merges:
-        vocab[a + b] = len(vocab)
+        vocab.setdefault(a + b, len(vocab))
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS + tuple(extra_special))})
-    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 

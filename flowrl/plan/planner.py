@@ -132,7 +132,7 @@ def plan(config, *, gpus: int = 1, gpu_memory: float = 80.0, name: str = "") -> 
 
 def plans(config, *, gpus=(1,), gpu_memory: float = 80.0, name: str = "") -> list[MemoryPlan]:
     """`plan` at each process count of `gpus`, from one trace."""
-    from flowrl.models.build import networks, repeated_blocks
+    from flowrl.policies.build import networks, repeated_blocks
     from flowrl.policies.text_store import text_encoders
 
     for count in gpus:

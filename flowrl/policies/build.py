@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from flowrl.models.config import ModelConfig
+from flowrl.policies.diffusion import DiffusionPolicy
+from flowrl.policies.text_store import text_encoders
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -23,7 +25,6 @@ def load_policy(model: ModelConfig, *, forward_batch_size: int | None, device="c
             `flowrl plan` traces (`device` is then ignored and no text store is opened).
     """
     from flowrl.models.attention import configure_attention
-    from flowrl.policies import DiffusionPolicy
 
     if not weights:
         from flowrl.models.published import build_pipeline
@@ -46,7 +47,6 @@ def text_store_folder(model: ModelConfig, policy):
     import json
 
     from flowrl.cache import cache_root
-    from flowrl.policies.text_store import text_encoders
 
     fingerprint = {"name": model.name, "family": policy.family, "options": model.options, "dtype": model.dtype}
     for name, module in sorted(text_encoders(policy.adapter.pipeline).items()):

@@ -113,7 +113,7 @@ class ChunkedCalls:
 
     def store_text(self, folder) -> None:
         """Keep prompt conditioning on disk in `folder` too (`flowrl.policies.text_store`; None: memory only). The
-        folder must belong to this model and its options: `flowrl.models.build` keys it by both."""
+        folder must belong to this model and its options: `flowrl.policies.build` keys it by both."""
         self.text_store = None if folder is None else TextStore(folder)
 
     def offload_text_encoders(self) -> None:

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from flowrl.policies.adapters import CallableAdapter, ModelAdapter, adapter_for
+from flowrl.models.adapter import CallableAdapter, ModelAdapter
 from flowrl.policies.calls import ChunkedCalls
 from flowrl.policies.diffusion_rollout import DiffusionRollout, Transitions
 from flowrl.policies.sampling import FLOW_SAMPLERS, POST_WINDOW_SOLVERS, RolloutSampling
@@ -42,7 +42,7 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
     (`flowrl.policies.calls`), sampling (`flowrl.policies.sampling`: `rollout`) and, here, re-scoring.
 
     Args:
-        adapter (`ModelAdapter`): how to call the model family (`flowrl.policies.adapters`); use
+        adapter (`ModelAdapter`): how to call the model family (`flowrl.models.adapter`); use
             `DiffusionPolicy.from_pipeline(pipe)` for SD3/3.5, Flux.1 and SD1.x/2.x pipelines.
         forward_batch_size (`int`, *optional*): rows per network forward. `None` uses the rollout's batch
             size. Rollouts and re-scoring use the same chunking, padded, so log-probs reproduce exactly.
@@ -86,6 +86,8 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
         options = dict(options or {})
         if max_sequence_length is not None:
             options["max_sequence_length"] = max_sequence_length
+        from flowrl.models.families import adapter_for
+
         return cls(adapter_for(pipeline, options=options), **kwargs)
 
     @classmethod

@@ -22,9 +22,9 @@ from flowrl.models.attention import (
     configure_attention,
     self_test,
 )
-from flowrl.models.build import load_policy
 from flowrl.models.families import MODEL_FAMILIES
 from flowrl.policies import DiffusionPolicy
+from flowrl.policies.build import load_policy
 
 
 ALL = Kernels(flash_attn=True, flash_attn_3=True, xformers=True)

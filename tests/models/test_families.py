@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from flowrl.models import detect_family, load_pipeline
-from flowrl.models.families import MODEL_FAMILIES, family_options
+from flowrl.models.families import MODEL_FAMILIES, adapter_for, family_options
 from flowrl.policies import DiffusionPolicy
-from flowrl.policies.adapters import adapter_for
 
 
 FAMILIES = MODEL_FAMILIES.names()

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from flowrl.models import ModelConfig
-from flowrl.models.build import enable_checkpointing, offloads_text, prepare_training, repeated_blocks
 from flowrl.models.families import MODEL_FAMILIES
 from flowrl.policies import DiffusionPolicy
+from flowrl.policies.build import enable_checkpointing, offloads_text, prepare_training, repeated_blocks
 from flowrl.run.engine import fused_options
 
 

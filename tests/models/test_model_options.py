@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from flowrl.models import ModelConfig
-from flowrl.models.build import prepare_training
 from flowrl.models.families import MODEL_FAMILIES
 from flowrl.policies import DiffusionPolicy
+from flowrl.policies.build import prepare_training
 from flowrl.prompts.edit_shapes import draw
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flowrl.models import ModelConfig
-from flowrl.models.build import load_policy, text_store_folder
+from flowrl.policies.build import load_policy, text_store_folder
 from flowrl.policies.text_store import TextStore, text_encoders
 
 

@@ -31,14 +31,14 @@ RECIPES = sorted(
 def empty_cache(tmp_path, monkeypatch):
     """An empty Hugging Face cache, the hub switched off; nothing may load a model."""
     import flowrl.image.modality
-    import flowrl.models.build
+    import flowrl.policies.build
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the artifacts were checked")
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(flowrl.models.build, "load_policy", no_loading)
+    monkeypatch.setattr(flowrl.policies.build, "load_policy", no_loading)
     monkeypatch.setattr(flowrl.image.modality, "build_image_policy", no_loading)
     return tmp_path / "hub"
 

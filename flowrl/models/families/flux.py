@@ -5,15 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flowrl.models.adapter import ModelAdapter, TextEncoderOptions
+from flowrl.models.families import register_family
+from flowrl.models.helpers import decode_vae, dynamic_shift, flux_forward, guidance_embedding, text_kwargs
 from flowrl.models.tiny import _clip_text_encoder, _eval, _t5_encoder, _vae, tiny_clip_tokenizer, tiny_t5_tokenizer
-from flowrl.policies.adapters import (
-    ModelAdapter,
-    TextEncoderOptions,
-    decode_vae,
-    guidance_embedding,
-    register_family,
-    text_kwargs,
-)
 
 
 @register_family
@@ -29,6 +24,7 @@ class FluxAdapter(ModelAdapter):
     pipeline_class = "FluxPipeline"
     real_models = ("black-forest-labs/FLUX.1-dev: 12B", "black-forest-labs/FLUX.1-schnell: 12B")
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    packed_latents = True
 
     @property
     def model(self):
@@ -49,26 +45,16 @@ class FluxAdapter(ModelAdapter):
         return {"img_ids": self.pipeline._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype)}
 
     def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
-        model = model or self.model
-        n = latents.shape[0]
-        guidance = guidance_embedding(self.model, guidance_scale, n, latents.device)
-        return model(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=guidance,
+        return flux_forward(
+            model or self.model,
+            latents,
+            timesteps,
+            guidance_embedding(self.model, guidance_scale, latents.shape[0], latents.device),
             pooled_projections=cond["pooled"],
             encoder_hidden_states=cond["prompt_embeds"],
             txt_ids=torch.zeros(cond["prompt_embeds"].shape[1], 3, device=latents.device, dtype=latents.dtype),
             img_ids=static["img_ids"],
-            return_dict=False,
-        )[0]
-
-    def initial_latents(self, batch_size, height, width, generator):
-        channels = self.model.config.in_channels // 4
-        packed, _ = self.pipeline.prepare_latents(
-            batch_size, channels, height, width, self.dtype, self.device, generator, None
         )
-        return packed
 
     def schedule(self, num_steps, latent_shape):
         from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
@@ -81,18 +67,7 @@ class FluxAdapter(ModelAdapter):
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 
     def shift_mu(self, latent_shape):
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        config = self.scheduler.config
-        if not config.get("use_dynamic_shifting", None):
-            return None
-        return calculate_shift(
-            latent_shape[1],  # packed tokens, as the pipeline's image_seq_len
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        return dynamic_shift(self.scheduler.config, latent_shape[1])  # packed tokens: the pipeline's image_seq_len
 
     def decode(self, latents, height, width):
         spatial = self.pipeline._unpack_latents(latents, height, width, self.pipeline.vae_scale_factor)

@@ -15,8 +15,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from flowrl.models.tiny import _bytes_to_unicode, _eval, tiny_qwen2_tokenizer
-from flowrl.policies.adapters import ModelAdapter, guidance_embedding, register_family
+from flowrl.models.adapter import ModelAdapter
+from flowrl.models.families import register_family
+from flowrl.models.helpers import flux_forward, guidance_embedding
+from flowrl.models.tiny import TINY_MERGES, _bytes_to_unicode, _eval, tiny_qwen2_tokenizer
 
 
 @dataclasses.dataclass
@@ -47,6 +49,7 @@ class _Flux2Adapter(ModelAdapter):
 
     Options = Flux2Options
     lora_targets = LORA_TARGETS
+    packed_latents = True
 
     def __init__(self, pipeline, *, options=None):
         super().__init__(pipeline, options=options)
@@ -82,21 +85,18 @@ class _Flux2Adapter(ModelAdapter):
     def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
         embeds = cond["prompt_embeds"]
         txt_ids = self.pipeline._prepare_text_ids(embeds[:1])[0].to(latents.device)  # `[L, 4]`, same for all rows
-        return (model or self.model)(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=self._guidance(guidance_scale, latents.shape[0], latents.device),
+        return flux_forward(
+            model or self.model,
+            latents,
+            timesteps,
+            self._guidance(guidance_scale, latents.shape[0], latents.device),
             encoder_hidden_states=embeds,
             txt_ids=txt_ids,
             img_ids=static["img_ids"],
-            return_dict=False,
-        )[0]
+        )
 
     def initial_latents(self, batch_size, height, width, generator):
-        channels = self.model.config.in_channels // 4
-        packed, _ = self.pipeline.prepare_latents(
-            batch_size, channels, height, width, self.dtype, self.device, generator, None
-        )
+        packed = self.pipeline_latents(batch_size, height, width, generator)
         # `_pack_latents` returns a permuted view; every later state inherits its strides, and a stored (stacked,
         # contiguous) state would then go through other matmul kernels when re-scored: not bit for bit
         return packed.contiguous()
@@ -307,7 +307,7 @@ def tiny_mistral_tokenizer():
                "[IMG_BREAK]", "[IMG_END]"]  # fmt: skip
     vocab = {token: i for i, token in enumerate(special)}
     vocab.update({c: len(special) + i for i, c in enumerate(_bytes_to_unicode())})
-    merges = [("Ġ", "a"), ("c", "a"), ("ca", "t"), ("d", "o"), ("do", "g")]
+    merges = list(TINY_MERGES)
     for a, b in merges:
         vocab[a + b] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))

@@ -7,8 +7,9 @@ import dataclasses
 
 import torch
 
+from flowrl.models.families import register_family
 from flowrl.models.families.flux import FluxAdapter
-from flowrl.policies.adapters import guidance_embedding, register_family
+from flowrl.models.helpers import flux_forward, guidance_embedding
 
 
 @dataclasses.dataclass
@@ -108,27 +109,20 @@ class FluxKontextAdapter(FluxAdapter):
     def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
         if "image_latents" not in cond:  # text-to-image: Flux.1
             return super().forward(latents, timesteps, cond, guidance_scale, model=model, static=static)
-        model = model or self.model
-        n, tokens = latents.shape[:2]
-        guidance = guidance_embedding(self.model, guidance_scale, n, latents.device)
-        out = model(
-            hidden_states=torch.cat([latents, cond["image_latents"].to(latents.dtype)], dim=1),
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=guidance,
+        return flux_forward(
+            model or self.model,
+            latents,
+            timesteps,
+            guidance_embedding(self.model, guidance_scale, latents.shape[0], latents.device),
+            image_latents=cond["image_latents"],
             pooled_projections=cond["pooled"],
             encoder_hidden_states=cond["prompt_embeds"],
             txt_ids=torch.zeros(cond["prompt_embeds"].shape[1], 3, device=latents.device, dtype=latents.dtype),
             img_ids=torch.cat([static["img_ids"], cond["image_ids"][0].to(static["img_ids"])]),  # one size per rollout
-            return_dict=False,
-        )[0]
-        return out[:, :tokens]
+        )
 
     def initial_latents(self, batch_size, height, width, generator):
-        channels = self.model.config.in_channels // 4
-        packed, *_ = self.pipeline.prepare_latents(
-            None, batch_size, channels, height, width, self.dtype, self.device, generator, None
-        )
-        return packed
+        return self.pipeline_latents(batch_size, height, width, generator, image=True)
 
     @staticmethod
     def tiny(seed: int = 0, latent_channels: int = 16):

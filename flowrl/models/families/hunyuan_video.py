@@ -28,8 +28,9 @@ import math
 import numpy as np
 import torch
 
-from flowrl.models.tiny import QWEN_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, _bytes_to_unicode, _eval, _t5_encoder
-from flowrl.policies.adapters import ModelAdapter, register_family
+from flowrl.models.adapter import ModelAdapter
+from flowrl.models.families import register_family
+from flowrl.models.tiny import _eval, _t5_encoder, byte_level_words, tiny_qwen2_tokenizer, whole_word_merges
 
 
 logger = logging.getLogger(__name__)
@@ -284,20 +285,6 @@ def tiny_hunyuan_video_tokenizer():
     """A byte-level BPE `Qwen2Tokenizer` (every string tokenizes) with the Qwen special tokens and a ChatML template,
     built in memory, whose merges keep each word of HunyuanVideo 1.5's system message whole (and its 8-space runs one
     token): the template before the prompt is then exactly 108 tokens, the pipeline's `crop_start`."""
-    from transformers import Qwen2Tokenizer
-
-    chars = _bytes_to_unicode()
-    plain = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(chars)}, merges=[])
-    text = f"system\n{_system_message()}\nuser\n"  # the template's text around its special tokens
-    words = dict.fromkeys(w for w, _ in plain._tokenizer.pre_tokenizer.pre_tokenize_str(text))
-    merges = [("Ġ", "Ġ"), ("ĠĠ", "ĠĠ"), ("ĠĠĠĠ", "ĠĠĠĠ")]  # a run of 8 spaces -> one token
-    for word in words:
-        if set(word) != {"Ġ"}:  # left to right: each prefix merges with its next character
-            merges += [(word[:i], word[i]) for i in range(1, len(word)) if (word[:i], word[i]) not in merges]
-    vocab = {c: i for i, c in enumerate(chars)}
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS)})
-    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
-    return tokenizer
+    words = byte_level_words(f"system\n{_system_message()}\nuser\n")  # the template's text around its special tokens
+    spaces = [("Ġ", "Ġ"), ("ĠĠ", "ĠĠ"), ("ĠĠĠĠ", "ĠĠĠĠ")]  # a run of 8 spaces -> one token
+    return tiny_qwen2_tokenizer(merges=whole_word_merges([w for w in words if set(w) != {"Ġ"}], spaces))

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.models.families import register_family
 from flowrl.models.families.hunyuan_video import HunyuanVideoAdapter
 from flowrl.models.families.qwen_image_edit import _as_pil
 from flowrl.models.tiny import _eval
-from flowrl.policies.adapters import register_family
 
 
 @register_family

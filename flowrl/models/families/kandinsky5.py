@@ -20,13 +20,20 @@ import codecs
 import dataclasses
 import inspect
 import re
-from pathlib import Path
 
 import torch
 
-from flowrl.models.families.qwen_image_edit import _processor_class
-from flowrl.models.tiny import QWEN_SPECIAL_TOKENS, _bytes_to_unicode, _clip_text_encoder, _eval, tiny_clip_tokenizer
-from flowrl.policies.adapters import ModelAdapter, register_family
+from flowrl.models.adapter import ModelAdapter
+from flowrl.models.families import register_family
+from flowrl.models.helpers import load_component, pad_rows, per_text_length, processor_without_video
+from flowrl.models.tiny import (
+    _clip_text_encoder,
+    _eval,
+    byte_level_words,
+    tiny_clip_tokenizer,
+    tiny_qwen2_tokenizer,
+    whole_word_merges,
+)
 
 
 @dataclasses.dataclass
@@ -98,10 +105,7 @@ class Kandinsky5Adapter(ModelAdapter):
     @classmethod
     def pipeline_load_kwargs(cls, name_or_path: str) -> dict:
         """The Qwen2-VL processor (the `tokenizer` slot), loaded without the video processor that needs torchvision."""
-        path = Path(name_or_path).expanduser()
-        source = str(path / "tokenizer") if path.is_dir() else str(name_or_path)
-        kwargs = {} if path.is_dir() else {"subfolder": "tokenizer"}
-        return {"tokenizer": _processor_class().from_pretrained(source, **kwargs)}
+        return {"tokenizer": load_component(processor_without_video("Qwen2VLProcessor"), name_or_path, "tokenizer")}
 
     @classmethod
     def pipeline_call_kwargs(cls, guidance_scale: float, batch_size: int, negative_prompt: str = "") -> dict:
@@ -120,10 +124,8 @@ class Kandinsky5Adapter(ModelAdapter):
                 prompt=[prompt], max_sequence_length=length, device=self.device, dtype=self.dtype
             )
             rows.append((qwen[0], clip[0]))
-        embeds = rows[0][0].new_zeros(len(rows), max(length, max(len(q) for q, _ in rows)), rows[0][0].shape[-1])
-        for i, (qwen, _) in enumerate(rows):
-            embeds[i, : len(qwen)] = qwen
-        lengths = torch.tensor([len(q) for q, _ in rows], dtype=torch.long)  # host data: `forward` reads it
+        texts = [qwen for qwen, _ in rows]
+        embeds, lengths = pad_rows(texts, max(length, max(len(q) for q in texts)))  # lengths: host data
         return {"prompt_embeds": embeds, "prompt_lengths": lengths, "pooled": torch.stack([c for _, c in rows])}
 
     # ----- the network -----
@@ -140,10 +142,9 @@ class Kandinsky5Adapter(ModelAdapter):
         visual_rope = [torch.arange(n, device=latents.device) for n in (frames, h // 2, w // 2)]
         scale_factor = self._scale_factor(h * scale, w * scale)
         sparse = self._sparse(latents)
-        lengths = cond["prompt_lengths"].tolist()
-        out = torch.empty_like(latents)
-        for length in sorted(set(lengths)):
-            rows = torch.tensor([i for i, n in enumerate(lengths) if n == length], device=latents.device)
+        channels = latents.shape[-1]
+
+        def predict(rows, length):
             pred = model(
                 hidden_states=latents[rows],
                 encoder_hidden_states=cond["prompt_embeds"][rows, :length].to(latents.dtype),
@@ -155,10 +156,11 @@ class Kandinsky5Adapter(ModelAdapter):
                 sparse_params=sparse,
                 return_dict=True,
             ).sample
-            if pred.shape[-1] < out.shape[-1]:  # visual conditioning channels: velocity 0 (they stay zeros and mask)
-                pred = torch.cat([pred, pred.new_zeros(*pred.shape[:-1], out.shape[-1] - pred.shape[-1])], dim=-1)
-            out = out.index_copy(0, rows, pred.to(out.dtype))
-        return out
+            if pred.shape[-1] < channels:  # visual conditioning channels: velocity 0 (they stay zeros and mask)
+                pred = torch.cat([pred, pred.new_zeros(*pred.shape[:-1], channels - pred.shape[-1])], dim=-1)
+            return pred
+
+        return per_text_length(latents, cond["prompt_lengths"].tolist(), predict)
 
     def ode_elements(self, latents):
         """A `visual_cond` transformer's state carries the (zero) conditioning latents and mask after the latents, as
@@ -342,7 +344,7 @@ def _tiny_parts(seed: int, latent_channels: int, visual_cond: bool = False) -> d
             vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
         )
     )
-    processor = _processor_class()(
+    processor = processor_without_video("Qwen2VLProcessor")(
         image_processor=Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 16), tokenizer=tokenizer
     )
     clip_tokenizer = tiny_clip_tokenizer()
@@ -382,21 +384,10 @@ def tiny_kandinsky5_tokenizer():
     the first 128 / 40 tokens and cut prompts at `max_sequence_length` after them)."""
     from diffusers.pipelines.kandinsky5.pipeline_kandinsky import Kandinsky5T2VPipeline
     from diffusers.pipelines.kandinsky5.pipeline_kandinsky_t2i import Kandinsky5T2IPipeline
-    from transformers import Qwen2Tokenizer
 
     sources = [inspect.getsource(c.__init__) for c in (Kandinsky5T2VPipeline, Kandinsky5T2IPipeline)]
     texts = ["\n".join(codecs.decode(t, "unicode_escape") for t in re.findall(r'"([^"]*)"', src)) for src in sources]
-    chars = _bytes_to_unicode()
-    plain = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(chars)}, merges=[])
-    pre = plain._tokenizer.pre_tokenizer.pre_tokenize_str
-    words = dict.fromkeys(w for text in [*texts, "a cat dog red car"] for w, _ in pre(text))
-    merges = []
-    for word in words:  # left to right: each prefix merges with its next character
-        merges += [(word[:i], word[i]) for i in range(1, len(word)) if (word[:i], word[i]) not in merges]
-    vocab = {c: i for i, c in enumerate(chars)}
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS)})
+    words = byte_level_words(*texts, "a cat dog red car")
+    tokenizer = tiny_qwen2_tokenizer(merges=whole_word_merges(words), chat_template=None)
     tokenizer.pad_token = "<|endoftext|>"
     return tokenizer

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from flowrl.models.adapter import ModelAdapter
+from flowrl.models.families import register_family
 from flowrl.models.tiny import _eval, tiny_gemma_tokenizer
-from flowrl.policies.adapters import ModelAdapter, register_family
 
 
 @dataclasses.dataclass

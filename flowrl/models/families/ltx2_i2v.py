@@ -16,9 +16,9 @@ import dataclasses
 import numpy as np
 import torch
 
+from flowrl.models.families import register_family
 from flowrl.models.families.ltx2 import LTX2Adapter, LTX2Options
 from flowrl.models.families.qwen_image_edit import _as_pil
-from flowrl.policies.adapters import register_family
 
 
 @dataclasses.dataclass

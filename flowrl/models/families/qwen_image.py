@@ -8,8 +8,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from flowrl.models.tiny import QWEN_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, _bytes_to_unicode, _eval
-from flowrl.policies.adapters import ModelAdapter, guidance_embedding, register_family
+from flowrl.models.adapter import ModelAdapter
+from flowrl.models.families import register_family
+from flowrl.models.helpers import calculate_shift, dynamic_shift, flux_forward, guidance_embedding
+from flowrl.models.tiny import QWEN_SPECIAL_TOKENS, TINY_MERGES, _eval, tiny_qwen2_tokenizer, whole_word_merges
 
 
 @dataclasses.dataclass
@@ -49,6 +51,7 @@ class QwenImageAdapter(ModelAdapter):
     the attention projections of both streams and both MLP layers of each stream. Flow-Factory spells the second
     MLP layer `net.2.proj`, a name no module has (`net.2` is a plain `Linear`); this is `net.2`, as Flow-Factory's
     Qwen-Image-Edit-Plus set spells it."""
+    packed_latents = True
 
     @property
     def model(self):
@@ -104,47 +107,29 @@ class QwenImageAdapter(ModelAdapter):
         return {"img_shape": (1, height // vsf // 2, width // vsf // 2)}  # the pipeline's `img_shapes` entry
 
     def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
-        model = model or self.model
         n = latents.shape[0]
-        guidance = guidance_embedding(self.model, guidance_scale, n, latents.device)
-        return model(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=guidance,
+        return flux_forward(
+            model or self.model,
+            latents,
+            timesteps,
+            guidance_embedding(self.model, guidance_scale, n, latents.device),
             encoder_hidden_states_mask=cond["prompt_embeds_mask"],
             encoder_hidden_states=cond["prompt_embeds"],
             img_shapes=[[static["img_shape"]]] * n,
-            return_dict=False,
-        )[0]
-
-    def initial_latents(self, batch_size, height, width, generator):
-        channels = self.model.config.in_channels // 4
-        return self.pipeline.prepare_latents(
-            batch_size, channels, height, width, self.dtype, self.device, generator, None
         )
 
     def schedule(self, num_steps, latent_shape):
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=sigmas, mu=self._mu(latent_shape))
+        # the pipeline always passes mu (packed tokens: its image_seq_len); the scheduler uses it only with dynamic
+        # shifting
+        mu = calculate_shift(self.scheduler.config, latent_shape[1])
+        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 
-    def _mu(self, latent_shape) -> float:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-        config = self.scheduler.config
-        return calculate_shift(
-            latent_shape[1],  # packed tokens, as the pipeline's image_seq_len
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-
     def shift_mu(self, latent_shape):
-        # the pipeline always passes mu; the scheduler uses it only with dynamic shifting
-        return self._mu(latent_shape) if self.scheduler.config.get("use_dynamic_shifting", None) else None
+        return dynamic_shift(self.scheduler.config, latent_shape[1])
 
     def decode(self, latents, height, width):
         pipe, vae = self.pipeline, self.pipeline.vae
@@ -258,19 +243,4 @@ def tiny_qwen_image_tokenizer(extra_words: tuple = ()):
     """A byte-level BPE `Qwen2Tokenizer` (every string tokenizes) with the Qwen special tokens, a ChatML template and
     merges that keep the Qwen-Image template's words (and `extra_words`: words, or `(a, b)` merges) whole, built in
     memory."""
-    from transformers import Qwen2Tokenizer
-
-    chars = _bytes_to_unicode()
-    vocab = {c: i for i, c in enumerate(chars)}
-    merges = [("Ġ", "a"), ("c", "a"), ("ca", "t"), ("d", "o"), ("do", "g")]
-    for word in _TEMPLATE_WORDS + tuple(extra_words):  # left to right: each prefix merges with its next character
-        if isinstance(word, tuple):  # a merge of two tokens
-            merges += [word]
-            continue
-        merges += [(word[:i], word[i]) for i in range(1, len(word)) if (word[:i], word[i]) not in merges]
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS)})
-    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
-    return tokenizer
+    return tiny_qwen2_tokenizer(merges=whole_word_merges(_TEMPLATE_WORDS + tuple(extra_words), TINY_MERGES))

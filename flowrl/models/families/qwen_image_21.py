@@ -19,14 +19,22 @@ dropped, as PIL's `convert("RGB")` drops it). Image-conditioned generation (the 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from flowrl.models.adapter import ModelAdapter
+from flowrl.models.families import register_family
 from flowrl.models.families.qwen_image import tiny_qwen_image_tokenizer
+from flowrl.models.helpers import (
+    calculate_shift,
+    dynamic_shift,
+    load_component,
+    pad_rows,
+    per_text_length,
+    processor_without_video,
+)
 from flowrl.models.tiny import QWEN_SPECIAL_TOKENS, _eval
-from flowrl.policies.adapters import ModelAdapter, register_family
 
 
 @dataclasses.dataclass
@@ -75,10 +83,7 @@ class QwenImage21Adapter(ModelAdapter):
     @classmethod
     def pipeline_load_kwargs(cls, name_or_path: str) -> dict:
         """The Qwen3-VL processor, loaded without the video processor that needs torchvision."""
-        path = Path(name_or_path).expanduser()
-        source = str(path / "processor") if path.is_dir() else str(name_or_path)
-        kwargs = {} if path.is_dir() else {"subfolder": "processor"}
-        return {"processor": processor_class().from_pretrained(source, **kwargs)}
+        return {"processor": load_component(processor_without_video("Qwen3VLProcessor"), name_or_path, "processor")}
 
     @classmethod
     def pipeline_call_kwargs(cls, guidance_scale: float, batch_size: int, negative_prompt: str = "") -> dict:
@@ -103,10 +108,7 @@ class QwenImage21Adapter(ModelAdapter):
                     f"model.options.text_tokens={length}"
                 )
             rows.append(embeds[0])
-        padded = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
-        for i, row in enumerate(rows):
-            padded[i, : len(row)] = row
-        lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
+        padded, lengths = pad_rows(rows, length)
         return {"prompt_embeds": padded.to(self.dtype), "prompt_lengths": lengths}
 
     # ----- the network -----
@@ -123,32 +125,27 @@ class QwenImage21Adapter(ModelAdapter):
         model = model or self.model
         height, width = static["grid"]
         tokens = latents.shape[1]
-        lengths = cond["prompt_lengths"].tolist()
-        out = torch.empty_like(latents)
-        for length in sorted(set(lengths)):
-            picked = [i for i, n in enumerate(lengths) if n == length]
-            rows = torch.tensor(picked, device=latents.device)
-            slots = torch.ones(len(picked), length + tokens // 4, dtype=torch.bool, device=latents.device)
+
+        def predict(rows, length):
+            slots = torch.ones(len(rows), length + tokens // 4, dtype=torch.bool, device=latents.device)
             slots[:, :length] = False
             pred = model(
                 hidden_states=latents[rows],
                 encoder_hidden_states=cond["prompt_embeds"][rows, :length].to(latents.dtype),
                 timestep=timesteps[rows.to(timesteps.device)].to(latents.dtype) / 1000,
-                img_shapes=[[(1, height, width)]] * len(picked),
+                img_shapes=[[(1, height, width)]] * len(rows),
                 img_mask=slots,
                 return_dict=False,
             )[0]
-            out = out.index_copy(0, rows, pred[:, -tokens:].to(out.dtype))
-        return out
+            return pred[:, -tokens:]
+
+        return per_text_length(latents, cond["prompt_lengths"].tolist(), predict)
 
     # ----- the state -----
 
     def initial_latents(self, batch_size, height, width, generator):
         """Packed `[B, (H/16)(W/16), C]` noise drawn as the pipeline's `prepare_latents` draws it."""
-        channels = self.model.config.in_channels
-        latents, _ = self.pipeline.prepare_latents(
-            None, batch_size, channels, height, width, self.dtype, self.device, generator
-        )
+        latents = self.pipeline_latents(batch_size, height, width, generator, image=True)
         return latents.contiguous()  # (the pipeline's packing is a transposed view: a step's reductions follow it)
 
     def schedule(self, num_steps, latent_shape):
@@ -159,24 +156,13 @@ class QwenImage21Adapter(ModelAdapter):
         sigmas = self.pipeline.config.get("sample_sigmas")
         if sigmas is None or len(sigmas) != num_steps:
             sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=sigmas, mu=self._mu(latent_shape))
+        # the pipeline always passes mu (the image's tokens); the scheduler uses it only with dynamic shifting
+        mu = calculate_shift(self.scheduler.config, latent_shape[1])
+        timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 
-    def _mu(self, latent_shape) -> float:
-        from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
-
-        config = self.scheduler.config
-        return calculate_shift(
-            latent_shape[1],
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-
     def shift_mu(self, latent_shape):
-        # the pipeline always passes mu; the scheduler uses it only with dynamic shifting
-        return self._mu(latent_shape) if self.scheduler.config.get("use_dynamic_shifting", None) else None
+        return dynamic_shift(self.scheduler.config, latent_shape[1])
 
     def decode(self, latents, height, width):
         """Images `[B, 3, H, W]` in [0, 1]: the pipeline's de-normalisation and decode, its RGB channels."""
@@ -208,7 +194,8 @@ class QwenImage21Adapter(ModelAdapter):
         tokenizer = tiny_qwen_image_tokenizer(extra_words=_SYSTEM_WORDS)
         tokenizer.chat_template = CHAT_TEMPLATE
         images = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, min_pixels=32 * 32, max_pixels=32 * 32 * 16)
-        processor = processor_class()(image_processor=images, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+        processor_class = processor_without_video("Qwen3VLProcessor")
+        processor = processor_class(image_processor=images, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
         ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
         torch.manual_seed(seed)
         text_encoder = Qwen3VLForConditionalGeneration(
@@ -290,32 +277,3 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 """ChatML over string or typed content (the pipeline counts its system turn's tokens with a typed message)."""
-
-
-def processor_class():
-    """`Qwen3VLProcessor` without its video slot (as `qwen_image_edit`'s Qwen2-VL one: transformers builds the video
-    processor only with torchvision; the pipeline never passes videos). Built on first use."""
-    global _PROCESSOR
-    if _PROCESSOR is None:
-        from transformers import Qwen3VLProcessor
-        from transformers.processing_utils import ProcessorMixin
-
-        class QwenImage21Processor(Qwen3VLProcessor):
-            """`Qwen3VLProcessor` with no video processor (see `flowrl.models.families.qwen_image_21`)."""
-
-            def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-                self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-                self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-                self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-                ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-                self.vision_start_token, self.vision_end_token = "<|vision_start|>", "<|vision_end|>"
-                self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
-                self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
-
-        QwenImage21Processor.__module__ = "transformers"  # saved pipelines name `transformers.Qwen3VLProcessor`
-        QwenImage21Processor.__qualname__ = QwenImage21Processor.__name__ = "Qwen3VLProcessor"
-        _PROCESSOR = QwenImage21Processor
-    return _PROCESSOR
-
-
-_PROCESSOR = None

@@ -4,59 +4,24 @@ a processor that needs no torchvision, and tiny offline pipelines."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
+from flowrl.models.families import register_family
 from flowrl.models.families.qwen_image import QwenImageAdapter, tiny_qwen_image_tokenizer
+from flowrl.models.helpers import flux_forward, guidance_embedding, load_component, processor_without_video
 from flowrl.models.tiny import _eval
-from flowrl.policies.adapters import guidance_embedding, register_family
 
 
 VISION_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
 """The placeholder of one source image in the prompt template (the processor expands its `<|image_pad|>`)."""
 
 
-def _processor_class():
-    """`QwenImageEditProcessor`: transformers' `Qwen2VLProcessor` without its video slot.
-
-    Both edit pipelines need a `Qwen2VLProcessor`, whose constructor requires a video processor, which transformers
-    builds only with torchvision (not installed beside CPU torch). The edit pipelines never pass videos; this
-    subclass has an image processor and a tokenizer only, and otherwise is the same processor (same prompt
-    expansion, same pixel values). Built on first use so transformers is imported only when a Qwen edit model is.
-    """
-    global _PROCESSOR
-    if _PROCESSOR is None:
-        from transformers import Qwen2VLProcessor
-        from transformers.processing_utils import ProcessorMixin
-
-        class QwenImageEditProcessor(Qwen2VLProcessor):
-            """`Qwen2VLProcessor` with no video processor (see `flowrl.models.families.qwen_image_edit`)."""
-
-            def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-                self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
-                self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
-                self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-                self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-                ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-        QwenImageEditProcessor.__module__ = "transformers"  # saved pipelines name `transformers.Qwen2VLProcessor`
-        QwenImageEditProcessor.__qualname__ = QwenImageEditProcessor.__name__ = "Qwen2VLProcessor"
-        _PROCESSOR = QwenImageEditProcessor
-    return _PROCESSOR
-
-
-_PROCESSOR = None
-
-
 def load_processor(name_or_path: str) -> object:
-    """The `processor` component of a Qwen-Image-Edit pipeline folder (or hub id) as a `QwenImageEditProcessor`: its
-    tokenizer and image processor, the video processor left out (the image processor is transformers' PIL one
-    when torchvision is absent, as transformers itself falls back)."""
-    path = Path(name_or_path).expanduser()
-    source = str(path / "processor") if path.is_dir() else str(name_or_path)
-    kwargs = {} if path.is_dir() else {"subfolder": "processor"}
-    return _processor_class().from_pretrained(source, **kwargs)
+    """The `processor` component of a Qwen-Image-Edit pipeline folder (or hub id) as a `Qwen2VLProcessor` without
+    its video slot (`processor_without_video`): its tokenizer and image processor (transformers' PIL one when
+    torchvision is absent, as transformers itself falls back)."""
+    return load_component(processor_without_video("Qwen2VLProcessor"), name_or_path, "processor")
 
 
 @dataclasses.dataclass
@@ -221,25 +186,21 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):
         if "image_latents" not in cond:  # no source image
             return super().forward(latents, timesteps, cond, guidance_scale, model=model, static=static)
-        model = model or self.model
-        n, tokens = latents.shape[:2]
+        n = latents.shape[0]
         sources = [tuple(s) for s in cond["image_shapes"][0].tolist()]  # one size per rollout
-        out = model(
-            hidden_states=torch.cat([latents, cond["image_latents"].to(latents.dtype)], dim=1),
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=guidance_embedding(self.model, guidance_scale, n, latents.device),
+        return flux_forward(
+            model or self.model,
+            latents,
+            timesteps,
+            guidance_embedding(self.model, guidance_scale, n, latents.device),
+            image_latents=cond["image_latents"],
             encoder_hidden_states_mask=cond["prompt_embeds_mask"],
             encoder_hidden_states=cond["prompt_embeds"],
             img_shapes=[[static["img_shape"], *sources]] * n,
-            return_dict=False,
-        )[0]
-        return out[:, :tokens]
+        )
 
     def initial_latents(self, batch_size, height, width, generator):
-        channels = self.model.config.in_channels // 4
-        return self.pipeline.prepare_latents(
-            None, batch_size, channels, height, width, self.dtype, self.device, generator, None
-        )[0]
+        return self.pipeline_latents(batch_size, height, width, generator, image=True)
 
     @classmethod
     def tiny(cls, seed: int = 0, latent_channels: int = 16):
@@ -252,7 +213,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         tokenizer = tiny_qwen_image_tokenizer(extra_words=_EDIT_TEMPLATE_WORDS)
         base = QwenImageAdapter.tiny(seed=seed, latent_channels=latent_channels, tokenizer=tokenizer)
         image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 16)
-        processor = _processor_class()(image_processor=image_processor, tokenizer=tokenizer)
+        processor = processor_without_video("Qwen2VLProcessor")(image_processor=image_processor, tokenizer=tokenizer)
         components = {**base.components, "tokenizer": tokenizer, "processor": processor}
         return _eval(getattr(diffusers, cls.pipeline_class)(**components))
 

@@ -9,8 +9,10 @@ import re
 
 import torch
 
-from flowrl.models.tiny import _eval
-from flowrl.policies.adapters import ModelAdapter, decode_vae, register_family
+from flowrl.models.adapter import ModelAdapter
+from flowrl.models.families import register_family
+from flowrl.models.helpers import decode_vae
+from flowrl.models.tiny import _eval, whole_word_merges
 
 
 def complex_human_instruction() -> list[str]:
@@ -108,11 +110,8 @@ class SanaAdapter(ModelAdapter):
         return out
 
     def initial_latents(self, batch_size, height, width, generator):
-        channels = self.model.config.in_channels
-        latents = self.pipeline.prepare_latents(  # drawn in fp32, as the pipeline draws them
-            batch_size, channels, height, width, torch.float32, self.device, generator, None
-        )
-        return latents.to(self.dtype)
+        # drawn in fp32, as the pipeline draws them
+        return self.pipeline_latents(batch_size, height, width, generator, dtype=torch.float32).to(self.dtype)
 
     def schedule(self, num_steps, latent_shape):
         from diffusers.pipelines.sana.pipeline_sana import retrieve_timesteps
@@ -222,11 +221,8 @@ def tiny_gemma_tokenizer():
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
     for piece in [f"<0x{b:02X}>" for b in range(256)] + ["▁"] + [chr(c) for c in range(33, 127)]:
         vocab[piece] = len(vocab)
-    merges = []
     text = "\n".join(complex_human_instruction()).replace(" ", "▁")
-    for word in dict.fromkeys(re.findall(r"▁?[A-Za-z]+", text)):
-        for k in range(1, len(word)):
-            if word[: k + 1] not in vocab:
-                vocab[word[: k + 1]] = len(vocab)
-                merges.append((word[:k], word[k]))
+    merges = whole_word_merges(dict.fromkeys(re.findall(r"▁?[A-Za-z]+", text)))
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
     return GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.models.adapter import ModelAdapter, TextEncoderOptions
+from flowrl.models.families import register_family
+from flowrl.models.helpers import decode_vae, dynamic_shift, text_kwargs
 from flowrl.models.tiny import _clip_text_encoder, _eval, _t5_encoder, _vae, tiny_clip_tokenizer, tiny_t5_tokenizer
-from flowrl.policies.adapters import ModelAdapter, TextEncoderOptions, decode_vae, register_family, text_kwargs
 
 
 @register_family
@@ -39,12 +41,6 @@ class SD3Adapter(ModelAdapter):
             return_dict=False,
         )[0]
 
-    def initial_latents(self, batch_size, height, width, generator):
-        channels = self.model.config.in_channels
-        return self.pipeline.prepare_latents(
-            batch_size, channels, height, width, self.dtype, self.device, generator, None
-        )
-
     def schedule(self, num_steps, latent_shape):
         from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import retrieve_timesteps
 
@@ -54,20 +50,9 @@ class SD3Adapter(ModelAdapter):
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 
     def shift_mu(self, latent_shape):
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-
-        config = self.scheduler.config
-        if not config.get("use_dynamic_shifting", None):
-            return None
         patch = self.model.config.patch_size
         seq_len = (latent_shape[-2] // patch) * (latent_shape[-1] // patch)
-        return calculate_shift(
-            seq_len,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.16),
-        )
+        return dynamic_shift(self.scheduler.config, seq_len, max_shift=1.16)  # SD3's pipeline falls back to 1.16
 
     def decode(self, latents, height, width):
         return decode_vae(self.pipeline, latents)

@@ -7,9 +7,9 @@ import dataclasses
 
 import torch
 
+from flowrl.models.families import register_family
 from flowrl.models.families.unet import UNetAdapter
 from flowrl.models.tiny import _clip_text_encoder, _eval, _vae, tiny_clip_tokenizer
-from flowrl.policies.adapters import register_family
 
 
 @dataclasses.dataclass

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.models.adapter import ModelAdapter
+from flowrl.models.families import register_family
+from flowrl.models.helpers import ddim_schedule, decode_vae
 from flowrl.models.tiny import _clip_text_encoder, _eval, _vae, tiny_clip_tokenizer
-from flowrl.policies.adapters import ModelAdapter, decode_vae, register_family
 
 
 @register_family
@@ -40,22 +42,8 @@ class UNetAdapter(ModelAdapter):
             latents, timesteps, encoder_hidden_states=cond["prompt_embeds"], return_dict=False
         )[0]
 
-    def initial_latents(self, batch_size, height, width, generator):
-        channels = self.model.config.in_channels
-        return self.pipeline.prepare_latents(
-            batch_size, channels, height, width, self.dtype, self.device, generator, None
-        )
-
     def schedule(self, num_steps, latent_shape):
-        self.scheduler.set_timesteps(num_steps, device="cpu")
-        timesteps = self.scheduler.timesteps
-        alphas = self.scheduler.alphas_cumprod.to(torch.float32)
-        last = int(timesteps[-1]) - self.scheduler.config.num_train_timesteps // num_steps
-        final = alphas[last] if last >= 0 else torch.as_tensor(self.scheduler.final_alpha_cumprod, dtype=torch.float32)
-        alpha_bar = torch.cat([alphas[timesteps.cpu()], final.reshape(1)])  # [T + 1]
-        # the flow-matching noise level with the same signal-to-noise ratio: x_t / (sqrt(a) + sqrt(1 - a))
-        sigmas = (1 - alpha_bar).sqrt() / (alpha_bar.sqrt() + (1 - alpha_bar).sqrt())
-        return timesteps, sigmas
+        return ddim_schedule(self.scheduler, num_steps)
 
     def decode(self, latents, height, width):
         return decode_vae(self.pipeline, latents, shift=False)

@@ -19,8 +19,9 @@ from typing import Literal
 
 import torch
 
+from flowrl.models.adapter import ModelAdapter
+from flowrl.models.families import register_family
 from flowrl.models.tiny import _eval, tiny_t5_tokenizer
-from flowrl.policies.adapters import ModelAdapter, register_family
 
 
 @dataclasses.dataclass

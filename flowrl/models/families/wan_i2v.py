@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from flowrl.models.families import register_family
 from flowrl.models.families.qwen_image_edit import _as_pil
 from flowrl.models.families.wan import WanAdapter
 from flowrl.models.tiny import _eval, tiny_t5_tokenizer
-from flowrl.policies.adapters import register_family
 
 
 @register_family

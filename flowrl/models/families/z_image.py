@@ -7,8 +7,10 @@ import dataclasses
 
 import torch
 
+from flowrl.models.adapter import ModelAdapter
+from flowrl.models.families import register_family
+from flowrl.models.helpers import calculate_shift, decode_vae, dynamic_shift, pad_rows
 from flowrl.models.tiny import _eval, _vae, tiny_qwen2_tokenizer
-from flowrl.policies.adapters import ModelAdapter, decode_vae, register_family
 
 
 @dataclasses.dataclass
@@ -69,10 +71,7 @@ class ZImageAdapter(ModelAdapter):
         max_sequence_length`), `"prompt_lengths": [P]}`: the pipeline's ragged list at a fixed shape."""
         length = self._max_length()
         embeds = self.pipeline._encode_prompt(list(prompts), device=self.device, max_sequence_length=length)
-        padded = embeds[0].new_zeros(len(embeds), length, embeds[0].shape[-1])
-        for i, e in enumerate(embeds):
-            padded[i, : len(e)] = e
-        lengths = torch.tensor([len(e) for e in embeds], dtype=torch.long)  # host data: `forward` reads it
+        padded, lengths = pad_rows(embeds, length)  # lengths: host data, `forward` reads it
         return {"prompt_embeds": padded.to(self.dtype), "prompt_lengths": lengths}
 
     def _truncated(self, timesteps, guidance_scale) -> torch.Tensor | None:
@@ -138,34 +137,24 @@ class ZImageAdapter(ModelAdapter):
 
     def initial_latents(self, batch_size, height, width, generator):
         """fp32 noise `[B, C, h, w]`, as the pipeline draws it (its latents stay fp32; the network input is cast)."""
-        channels = self.model.config.in_channels
-        return self.pipeline.prepare_latents(
-            batch_size, channels, height, width, torch.float32, self.device, generator, None
-        )
+        return self.pipeline_latents(batch_size, height, width, generator, dtype=torch.float32)
 
     def schedule(self, num_steps, latent_shape):
         from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas, retrieve_timesteps
 
-        mu = self._mu(latent_shape)
+        # the pipeline always computes mu (the scheduler ignores it without dynamic shifting)
+        mu = calculate_shift(self.scheduler.config, self._seq_len(latent_shape))
         sigmas = get_default_z_image_sigmas(num_steps)
         timesteps, _ = retrieve_timesteps(self.scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
         return timesteps, self.scheduler.sigmas.to(torch.float32)
 
-    def _mu(self, latent_shape) -> float:
-        """The pipeline always computes `mu` (the scheduler ignores it without dynamic shifting)."""
-        from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
-
-        config = self.scheduler.config
-        return calculate_shift(
-            (latent_shape[-2] // 2) * (latent_shape[-1] // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+    @staticmethod
+    def _seq_len(latent_shape) -> int:
+        """The image's tokens (2x2 patches of the latent), the pipeline's `image_seq_len`."""
+        return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
 
     def shift_mu(self, latent_shape):
-        return self._mu(latent_shape) if self.scheduler.config.get("use_dynamic_shifting", None) else None
+        return dynamic_shift(self.scheduler.config, self._seq_len(latent_shape))
 
     def decode(self, latents, height, width):
         return decode_vae(self.pipeline, latents)

@@ -88,6 +88,73 @@ def test_imports_point_down_only():
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
+def _package(module: str) -> str:
+    """The part of flowrl `module` belongs to: its top-level package or module (`flowrl.policies`, `flowrl.cli`)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_graph() -> dict[str, dict[str, list[str]]]:
+    """Package -> the packages it imports -> where (`path:line`), over every import (module-level or in a function)."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for module, path in _modules():
+        for line, name in _imports(module, path):
+            source, target = _package(module), _package(name)
+            if name != "flowrl" and source != target:
+                graph.setdefault(source, {}).setdefault(target, []).append(f"{path.relative_to(ROOT)}:{line}")
+    return graph
+
+
+def _cycles(graph) -> list[set[str]]:
+    """The groups of nodes of `graph` that import each other, directly or through others (strongly connected groups
+    of two or more), in order of their first node."""
+
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for target in graph.get(todo.pop(), ()):
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+        return seen
+
+    reachable = {node: reach(node) for node in graph}
+    groups = []
+    for node in sorted(graph):
+        group = {node} | {other for other in reachable[node] if node in reachable.get(other, ())}
+        if len(group) > 1 and group not in groups:
+            groups.append(group)
+    return groups
+
+
+CYCLES_LEFT = [{"flowrl.llm", "flowrl.rewards"}]
+"""Package cycles still to cut (#46): the arithmetic reward (`rewards/text.py`) imports `flowrl.llm.arith`, and the
+text modality imports the rewards."""
+
+
+def test_no_import_cycle_between_packages():
+    """No two packages import each other, directly or through others: the policies <-> models circle is gone (the
+    family registry is beside its families, in `flowrl.models.families`; `flowrl.policies.build` builds a policy)."""
+    graph = _package_graph()
+    found = _cycles(graph)
+
+    def where(group):
+        pairs = [(a, b) for a in sorted(group) for b in sorted(group) if b in graph.get(a, {})]
+        return "; ".join(f"{a} -> {b}: {', '.join(graph[a][b])}" for a, b in pairs)
+
+    new = [group for group in found if group not in CYCLES_LEFT]
+    assert not new, "packages that import each other:\n" + "\n".join(where(group) for group in new)
+    gone = [group for group in CYCLES_LEFT if group not in found]
+    assert not gone, f"cycles cut (remove them from CYCLES_LEFT): {gone}"
+    assert not any({"flowrl.policies", "flowrl.models"} <= group for group in found)
+
+
+def test_the_cycle_check_can_fail():
+    """A circle through three packages is found, and a package that only imports into it is not part of it."""
+    graph = {"a": {"b": []}, "b": {"c": []}, "c": {"a": []}, "d": {"a": []}}
+    assert _cycles(graph) == [{"a", "b", "c"}]
+    assert _cycles({"a": {"b": []}, "b": {}}) == []
+
+
 def test_the_core_imports_torch_and_nothing_of_flowrl_above_it():
     for module, path in _modules():
         if _layer(module) == 1:

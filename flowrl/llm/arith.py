@@ -13,7 +13,8 @@ or the number of problems drawn. (There is no multiplication: a times-table fact
 seen in training and cannot be inferred from the others, so the test split could not measure it.)
 
 A model answers with the digits of the result and then an end-of-answer marker: the tokenizer's end-of-sequence
-token (`EOS`, text `"<eos>"`) or a newline. `parse_answer` documents how a completion is read.
+token (`EOS`, text `"<eos>"`) or a newline. `flowrl.rewards.text.parse_answer` documents how a completion is read
+(the exact-match reward lives with the rewards: this module imports nothing of flowrl).
 """
 
 from __future__ import annotations
@@ -22,15 +23,11 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-import torch
-
 
 ALPHABET = "0123456789+-= \n"
 """Every character a prompt or completion may hold (the tokenizer has one token per character)."""
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 """The tokenizer's special tokens: padding, start of sequence, end of sequence (ends an answer), unknown."""
-END_MARKERS = ("\n", EOS)
-"""An answer ends at the first of these in a completion (or at the end of the text)."""
 OPERATORS = {"+": 0.55, "-": 0.45}
 """Each operator's probability in `make_problems`."""
 MAX_OPERAND = 29
@@ -96,28 +93,3 @@ def make_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
         if split_of(problem.prompt) == split:
             problems.append(problem)
     return problems
-
-
-def parse_answer(completion: str) -> str:
-    """The answer a completion gives: its text up to the first end marker ("\\n" or "<eos>"), stripped.
-
-    The completion is the generated text only (not the prompt). Text after the first marker is ignored, so
-    "68<eos><pad>" and "68\\n12+3=" both give "68"; text before it is not, so "68 12" gives "68 12" (and is
-    wrong). Surrounding whitespace is stripped: " 68 " gives "68".
-    """
-    cut = len(completion)
-    for marker in END_MARKERS:
-        at = completion.find(marker)
-        if at != -1:
-            cut = min(cut, at)
-    return completion[:cut].strip()
-
-
-def arith_reward(completions: list[str], answers: list[str]) -> torch.Tensor:
-    """Exact-match reward `[B]` float32: 1.0 where `parse_answer(completion) == answer.strip()`, else 0.0."""
-    if isinstance(completions, str) or isinstance(answers, str):
-        raise TypeError("arith_reward takes lists of completions and answers, not a single string")
-    if len(completions) != len(answers):
-        raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
-    hits = [parse_answer(c) == a.strip() for c, a in zip(completions, answers)]
-    return torch.tensor(hits, dtype=torch.float32)  # [B]

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from flowrl.cache import cache_root, write_atomic
-from flowrl.llm.arith import ALPHABET, BOS, EOS, MAX_OPERAND, PAD, UNK, all_problems, arith_reward, make_problems
+from flowrl.llm.arith import ALPHABET, BOS, EOS, MAX_OPERAND, PAD, UNK, all_problems, make_problems
+from flowrl.rewards.text import arith_reward
 
 
 FORMAT_VERSION = 1

@@ -9,13 +9,12 @@ from flowrl.llm.arith import (
     MAX_OPERAND,
     Problem,
     all_problems,
-    arith_reward,
     make_problems,
-    parse_answer,
     solve,
     split_of,
 )
 from flowrl.llm.build import BuildConfig, build, encode, load, make_tokenizer
+from flowrl.rewards.text import END_MARKERS, arith_reward, parse_answer
 
 
 TINY = BuildConfig(train_steps=3, hidden_size=16, num_layers=1, num_heads=2, eval_samples=1)
@@ -135,3 +134,7 @@ def test_default_build_is_under_trained(tmp_path, monkeypatch):
     meta = json.loads((build(log=None) / "build.json").read_text())
     assert 0.15 <= meta["test_accuracy_sampled"] <= 0.45
     assert 0.15 <= meta["test_accuracy_greedy"] <= 0.6
+
+
+def test_the_reward_s_end_markers_are_the_tokenizer_s_end_token_and_a_newline():
+    assert END_MARKERS == ("\n", EOS)  # rewards/text.py writes the tokenizer's end token as text

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
     ("base", ["flowrl", "flowrl.registry", "flowrl.runtime", "flowrl.config", "flowrl.tracking", "flowrl.threads",
-              "flowrl.checkpoint", "flowrl.cache", "flowrl._moved"]),
+              "flowrl.checkpoint", "flowrl.cache", "flowrl.video", "flowrl._moved"]),
     ("core", ["flowrl.core"]),
     ("policies and models", ["flowrl.policies", "flowrl.models", "flowrl.sections", "flowrl.objective_sections"]),
     ("modalities", ["flowrl.image", "flowrl.control", "flowrl.llm", "flowrl.digits", "flowrl.rewards",
@@ -34,7 +34,8 @@ def _layer(module: str) -> int | None:
     best, found = -1, None
     for rank, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+            # the bare `flowrl` is the package's __init__ only: as a prefix it would place every module
+            if (module == prefix or (prefix != "flowrl" and module.startswith(prefix + "."))) and len(prefix) > best:
                 best, found = len(prefix), rank
     return found
 

@@ -1,6 +1,7 @@
 """The sections of an algorithm's loss: `objective` (the core's ratio objective), `advantage` (how rewards become
 advantages) and `kl` (the regulariser to a reference). `flowrl.sections` re-exports them; configs reach them
-through `HasObjective`, `HasKL` and the prompted configs."""
+through `HasObjective`, `HasKL` and the prompted configs. `ess_scaling` (VCPO's step scaling) is the update's,
+through `HasESSScaling`."""
 
 from __future__ import annotations
 
@@ -147,3 +148,29 @@ class KLConfig:
     def coef(self, epoch: int) -> float:
         """beta from epoch `warmup_epochs` on, 0 before."""
         return self.beta if epoch >= self.warmup_epochs else 0.0
+
+
+@dataclasses.dataclass
+class ESSScalingConfig:
+    """VCPO's learning-rate scaling by the effective sample size of each optimizer step's importance weights
+    (Huang et al. 2026, arXiv:2602.17616; mit-han-lab/vcpo `ess_scaling`): `flowrl.run.ess`."""
+
+    rule: Literal["none", "sqrt", "linear"] = "none"
+    """`none`: off. `sqrt` (VCPO's, for AdamW-style optimizers): `lr <- lr sqrt(min(1, rho / base_ratio))`;
+    `linear`: `lr <- lr min(1, rho / base_ratio)`, where `rho = ESS / B = (sum w)^2 / (B sum w^2)` over the
+    mini-batch's B sequences and `w` is each sequence's ratio `prod_t pi_theta / pi_old` before the step."""
+    base_ratio: float = 1.0
+    """The ESS ratio at and above which the learning rate is unchanged (VCPO's `base_ess_ratio`)."""
+
+    def __post_init__(self):
+        if not self.base_ratio > 0:
+            raise ValueError(f"ess_scaling.base_ratio must be > 0, got {self.base_ratio}")
+
+
+@dataclasses.dataclass
+class HasESSScaling:
+    """An algorithm whose optimizer steps may be scaled by the ESS of their importance weights (the text trainer;
+    the update scheduler asks `flowrl.run.ess.ESSScaling.of`)."""
+
+    ess_scaling: ESSScalingConfig = dataclasses.field(default_factory=ESSScalingConfig)
+    """VCPO's ESS learning-rate scaling (`rule: sqrt` turns it on; `configs/llm/arith_vcpo.yaml`)."""

@@ -381,6 +381,15 @@ class HasKL:
 
 
 @dataclasses.dataclass
+class HasGroupFilter:
+    """An algorithm that may skip the groups whose advantages are all 0 (the run's driver drops them before
+    `prepare`); DPOK, which stores every transition, has no such switch."""
+
+    drop_zero_std_groups: bool = True
+    """Skip training on groups whose advantages are all 0 (equal rewards under a group baseline: no signal)."""
+
+
+@dataclasses.dataclass
 class PromptedConfig(BaseConfig):
     """The modalities that sample groups of outputs per prompt and score them with rewards (images, text)."""
 
@@ -392,8 +401,6 @@ class PromptedConfig(BaseConfig):
     """`sum`: advantages of the weighted reward sum (Flow-GRPO); `gdpo`: each reward's advantages, weighted."""
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     """The advantage estimator."""
-    drop_zero_std_groups: bool = True
-    """Skip training on groups whose advantages are all 0 (equal rewards under a group baseline: no signal)."""
 
     def checks(self) -> list[tuple[bool, str]]:
         p, a = self.prompts, self.advantage

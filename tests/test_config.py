@@ -181,3 +181,44 @@ def test_learning_rate_schedules_by_hand():
     assert OptimConfig(lr=1e-3).lr_at(7, 10) == 1e-3
     with pytest.raises(ConfigError, match="final_lr_ratio"):
         load_config({"trainer": "flow_grpo", "optim": {"final_lr_ratio": 2.0}})
+
+
+@pytest.mark.parametrize(
+    ("trainer", "key"),
+    [
+        *[("bc", key) for key in ("objective", "critic", "advantage", "vf_coef", "clip_vf", "ent_coef")],
+        ("fpo", "ent_coef"),
+        ("dppo", "ent_coef"),
+        ("dpok", "drop_zero_std_groups"),
+    ],
+)
+def test_a_config_has_no_key_its_trainer_would_refuse(trainer, key):
+    """Configs hold only what applies (#46): the key is no field of the class, and setting it fails naming why."""
+    import dataclasses
+
+    from flowrl.trainers import TRAINERS
+
+    config_class = TRAINERS.get(trainer).config_class
+    assert key not in {f.name for f in dataclasses.fields(config_class)}
+    data = {"trainer": trainer, key: {} if key in ("critic", "objective") else 1}
+    with pytest.raises(ConfigError, match=rf"config key '{key}' does not apply to trainer '{trainer}': \w"):
+        load_config(data)
+
+
+def test_the_run_asks_a_config_its_capabilities_by_type():
+    """No module reads a config's key by probing for it (`getattr(config, "kl", None)`): the mixins (`HasObjective`,
+    `HasKL`, `HasSteps`, `HasGroupFilter`, `HasESSScaling`, `PromptedConfig`) say what a config has."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from flowrl.trainers import TRAINERS
+
+    sections = {f.name for name in TRAINERS.names() for f in dataclasses.fields(TRAINERS.get(name).config_class)}
+    root = Path(__file__).resolve().parents[1] / "flowrl"
+    probe = re.compile(r"(?:getattr|hasattr)\((?:self\.)?(?:config|cfg), \"(\w+)\"")
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        found += [f"{path.relative_to(root)}: {name}" for name in probe.findall(path.read_text()) if name in sections]
+    assert "drop_zero_std_groups" in sections and "kl" in sections  # (the check can fail)
+    assert not found, f"config sections probed by name: {found}"

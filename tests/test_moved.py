@@ -36,6 +36,8 @@ def test_an_old_path_warns_and_is_the_new_module(example_rows):
 
 
 def test_a_submodule_of_an_old_package_path_is_the_new_submodule(example_rows):
+    with pytest.warns(DeprecationWarning, match=r"_example_old_core moved to flowrl\.core:"):
+        importlib.import_module("flowrl._example_old_core")
     with pytest.warns(DeprecationWarning, match=r"_example_old_core\.terms moved to flowrl\.core\.terms"):
         old = importlib.import_module("flowrl._example_old_core.terms")
     assert old is importlib.import_module("flowrl.core.terms")

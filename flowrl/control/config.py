@@ -109,8 +109,10 @@ def _control_batch() -> BatchConfig:
 
 
 @dataclasses.dataclass
-class ControlConfig(HasObjective, BaseConfig):
-    """What the control trainers share: environments, GAE, the value loss, evaluation episodes."""
+class ControlConfig(BaseConfig):
+    """What every control trainer has: environments, evaluation episodes, the optimizer and batch defaults, the
+    environment-step budget and `init_from`. The RL trainers add the actor-critic's sections (`ActorCriticConfig`);
+    behaviour cloning has none of them."""
 
     renamed: ClassVar[dict[str, str]] = {
         "minibatch_size": "batch.mini_batch_size (transitions per optimizer step, over every process)",
@@ -125,14 +127,11 @@ class ControlConfig(HasObjective, BaseConfig):
         "sampling": "control trainers sample actions with their policy (`policy`), not images",
         "kl": "control trainers have no regulariser to a reference",
         "steps": "control trainers train every element of a transition",
+        "ent_coef": "only ppo's Gaussian policy has an entropy bonus",
     }
 
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     """The environments."""
-    critic: ControlCriticConfig = dataclasses.field(default_factory=ControlCriticConfig)
-    """The value network."""
-    advantage: GAEConfig = dataclasses.field(default_factory=GAEConfig)
-    """GAE."""
     eval: ControlEvalConfig = dataclasses.field(default_factory=ControlEvalConfig)
     """Evaluation episodes."""
     optim: OptimConfig = dataclasses.field(default_factory=_control_optim)
@@ -143,12 +142,6 @@ class ControlConfig(HasObjective, BaseConfig):
     """Transitions per optimizer step (over every process) and per call; PPO epochs (SB3: 64, 10)."""
     total_env_steps: int | None = None
     """Environment-step budget; when set, `run.epochs = ceil(total_env_steps / (num_envs * steps_per_env))`."""
-    vf_coef: float = 0.5
-    """Weight of the value loss `mean((V - returns)^2)` (SB3's MSE without 1/2)."""
-    clip_vf: float | None = None
-    """Clip the value prediction to `values_old +- clip_vf` (CleanRL's value clipping; SB3: off)."""
-    ent_coef: float = 0.0
-    """Entropy bonus (policies with an entropy: the Gaussian)."""
     init_from: str | None = None
     """A control run folder (its latest checkpoint) or one of its checkpoint folders whose policy network starts
     this run: a behaviour-cloning run (`bc`) fine-tuned by `fpo` or `dppo`, or any run of the same policy network on
@@ -167,8 +160,6 @@ class ControlConfig(HasObjective, BaseConfig):
         return [
             *super().checks(),
             (e.num_envs >= 1 and e.steps_per_env >= 1, "env.num_envs and env.steps_per_env must be >= 1"),
-            (self.vf_coef >= 0 and self.ent_coef >= 0, "vf_coef and ent_coef must be >= 0"),
-            (self.critic.warmup_epochs >= 0, "critic.warmup_epochs must be >= 0"),
             (self.eval.episodes >= 1, "eval.episodes must be >= 1"),
             (not (e.continue_episodes and self.run.mode == "async"),
              "env.continue_episodes keeps episodes running in the process that steps them; run.mode=async samples "
@@ -176,3 +167,24 @@ class ControlConfig(HasObjective, BaseConfig):
             (self.init_from is None or not e.normalize_obs,
              "init_from: a policy trained on raw observations cannot start a run with env.normalize_obs"),
         ]  # fmt: skip
+
+
+@dataclasses.dataclass
+class ActorCriticConfig(HasObjective, ControlConfig):
+    """The control RL trainers (`ppo`, `fpo`, `dppo`): a ratio objective, a value network and GAE advantages."""
+
+    critic: ControlCriticConfig = dataclasses.field(default_factory=ControlCriticConfig)
+    """The value network."""
+    advantage: GAEConfig = dataclasses.field(default_factory=GAEConfig)
+    """GAE."""
+    vf_coef: float = 0.5
+    """Weight of the value loss `mean((V - returns)^2)` (SB3's MSE without 1/2)."""
+    clip_vf: float | None = None
+    """Clip the value prediction to `values_old +- clip_vf` (CleanRL's value clipping; SB3: off)."""
+
+    def checks(self) -> list[tuple[bool, str]]:
+        return [
+            *super().checks(),
+            (self.vf_coef >= 0, "vf_coef must be >= 0"),
+            (self.critic.warmup_epochs >= 0, "critic.warmup_epochs must be >= 0"),
+        ]

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from flowrl.control.collect import ControlCollector, ControlEvaluator
-from flowrl.control.config import ControlConfig
+from flowrl.control.config import ControlConfig, ControlCriticConfig
 from flowrl.control.envs import BIMODAL_ID, OBSTACLE_ID, Normalizer, make_vec_env
 from flowrl.control.policies import ActorCritic
 from flowrl.runtime import RunContext
@@ -35,9 +35,17 @@ class ControlModality:
         self.obs_dim, self.act_dim = self.check_env()
         env = config.env
         self.normalizer = Normalizer(self.obs_dim, env.num_envs, obs=env.normalize_obs, reward=env.normalize_reward,
-                                     gamma=config.advantage.gamma, clip_obs=env.clip_obs,
+                                     gamma=self.reward_discount(), clip_obs=env.clip_obs,
                                      clip_reward=env.clip_reward)  # fmt: skip
         self.policy = policy
+
+    def reward_discount(self) -> float:
+        """The discount of the running return that reward normalisation divides by: GAE's `gamma`."""
+        return self.config.advantage.gamma
+
+    def critic_config(self) -> ControlCriticConfig:
+        """The value network's section."""
+        return self.config.critic
 
     def check_env(self) -> tuple[int, int]:
         """The environment exists and has vector observations and a Box action space (before any network)."""
@@ -58,7 +66,7 @@ class ControlModality:
     def attach(self, actor: torch.nn.Module) -> ActorCritic:
         """The actor-critic of `actor` and a value MLP (`critic`), unless a policy was given."""
         if self.policy is None:
-            c = self.config.critic
+            c = self.critic_config()
             self.policy = ActorCritic(actor, self.obs_dim, hidden=c.hidden, depth=c.depth, activation=c.activation,
                                        ortho_init=c.ortho_init)  # fmt: skip
         return self.policy

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
+from flowrl.objective_sections import HasESSScaling
 from flowrl.sections import (
     BatchConfig,
     EvalConfig,
+    HasGroupFilter,
     HasKL,
     HasObjective,
     KLConfig,
@@ -70,23 +72,6 @@ class TextEvalConfig(EvalConfig):
     """Extra per-sample metrics that are never optimised (gold metrics), by reward name."""
 
 
-@dataclasses.dataclass
-class ESSScalingConfig:
-    """VCPO's learning-rate scaling by the effective sample size of each optimizer step's importance weights
-    (Huang et al. 2026, arXiv:2602.17616; mit-han-lab/vcpo `ess_scaling`): `flowrl.run.ess`."""
-
-    rule: Literal["none", "sqrt", "linear"] = "none"
-    """`none`: off. `sqrt` (VCPO's, for AdamW-style optimizers): `lr <- lr sqrt(min(1, rho / base_ratio))`;
-    `linear`: `lr <- lr min(1, rho / base_ratio)`, where `rho = ESS / B = (sum w)^2 / (B sum w^2)` over the
-    mini-batch's B sequences and `w` is each sequence's ratio `prod_t pi_theta / pi_old` before the step."""
-    base_ratio: float = 1.0
-    """The ESS ratio at and above which the learning rate is unchanged (VCPO's `base_ess_ratio`)."""
-
-    def __post_init__(self):
-        if not self.base_ratio > 0:
-            raise ValueError(f"ess_scaling.base_ratio must be > 0, got {self.base_ratio}")
-
-
 def _text_prompts() -> PromptConfig:
     return PromptConfig(train="arith/train", test="arith/test", prompts_per_epoch=32, group_size=8)
 
@@ -96,7 +81,7 @@ def _text_rewards() -> list[RewardConfig]:
 
 
 @dataclasses.dataclass
-class TextConfig(HasObjective, HasKL, PromptedConfig):
+class TextConfig(HasObjective, HasKL, HasGroupFilter, HasESSScaling, PromptedConfig):
     """The text trainer: see `flowrl.trainers.text.text`."""
 
     kl_forms: ClassVar[tuple[str, ...]] = ("k1", "k2", "k3")
@@ -138,5 +123,3 @@ class TextConfig(HasObjective, HasKL, PromptedConfig):
     the behaviour policy that sampled the epoch. Costs one forward without gradient per micro-batch and two copies
     of the trained weights (checkpointed). Use with `objective.name: humanline` (`configs/llm/arith_humanline.yaml`).
     """
-    ess_scaling: ESSScalingConfig = dataclasses.field(default_factory=ESSScalingConfig)
-    """VCPO's ESS learning-rate scaling (`rule: sqrt` turns it on; `configs/llm/arith_vcpo.yaml`)."""

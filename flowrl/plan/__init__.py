@@ -21,7 +21,9 @@ def check_fits(config, *, log=print) -> MemoryPlan | None:
 
     if not config.run.check_memory or config.run.cpu or not torch.cuda.is_available():
         return None
-    if getattr(config, "model", None) is None or not hasattr(config, "sampling") or config.model.name == "digits":
+    from flowrl.image import ImageConfig
+
+    if not isinstance(config, ImageConfig) or config.model.name == "digits":
         return None
     gpus = int(os.environ.get("WORLD_SIZE", "1"))
     memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30

@@ -14,6 +14,7 @@ import torch
 
 from flowrl.plan.host_values import HostCopies
 from flowrl.plan.trace import LiveMemory
+from flowrl.sections import HasKL
 
 
 TRACE_STEPS = 3
@@ -36,10 +37,14 @@ def module_bytes(module) -> int:
 
 def traced_config(config, steps: int = TRACE_STEPS):
     """`config` with rollouts of `steps` stochastic steps (the traced chunk: every step's call is alike)."""
-    if hasattr(config, "branches") or "trained_expert" in config.model.options:
+    from flowrl.image.config import HasSteps
+    from flowrl.trainers.image.tempflow_grpo import TempFlowGRPOConfig
+    from flowrl.trainers.shared.matching import MatchingConfig
+
+    if isinstance(config, TempFlowGRPOConfig) or "trained_expert" in config.model.options:
         return config  # TempFlow-GRPO's group (seeds x branches x steps), Wan 2.2's experts by step: traced whole
     s = config.sampling
-    draws = getattr(config, "num_draws", 0) or 0  # flow-matching draws pick distinct levels of the traced steps
+    draws = config.num_draws if isinstance(config, MatchingConfig) else 0  # distinct levels of the traced steps
     steps = min(max(steps, draws + 2), s.num_steps)
     sampling = dataclasses.replace(
         s,
@@ -51,7 +56,7 @@ def traced_config(config, steps: int = TRACE_STEPS):
         post_window_solver="euler",
     )
     changes = {"sampling": sampling}
-    if getattr(config, "steps", None) is not None:  # a selection that fits the traced steps (its calls are alike)
+    if isinstance(config, HasSteps):  # a selection that fits the traced steps (its calls are alike)
         changes["steps"] = dataclasses.replace(config.steps, k=min(config.steps.k, steps), window=None)
     return dataclasses.replace(config, **changes)
 
@@ -97,8 +102,7 @@ class Assembly:
         self.modality = algorithm_class.modality_class(traced, self.engine.context(), policy=policy, scoring=False)
         self.algorithm = algorithm_class(traced, self.modality, self.engine)
         if self.algorithm.needs_reference():
-            kl = getattr(config, "kl", None)
-            self.modality.ensure_reference(offload=bool(kl and kl.reference_offload))
+            self.modality.ensure_reference(offload=isinstance(config, HasKL) and config.kl.reference_offload)
         self.algorithm.build()
         self.module = self.algorithm.trained_module()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
@@ -267,12 +271,13 @@ def trained_columns(config) -> int | None:
     from types import SimpleNamespace
 
     from flowrl.core import sde_window_at
+    from flowrl.image.config import HasSteps
     from flowrl.image.steps import StepTerms
     from flowrl.runtime import seeded
 
-    steps, s = getattr(config, "steps", None), config.sampling
-    if steps is None:
+    if not isinstance(config, HasSteps):
         return None
+    steps, s = config.steps, config.sampling
     if steps.selection == "random":
         return steps.k
     window = sde_window_at(

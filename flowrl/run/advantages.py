@@ -16,7 +16,7 @@ import torch
 from flowrl.core import ADVANTAGES
 from flowrl.rewards import combine_advantages
 from flowrl.rewards.multi import weighted_sum
-from flowrl.sections import AdvantageConfig
+from flowrl.sections import AdvantageConfig, PromptedConfig
 
 
 class AdvantageEstimator:
@@ -37,11 +37,10 @@ class AdvantageEstimator:
     @classmethod
     def of(cls, config) -> AdvantageEstimator | None:
         """The estimator of a trainer config with prompt groups and rewards (None for control: GAE)."""
-        advantage = getattr(config, "advantage", None)
-        if not isinstance(advantage, AdvantageConfig):
+        if not isinstance(config, PromptedConfig):
             return None
         weights = {spec.name: spec.weight for spec in config.rewards}
-        return cls(advantage, weights, config.reward_aggregation)
+        return cls(config.advantage, weights, config.reward_aggregation)
 
     def __call__(self, rewards: dict[str, torch.Tensor], group_ids: torch.Tensor, prompts: list[str]):
         """Advantages of the valid samples: `rewards` `{name: [N]}`, `group_ids [N]`, the N prompt texts."""

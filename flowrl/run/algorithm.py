@@ -31,6 +31,7 @@ from flowrl.core.objectives import uses_batch_statistics
 from flowrl.core.terms import Terms
 from flowrl.run.advantages import AdvantageEstimator
 from flowrl.run.scheduler import MicroBatch, UpdateBatch
+from flowrl.sections import HasKL, HasObjective
 
 
 class Algorithm(ABC):
@@ -45,8 +46,6 @@ class Algorithm(ABC):
     name: ClassVar[str] = ""
     """The registered name (set by `register`)."""
     config_class: ClassVar[type]
-    uses_objective: ClassVar[bool] = True
-    """Whether the policy loss is a ratio objective of the core (`objective` section); DiffusionNFT's is not."""
     image_scale: ClassVar[bool] = False
     """Whether the log-probs are means over latent elements (images): the objective's image-scale defaults apply
     to every hyper-parameter the config does not set (`flowrl.core.IMAGE_SCALE`, docs/objectives.md)."""
@@ -68,7 +67,7 @@ class Algorithm(ABC):
     def __init__(self, config, modality, engine):
         self.config, self.modality, self.engine = config, modality, engine
         self.processes = engine.processes
-        objective = getattr(config, "objective", None) if self.uses_objective else None
+        objective = config.objective if isinstance(config, HasObjective) else None  # a ratio objective of the core
         self.objective: str | None = objective.name if objective is not None else None
         self.objective_hparams: dict[str, Any] = {}
         if self.objective is not None:
@@ -100,8 +99,7 @@ class Algorithm(ABC):
 
     def needs_reference(self) -> bool:
         """Whether the loss compares the policy with a frozen reference (full fine-tuning then keeps a copy)."""
-        kl = getattr(self.config, "kl", None)
-        return bool(kl is not None and kl.beta > 0)
+        return isinstance(self.config, HasKL) and self.config.kl.beta > 0
 
     def build(self) -> None:  # noqa: B027  (an optional hook)
         """Build the algorithm's own models and state before the optimizers exist (critics, buffers, ...)."""

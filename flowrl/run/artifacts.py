@@ -22,6 +22,8 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from flowrl.sections import PromptedConfig
+
 
 class MissingArtifacts(FileNotFoundError):
     """Files a run needs that are neither on this machine nor reachable; the message lists each with its fix."""
@@ -59,13 +61,15 @@ def _is_location(value) -> bool:
 
 def needed(config) -> list[Artifact]:
     """The hub repositories and local paths the config's model, rewards and gold metrics load."""
+    if not isinstance(config, PromptedConfig):
+        return []  # control: the environment and the policy are made here
     found = []
-    model = getattr(getattr(config, "model", None), "name", None)
+    model = config.model.name  # (the image and text configs' model sections)
     if isinstance(model, str) and _is_location(model):
         found.append(Artifact("the model", model, "model.name: DIR"))
-    for spec in getattr(config, "rewards", None) or []:
+    for spec in config.rewards:
         found += _reward_artifacts(spec.name, dict(spec.kwargs))
-    for name in getattr(getattr(config, "eval", None), "metrics", None) or []:
+    for name in config.eval.gold_metrics():
         found += _reward_artifacts(name, {})
     unique = {}
     for artifact in found:

@@ -26,6 +26,7 @@ from flowrl.run.engine import Engine
 from flowrl.run.registry import TRAINERS
 from flowrl.run.scheduler import UpdateScheduler
 from flowrl.run.state import RunState
+from flowrl.sections import HasGroupFilter, HasKL, PromptedConfig
 from flowrl.tracking import MetricsLog
 
 
@@ -57,8 +58,7 @@ class Trainer:
                                                        memory=self.engine.memory)  # fmt: skip
         self.algorithm = algorithm_class(config, self.modality, self.engine)
         if self.algorithm.needs_reference():
-            kl = getattr(config, "kl", None)
-            self.modality.ensure_reference(offload=bool(kl and kl.reference_offload))
+            self.modality.ensure_reference(offload=isinstance(config, HasKL) and config.kl.reference_offload)
         check_world(config, algorithm_class, self.engine.processes.world, self.engine.shard)
         self.algorithm.build()
         module = self.algorithm.trained_module()
@@ -128,7 +128,7 @@ class Trainer:
         valid, record = self.modality.check(collected)
         advantages, adv_stats = algorithm.advantages(collected, valid)
         trainable = valid.clone()
-        if getattr(self.config, "drop_zero_std_groups", False):
+        if isinstance(self.config, HasGroupFilter) and self.config.drop_zero_std_groups:
             trainable &= informative_groups(collected.group_ids, advantages, valid)
         batch, prepared = algorithm.prepare(collected, advantages, trainable, epoch)
         record = {**record, **{f"adv/{k}": v for k, v in adv_stats.items()}, "trained_samples": int(trainable.sum()),
@@ -279,13 +279,12 @@ class Trainer:
 def check_world(config, algorithm_class, world: int, shard: str = "none") -> None:
     """Refuse a config that cannot train on `world` processes sharded as `shard` (the run's driver and `flowrl plan
     --gpus N` ask)."""
-    batch = getattr(config, "batch", None)
-    if shard == "zero3" and batch is not None and batch.backward == "per_step":
+    if shard == "zero3" and config.batch.backward == "per_step":
         raise ValueError(
             "batch.backward: per_step interleaves the steps' forwards with backwards that ZeRO-3 runs "
             "one loss late: use batch.backward: auto or whole, or run.shard: fsdp2"
         )
-    prompts = getattr(config, "prompts", None)
+    prompts = config.prompts if isinstance(config, PromptedConfig) else None
     if algorithm_class.updates_groups and prompts is not None and prompts.prompts_per_epoch % world:
         raise ValueError(f"{config.trainer} updates whole groups, each sampled by one process: "
                          f"prompts.prompts_per_epoch ({prompts.prompts_per_epoch}) must split over the {world} "

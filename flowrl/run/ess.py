@@ -14,7 +14,7 @@ and the learning rate returns to `lr` after the step. `rho` is 1 when every weig
 mini-batch of an epoch) and `1 / B` when one sequence holds all the weight. The sums run over every process's rows
 of the mini-batch (computed from a shared maximum, so no weight overflows). The update scheduler calls `observe` on
 each batch's loss inputs and `step` around the optimizer step (`flowrl.run.scheduler`); a config turns it on
-with an `ess_scaling` section (`rule`, `base_ratio`: the text trainer's, `flowrl.llm.config.ESSScalingConfig`).
+with an `ess_scaling` section (`rule`, `base_ratio`: the text trainer's, `flowrl.objective_sections.ESSScalingConfig`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from flowrl.objective_sections import HasESSScaling
 
 
 RULES = ("none", "sqrt", "linear")
@@ -60,10 +62,9 @@ class ESSScaling:
     @classmethod
     def of(cls, config, processes) -> ESSScaling | None:
         """The hook of a trainer config with an `ess_scaling` section whose rule is not `none`; else None."""
-        section = getattr(config, "ess_scaling", None)
-        if section is None or section.rule == "none":
+        if not isinstance(config, HasESSScaling) or config.ess_scaling.rule == "none":
             return None
-        return cls(section.rule, section.base_ratio, processes)
+        return cls(config.ess_scaling.rule, config.ess_scaling.base_ratio, processes)
 
     @torch.no_grad()
     def observe(self, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:

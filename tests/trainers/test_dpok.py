@@ -297,7 +297,7 @@ def test_config_checks(tmp_path):
         dpok_config(tmp_path, policy_batch_size=8)
     with pytest.raises(ConfigError, match="'value_lr' was renamed: use critic.lr"):
         dpok_config(tmp_path, value_lr=1e-3)
-    with pytest.raises(ConfigError, match="drop_zero_std_groups must be false"):
+    with pytest.raises(ConfigError, match="'drop_zero_std_groups' does not apply to trainer 'dpok': dpok stores"):
         dpok_config(tmp_path, drop_zero_std_groups=True)
     with pytest.raises(ConfigError, match="kl.form 'k3' is not one of dpok's: gaussian, gaussian_dt, eps_mse"):
         dpok_config(tmp_path, kl={"form": "k3"})

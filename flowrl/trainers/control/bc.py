@@ -20,7 +20,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from flowrl.control.config import ControlConfig
+from flowrl.control.config import ControlConfig, ControlCriticConfig, GAEConfig
 from flowrl.control.demos import load_demonstrations
 from flowrl.control.modality import ControlModality
 from flowrl.control.rollout import ControlRollout
@@ -37,6 +37,12 @@ class DemoModality(ControlModality):
     """The control modality of a behaviour-cloning run: its budget is the demonstrations it trained on."""
 
     budget_key = "demo_transitions"
+
+    def reward_discount(self) -> float:
+        return GAEConfig().gamma  # (cloning steps no environment: the reward normaliser never updates)
+
+    def critic_config(self) -> ControlCriticConfig:
+        return ControlCriticConfig()  # the actor-critic's value network is built, and never trained
 
     def check(self, collected) -> tuple[torch.Tensor, dict]:
         return torch.ones(collected.size, dtype=torch.bool), {}
@@ -65,6 +71,14 @@ class DemoCollector:
 
 @dataclasses.dataclass
 class BCConfig(ControlConfig):
+    absent: ClassVar[dict[str, str]] = {
+        "objective": "behaviour cloning fits the demonstrations by flow matching (or maximum likelihood), no ratio",
+        "critic": "behaviour cloning trains no value network",
+        "advantage": "behaviour cloning has no rewards, so no advantages",
+        "vf_coef": "behaviour cloning trains no value network",
+        "clip_vf": "behaviour cloning trains no value network",
+    }
+
     demonstrations: str = ""
     """The `.npz` file of `(obs, actions)` pairs (`flowrl demos RUN --out FILE`; raw observations)."""
     actor: Literal["flow", "gaussian"] = "flow"
@@ -98,7 +112,6 @@ class BC(ControlAlgorithm):
 
     config_class = BCConfig
     modality_class: ClassVar[type] = DemoModality
-    uses_objective = False  # flow matching on the demonstrations, no ratio
 
     def __init__(self, config, modality, engine):
         super().__init__(config, modality, engine)
@@ -123,9 +136,6 @@ class BC(ControlAlgorithm):
         noises = torch.randn((size, n, rollout.actions.shape[1]), generator=generator)[rows]
         return torch.zeros(len(rows), n), FPODraws(taus, noises)
 
-    def mini_batch_advantages(self, advantages):
-        return advantages  # (zeros: no advantage enters the loss)
-
     def policy_terms(self, batch, index):
         """The cloning loss of the pairs `batch` at the elements `index`: per-draw flow matching `[b, N]`, or the
         Gaussian's negative log-likelihood per action dimension `[b, 1]`."""
@@ -136,10 +146,3 @@ class BC(ControlAlgorithm):
             losses = cfm_losses(fn, batch.actions, batch.draws.taus, batch.draws.noises)  # [b, N]
         picked = losses.gather(1, index)
         return Terms(loss=picked, logs={"bc_loss": picked.detach()})
-
-    def terms(self, batch, index):
-        """The cloning loss alone: no value loss (the critic is not trained here)."""
-        return self.policy_terms(batch.data, index)
-
-    def finish(self, batch, epoch):
-        return {}

@@ -22,16 +22,16 @@ import dataclasses
 
 import torch
 
-from flowrl.control.config import ControlConfig
+from flowrl.control.config import ActorCriticConfig
 from flowrl.core.terms import Terms
 from flowrl.run.registry import register
 from flowrl.sections import ObjectiveConfig
-from flowrl.trainers.shared.control import ControlAlgorithm
+from flowrl.trainers.shared.control import ActorCriticAlgorithm
 from flowrl.trainers.shared.policies import FlowPolicyConfig
 
 
 @dataclasses.dataclass
-class DPPOConfig(ControlConfig):
+class DPPOConfig(ActorCriticConfig):
     policy: FlowPolicyConfig = dataclasses.field(
         default_factory=lambda: FlowPolicyConfig(min_std=0.1, noise_clip=3.0, log_prob_clamp=(-5.0, 2.0))
     )
@@ -48,7 +48,7 @@ class DPPOConfig(ControlConfig):
 
 
 @register("dppo", description="denoising-MDP PPO with DPPO's objective and guards on a flow kernel (arXiv:2409.00588)")
-class DPPO(ControlAlgorithm):
+class DPPO(ActorCriticAlgorithm):
     """Denoising-MDP PPO; see the module docstring and `DPPOConfig`."""
 
     config_class = DPPOConfig

@@ -17,19 +17,19 @@ from typing import Literal
 
 import torch
 
-from flowrl.control.config import ControlConfig
+from flowrl.control.config import ActorCriticConfig
 from flowrl.control.policies import FlowPolicy
 from flowrl.core.terms import Terms
 from flowrl.policies.fpo import FPODraws, cfm_losses, fpo_log_ratio, sample_taus
 from flowrl.run.registry import register
 from flowrl.runtime import seeded
 from flowrl.sections import ObjectiveConfig
-from flowrl.trainers.shared.control import ControlAlgorithm
+from flowrl.trainers.shared.control import ActorCriticAlgorithm
 from flowrl.trainers.shared.policies import FlowPolicyConfig
 
 
 @dataclasses.dataclass
-class FPOConfig(ControlConfig):
+class FPOConfig(ActorCriticConfig):
     policy: FlowPolicyConfig = dataclasses.field(default_factory=FlowPolicyConfig)
     """The flow policy."""
     objective: ObjectiveConfig = dataclasses.field(
@@ -56,7 +56,7 @@ class FPOConfig(ControlConfig):
 
 
 @register("fpo", description="FPO: flow policies by PPO on a flow-matching ratio (arXiv:2507.21053)")
-class FPO(ControlAlgorithm):
+class FPO(ActorCriticAlgorithm):
     """FPO; see the module docstring and `FPOConfig`."""
 
     config_class = FPOConfig

@@ -15,25 +15,30 @@ import dataclasses
 
 import torch
 
-from flowrl.control.config import ControlConfig
+from flowrl.control.config import ActorCriticConfig
 from flowrl.control.policies import GaussianPolicy
 from flowrl.core.terms import Terms
 from flowrl.run.registry import register
 from flowrl.sections import ObjectiveConfig
-from flowrl.trainers.shared.control import ControlAlgorithm
+from flowrl.trainers.shared.control import ActorCriticAlgorithm
 from flowrl.trainers.shared.policies import GaussianPolicyConfig
 
 
 @dataclasses.dataclass
-class PPOConfig(ControlConfig):
+class PPOConfig(ActorCriticConfig):
     policy: GaussianPolicyConfig = dataclasses.field(default_factory=GaussianPolicyConfig)
     """The Gaussian policy."""
     objective: ObjectiveConfig = dataclasses.field(default_factory=lambda: ObjectiveConfig(name="ppo"))
     """The clipped objective (PPO's clip 0.2 by default; any registered objective works)."""
+    ent_coef: float = 0.0
+    """Entropy bonus: `-ent_coef * entropy` of the Gaussian per transition (SB3: 0)."""
+
+    def checks(self):
+        return [*super().checks(), (self.ent_coef >= 0, "ent_coef must be >= 0")]
 
 
 @register("ppo", description="Gaussian PPO for continuous control on Gymnasium (arXiv:1707.06347)")
-class PPO(ControlAlgorithm):
+class PPO(ActorCriticAlgorithm):
     """Gaussian PPO; see the module docstring and `PPOConfig`."""
 
     config_class = PPOConfig

@@ -140,7 +140,6 @@ class ACFlow(PerDrawAlgorithm):
 
     config_class = ACFlowConfig
     video = False  # the critic is a 2-D conv net over image latents
-    uses_objective = False  # critic-weighted flow matching, not a ratio objective
 
     def build(self):
         super().build()

@@ -68,6 +68,9 @@ class ValueCriticConfig:
 @dataclasses.dataclass
 class DPOKConfig(HasObjective, HasKL, HasSteps, ImageConfig):
     kl_forms: ClassVar[tuple[str, ...]] = STEP_KL_FORMS
+    absent: ClassVar[dict[str, str]] = {
+        "drop_zero_std_groups": "dpok stores every valid transition in its replay buffer (it has no group advantages)"
+    }
     renamed: ClassVar[dict[str, str]] = {
         "policy_batch_size": "batch.mini_batch_size (transitions per optimizer step over every process: the old "
         "policy_batch_size x gradient_accumulation x processes) and batch.micro_batch_size",
@@ -110,8 +113,6 @@ class DPOKConfig(HasObjective, HasKL, HasSteps, ImageConfig):
     """Policy AdamW: DPOK's lr 1e-5, no weight decay, gradient-norm clip 0.1."""
     prompts: PromptConfig = dataclasses.field(default_factory=lambda: PromptConfig(prompts_per_epoch=6, group_size=1))
     """DPOK multi-prompt samples 6 prompts, one image each, per epoch (`g_batch_size 6`, `num_samples 1`)."""
-    drop_zero_std_groups: bool = False
-    """Must stay False: DPOK stores every valid transition (it has no group advantages)."""
 
     def checks(self):
         c = self.critic
@@ -123,7 +124,6 @@ class DPOKConfig(HasObjective, HasKL, HasSteps, ImageConfig):
             (c.steps >= 1 and c.mini_batch_size >= 1, "critic.steps and critic.mini_batch_size must be >= 1"),
             (self.batch.inner_epochs == 1,
              "dpok draws policy_steps random buffer batches; batch.inner_epochs must be 1"),
-            (not self.drop_zero_std_groups, "dpok stores every valid transition; drop_zero_std_groups must be false"),
             (self.reward_aggregation == "sum", "dpok learns the weighted reward sum (reward_aggregation: sum)"),
             (self.objective.name != "grpo_guard", "the replay buffer keeps no behaviour means for grpo_guard"),
         ]  # fmt: skip

@@ -35,7 +35,7 @@ from flowrl.image import ImageConfig
 from flowrl.policies.noise import InitialNoisePolicy, NoiseDraws
 from flowrl.policies.value import pooled_text
 from flowrl.run.registry import register
-from flowrl.sections import AdvantageConfig, HasKL, HasObjective, KLConfig, ObjectiveConfig
+from flowrl.sections import AdvantageConfig, HasGroupFilter, HasKL, HasObjective, KLConfig, ObjectiveConfig
 from flowrl.trainers.shared.image import ImageAlgorithm
 
 
@@ -55,7 +55,7 @@ class CalibrationConfig:
 
 
 @dataclasses.dataclass
-class FINDConfig(HasObjective, HasKL, ImageConfig):
+class FINDConfig(HasObjective, HasKL, HasGroupFilter, ImageConfig):
     kl_forms: ClassVar[tuple[str, ...]] = ("proxy", "gaussian")
     renamed: ClassVar[dict[str, str]] = {"calibration_lr": "critic.lr", "calibration_hidden": "critic.hidden",
                                          "calibration_steps": "critic.steps"}  # fmt: skip

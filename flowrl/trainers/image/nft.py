@@ -141,7 +141,6 @@ class DiffusionNFT(PerDrawAlgorithm):
     """DiffusionNFT; see the module docstring and `NFTConfig`."""
 
     config_class = NFTConfig
-    uses_objective = False  # a weighted flow-matching regression, no ratio
 
     def build(self):
         super().build()

@@ -10,8 +10,10 @@ call on `[b, K]` (K = 1 for a Gaussian action, FPO's draws, or the K denoising s
 one gradient-norm clip over both networks (SB3's and CleanRL's PPO); `advantage.normalize` whitens each mini-batch's
 advantages over every process, `objective.target_kl` stops the update early.
 
-A control algorithm is a `ControlAlgorithm` subclass with its config and three hooks: `build_actor`, `behaviour`
-(the behaviour policy's `[B, K]` log-probs and any stored draws) and `policy_terms`.
+A control algorithm is a subclass with its config and three hooks: `build_actor`, `behaviour` (the behaviour
+policy's `[B, K]` log-probs and any stored draws) and `policy_terms`. `ActorCriticAlgorithm` (`ppo`, `fpo`, `dppo`,
+on an `ActorCriticConfig`) adds the value loss, the whitened advantages and the value fit's diagnostics;
+`ControlAlgorithm` alone is what behaviour cloning needs (its loss is `policy_terms`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from flowrl.control.config import ControlConfig
+from flowrl.control.config import ActorCriticConfig, ControlConfig
 from flowrl.control.modality import ControlModality
 from flowrl.core import normalize
 from flowrl.core.terms import Terms
@@ -113,14 +115,24 @@ class ControlAlgorithm(Algorithm):
         rollout = dataclasses.replace(rollout, log_probs=log_probs, draws=draws)
         return self.update_batch(collected, advantages, trainable, data=rollout), {}
 
+    def num_elements(self, data) -> int:
+        return data.log_probs.shape[1]
+
+    def terms(self, batch, index):
+        """The policy's terms alone."""
+        return self.policy_terms(batch.data, index)
+
+
+class ActorCriticAlgorithm(ControlAlgorithm):
+    """The control RL algorithms' base: the policy's terms plus the value loss; see the module docstring."""
+
+    config_class = ActorCriticConfig
+
     def mini_batch_advantages(self, advantages):
         """Whitened over the whole mini-batch (every process's transitions) with `advantage.normalize`."""
         if self.config.advantage.normalize and len(advantages) > 1:
             return normalize(advantages)
         return advantages
-
-    def num_elements(self, data) -> int:
-        return data.log_probs.shape[1]
 
     def terms(self, batch, index):
         """The policy's terms plus `vf_coef` times the value loss, a per-row loss (logged as `value_loss`)."""

@@ -12,12 +12,12 @@ from typing import ClassVar
 
 from flowrl.image import HasSteps, ImageConfig, StepConfig
 from flowrl.image.steps import STEP_KL_FORMS
-from flowrl.sections import AdvantageConfig, HasKL, HasObjective, KLConfig, ObjectiveConfig
+from flowrl.sections import AdvantageConfig, HasGroupFilter, HasKL, HasObjective, KLConfig, ObjectiveConfig
 from flowrl.trainers.shared.image import ImageAlgorithm
 
 
 @dataclasses.dataclass
-class FlowGRPOConfig(HasObjective, HasKL, HasSteps, ImageConfig):
+class FlowGRPOConfig(HasObjective, HasKL, HasSteps, HasGroupFilter, ImageConfig):
     kl_forms: ClassVar[tuple[str, ...]] = STEP_KL_FORMS
 
     objective: ObjectiveConfig = dataclasses.field(default_factory=lambda: ObjectiveConfig(clip_eps_low=1e-4))

@@ -13,9 +13,10 @@ from typing import ClassVar
 import torch
 
 from flowrl.core import get_objective
-from flowrl.image import ImageModality
+from flowrl.image import HasSteps, ImageModality
 from flowrl.image.steps import StepTerms
 from flowrl.run.algorithm import Algorithm
+from flowrl.sections import HasKL
 
 
 class ImageAlgorithm(Algorithm):
@@ -55,9 +56,9 @@ class ImageAlgorithm(Algorithm):
             raise ValueError(f"objective {self.objective!r} reads Gaussian step log-probs and means (GRPO-Guard's "
                              "RatioNorm, Flow-DPPO's step KL); with CPS use sampler cps_gaussian (cps keeps "
                              "Flow-GRPO's -mean (x' - mu)^2 log-prob)")  # fmt: skip
-        kl = getattr(config, "kl", None) if self.kl_to_reference else None
-        self.step_terms = StepTerms(self.policy, getattr(config, "steps", None), kl, store_means=self.store_means,
-                                    seed=config.run.seed)  # fmt: skip
+        kl = config.kl if self.kl_to_reference and isinstance(config, HasKL) else None
+        steps = config.steps if isinstance(config, HasSteps) else None
+        self.step_terms = StepTerms(self.policy, steps, kl, store_means=self.store_means, seed=config.run.seed)
 
     @property
     def store_means(self) -> bool:

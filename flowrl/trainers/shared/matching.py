@@ -27,6 +27,7 @@ from flowrl.image import ImageConfig
 from flowrl.policies.fpo import FPODraws
 from flowrl.policies.rollout import per_sample
 from flowrl.runtime import seeded
+from flowrl.sections import HasGroupFilter, HasKL
 from flowrl.trainers.shared.image import ImageAlgorithm
 
 
@@ -46,7 +47,7 @@ class MatchingDraws(FPODraws):
 
 
 @dataclasses.dataclass
-class MatchingConfig(ImageConfig):
+class MatchingConfig(HasGroupFilter, ImageConfig):
     """Fields every final-sample trainer shares (those with a `kl` add `HasKL`: its form is `w2`)."""
 
     kl_forms: ClassVar[tuple[str, ...]] = ("w2",)
@@ -188,8 +189,7 @@ class PerDrawAlgorithm(MatchingAlgorithm):
         b, c = index.shape
         rows, draw, pairs, x1, x_t, taus, noises, v = self.forward_at_draws(data, index)
         terms = self.draw_terms(data, rows, draw, x1=x1, x_t=x_t, taus=taus.to(x1.device), noises=noises, v=v)
-        kl = getattr(self.config, "kl", None)
-        beta = kl.coef(self.epoch) if kl is not None else 0.0
+        beta = self.config.kl.coef(self.epoch) if isinstance(self.config, HasKL) else 0.0
         if beta:
             w2 = velocity_mse(v, self.velocity(pairs, x_t, taus, reference=True))  # [n]
             terms.penalty = beta * w2 if terms.penalty is None else terms.penalty + beta * w2

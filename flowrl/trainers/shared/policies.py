@@ -36,10 +36,20 @@ class FlowPolicyConfig:
     """`dppo`: clamp of each action element's step log-density before the reduction (DPPO's code: [-5, 2])."""
 
     def build(self, obs_dim: int, act_dim: int) -> FlowPolicy:
-        return FlowPolicy(obs_dim, act_dim, hidden=self.hidden, depth=self.depth, tau_dim=self.tau_dim,
-                          num_steps=self.num_steps, sampler=self.sampler, noise_level=self.noise_level,
-                          reduce=self.reduce, min_std=self.min_std, noise_clip=self.noise_clip,
-                          log_prob_clamp=self.log_prob_clamp)  # fmt: skip
+        return FlowPolicy(
+            obs_dim,
+            act_dim,
+            hidden=self.hidden,
+            depth=self.depth,
+            tau_dim=self.tau_dim,
+            num_steps=self.num_steps,
+            sampler=self.sampler,
+            noise_level=self.noise_level,
+            reduce=self.reduce,
+            min_std=self.min_std,
+            noise_clip=self.noise_clip,
+            log_prob_clamp=self.log_prob_clamp,
+        )
 
 
 @dataclasses.dataclass
@@ -58,5 +68,12 @@ class GaussianPolicyConfig:
     """Orthogonal init (gain sqrt(2), 0.01 for the action head)."""
 
     def build(self, obs_dim: int, act_dim: int) -> GaussianPolicy:
-        return GaussianPolicy(obs_dim, act_dim, hidden=self.hidden, depth=self.depth, activation=self.activation,
-                              log_std_init=self.log_std_init, ortho_init=self.ortho_init)  # fmt: skip
+        return GaussianPolicy(
+            obs_dim,
+            act_dim,
+            hidden=self.hidden,
+            depth=self.depth,
+            activation=self.activation,
+            log_std_init=self.log_std_init,
+            ortho_init=self.ortho_init,
+        )

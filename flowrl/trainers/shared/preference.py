@@ -68,7 +68,6 @@ class PreferenceAlgorithm(MatchingAlgorithm):
     shared_times: ClassVar[bool] = False
     """Whether every group of the epoch trains at the same times (DGPO's code) or each group at its own."""
     updates_groups = True  # the loss compares a group's members: mini-batches of whole groups
-    uses_objective = False  # no `objective` section: the preference objective is the algorithm
 
     def __init__(self, config, modality, engine):
         super().__init__(config, modality, engine)

@@ -198,7 +198,7 @@ class AsyncCollector:
     publications (`flowrl.run.learner_group`).
 
     Args:
-        trainer (`flowrl.trainers.Trainer`): the learner (its config's `asynchrony` section and `run.epochs`; what
+        trainer (`flowrl.run.driver.Trainer`): the learner (its config's `asynchrony` section and `run.epochs`; what
             it publishes: `publication`; its modality takes back each batch's worker state).
     """
 

@@ -34,7 +34,7 @@ class Trainer:
     """See the module docstring.
 
     Args:
-        config: a trainer config (`flowrl.trainers.load_config`).
+        config: a trainer config (`flowrl.run.registry.load_config`).
         policy (*optional*): use this policy instead of loading `config.model`.
         reward_fns, eval_fns (`dict`, *optional*): the training rewards and gold metrics by name.
         output_dir (*optional*): the run folder (default: `run.output_dir`).

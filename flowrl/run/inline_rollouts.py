@@ -60,7 +60,7 @@ class InlineCollector:
     batch from an in-process rollout worker at the staleness bound (see the module docstring).
 
     Args:
-        trainer (`flowrl.trainers.Trainer`): the learner (its config's `asynchrony` section; what it publishes:
+        trainer (`flowrl.run.driver.Trainer`): the learner (its config's `asynchrony` section; what it publishes:
             `flowrl.run.async_rollouts.publication`; its modality takes back each batch's worker state).
     """
 

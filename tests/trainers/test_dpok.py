@@ -14,7 +14,7 @@ from flowrl.runtime import seeded
 from flowrl.trainers import build_trainer, load_config
 from flowrl.trainers.image.dpok import ReplayBuffer
 
-from .conftest import make_trainer, tiny_config, training_rows
+from .conftest import brightness, make_trainer, tiny_config, training_rows
 
 
 def dpok_config(tmp_path, overrides=(), clip=1e-2, kl=0.1, **top):
@@ -318,10 +318,6 @@ def test_config_checks(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-def _brightness(images, prompts, **metadata):
-    return images.float().mean(dim=(1, 2, 3))
-
-
 def test_ddim_unet_with_lora(tmp_path):
     from flowrl.models import tiny_unet
     from flowrl.policies import DiffusionPolicy
@@ -342,7 +338,7 @@ def test_ddim_unet_with_lora(tmp_path):
     })  # fmt: skip
     policy = DiffusionPolicy.from_pipeline(tiny_unet(), forward_batch_size=2)
     policy.add_lora(rank=4)
-    trainer = build_trainer(config, policy=policy, reward_fns={"brightness": _brightness}, eval_fns={})
+    trainer = build_trainer(config, policy=policy, reward_fns={"brightness": brightness}, eval_fns={})
     assert trainer.policy.reference_model is None  # the reference is the UNet with its LoRA disabled
 
     batch = _fresh_batch(trainer, n=5)

@@ -122,6 +122,18 @@ def unet_pipe():
     return pipe
 
 
+@pytest.fixture
+def small_edit_sources(monkeypatch):
+    """Qwen-Image-Edit's pipelines size sources at about 1024^2 (and Plus's vision copy 384^2) pixels: here 64^2 and
+    32^2, for the pipeline and flowrl's adapter alike (the adapter reads the pipeline module's rules). At full size a
+    tiny edit model's step costs minutes on a CPU (thousands of image and vision tokens)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: (64, 64, None))
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 32 * 32)
+
+
 TINY_MODEL = TransformerConfig(num_layers=1, attention_head_dim=8, num_attention_heads=2, caption_projection_dim=16)
 
 

@@ -89,21 +89,10 @@ def _samples(policy, family):
     return policy.rollout(["a red cat", "a blue dog"], generator=torch.Generator().manual_seed(3), **kwargs).images
 
 
-def _small_sources(monkeypatch):
-    """Qwen-Image-Edit's pipelines size sources at about 1024^2 (and Plus's vision copy 384^2) pixels: here 64^2 and
-    32^2, for the pipeline and flowrl's adapter alike (the adapter reads the pipeline module's rules)."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
-
-    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: (64, 64, None))
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 32 * 32)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_runs_export_to_load_lora_weights(family, tmp_path, monkeypatch, capsys):
+def test_lora_runs_export_to_load_lora_weights(family, tmp_path, monkeypatch, capsys, small_edit_sources):
     from flowrl.trainers import build_trainer, load_config
 
-    _small_sources(monkeypatch)
     run, base = _train(family, True, tmp_path, monkeypatch)
     out = tmp_path / "export"
     assert main(["export", str(run), "--out", str(out)]) == 0

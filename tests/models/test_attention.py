@@ -235,12 +235,8 @@ def test_explicit_names_none_and_unknown_names():
 def _spied_rollout(family, monkeypatch) -> tuple[set, list]:
     """The mask layouts the tiny family's network hands to diffusers' dispatch in a 1-step rollout (None: no mask),
     and its dispatched attention shapes. Only the network's calls count (LTX-2's text connectors dispatch too, on
-    the default backend: `configure_attention` sets the network's)."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
-
-    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: (64, 64, None))
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 32 * 32)
+    the default backend: `configure_attention` sets the network's). Qwen-Image-Edit's sources at toy sizes: the
+    caller takes tests/conftest.py's `small_edit_sources`."""
     seen, inside = set(), [False]
 
     def record(kwargs):
@@ -300,7 +296,7 @@ LAYOUTS_COVERED = ("flux", "qwen_image", "z_image", "hunyuan_video")
     "family",
     [f if f in LAYOUTS_COVERED else pytest.param(f, marks=pytest.mark.models) for f in MODEL_FAMILIES.names()],
 )
-def test_masks_table_is_what_each_family_hands_to_diffusers(family, monkeypatch):
+def test_masks_table_is_what_each_family_hands_to_diffusers(family, monkeypatch, small_edit_sources):
     seen, shapes = _spied_rollout(family, monkeypatch)
     if family in NOT_DISPATCHED:
         assert seen == set() and shapes == []

@@ -60,14 +60,8 @@ def _sources(family, n) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def _small_sources(monkeypatch):
-    """Qwen-Image-Edit's pipelines size sources at about 1024^2 (and Plus's vision copy 384^2) pixels: here 64^2 and
-    32^2, for the pipeline and flowrl's adapter alike (the adapter reads the pipeline module's rules)."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
-
-    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: (64, 64, None))
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 32 * 32)
+def _small_sources(small_edit_sources):
+    """Qwen-Image-Edit's sources at toy sizes in every test here (tests/conftest.py's `small_edit_sources`)."""
 
 
 def _pipeline_images(family, pipe, prompts, latents, **kwargs) -> torch.Tensor:

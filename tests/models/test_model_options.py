@@ -31,7 +31,7 @@ def _grads(policy, rollout):
     "family",
     [f if f in ("sd3", "flux", "unet") else pytest.param(f, marks=pytest.mark.models) for f in MODEL_FAMILIES.names()],
 )  # fmt: skip (the others: the `models` tier)
-def test_gradient_checkpointing_gives_the_same_gradients(family):
+def test_gradient_checkpointing_gives_the_same_gradients(family, small_edit_sources):
     plain = _policy(family)
     kwargs = dict(num_steps=3, guidance_scale=1.0, noise_level=0.8, height=64, width=64,
                   sampler=MODEL_FAMILIES.get(family).default_sampler)  # fmt: skip

@@ -24,13 +24,8 @@ def _gen(seed=0):
 
 
 @pytest.fixture(autouse=True)
-def _small_sources(monkeypatch):
-    """The pipelines' size rules at toy sizes (VAE copies 64^2, Plus's vision copies 32^2), for both sides."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
-
-    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: (64, 64, None))
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 32 * 32)
+def _small_sources(small_edit_sources):
+    """The pipelines' size rules at toy sizes (tests/conftest.py's `small_edit_sources`), for both sides."""
 
 
 @pytest.fixture(scope="module")

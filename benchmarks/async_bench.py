@@ -175,9 +175,18 @@ def model(rollout_s: float, update_s: float, devices=(4, 8, 16, 64), latencies=(
             sync = compute + latency
             best = min(range(1, n), key=lambda r: max((rollout_s + latency) / r, update_s / (n - r)))
             asyn = max((rollout_s + latency) / best, update_s / (n - best))
-            out.append({"devices": n, "latency_x": k, "rollout_devices": best, "train_devices": n - best,
-                        "max_staleness": max(1, best - 1), "sync_s": sync, "async_s": asyn,
-                        "speedup": sync / asyn})  # fmt: skip
+            out.append(
+                {
+                    "devices": n,
+                    "latency_x": k,
+                    "rollout_devices": best,
+                    "train_devices": n - best,
+                    "max_staleness": max(1, best - 1),
+                    "sync_s": sync,
+                    "async_s": asyn,
+                    "speedup": sync / asyn,
+                }
+            )
     return out
 
 

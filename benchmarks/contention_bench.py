@@ -41,8 +41,10 @@ def worker(epochs: int) -> None:
     from flowrl.trainers import build_trainer, load_config
 
     threads = os.environ.get("BENCH_RUN_THREADS", "auto")
-    config = load_config(CONFIG, ["run.log_with=[]", f"run.threads={threads}",
-                                  f"run.output_dir=/tmp/flowrl-contention-bench-{os.getpid()}"])  # fmt: skip
+    config = load_config(
+        CONFIG,
+        ["run.log_with=[]", f"run.threads={threads}", f"run.output_dir=/tmp/flowrl-contention-bench-{os.getpid()}"],
+    )
     trainer = build_trainer(config)
     times = []
     for epoch in range(epochs + 1):
@@ -116,9 +118,17 @@ def main():
         alone = statistics.median(alone_runs[setting])
         busy = run(setting, "busy", args.epochs)[0] if "busy" in situations else None
         two = max(run(setting, "two", args.epochs)) if "two" in situations else None
-        rows.append({"setting": setting, "alone_s": alone, "alone_runs_s": alone_runs[setting], "busy_s": busy,
-                     "two_s": two, "busy_ratio": busy / alone if busy else None,
-                     "two_ratio": two / alone if two else None})  # fmt: skip
+        rows.append(
+            {
+                "setting": setting,
+                "alone_s": alone,
+                "alone_runs_s": alone_runs[setting],
+                "busy_s": busy,
+                "two_s": two,
+                "busy_ratio": busy / alone if busy else None,
+                "two_ratio": two / alone if two else None,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     base = next((r["alone_s"] for r in rows if r["setting"] == "torch"), None)
     for row in rows:
@@ -142,8 +152,10 @@ def main():
         return f"{value:.2f}" if value else "-"
 
     for r in rows:
-        print(f"{r['setting']:<14}{r['alone_s']:>9.2f}{cell(r['alone_vs_torch']):>10}{cell(r['busy_ratio']):>8}"
-              f"{cell(r['two_ratio']):>8}")  # fmt: skip
+        print(
+            f"{r['setting']:<14}{r['alone_s']:>9.2f}{cell(r['alone_vs_torch']):>10}{cell(r['busy_ratio']):>8}"
+            f"{cell(r['two_ratio']):>8}"
+        )
     print("targets: alone vs torch <= 1.05, busy <= 1.6x, two side by side <= 2.5x each")
 
 

@@ -63,13 +63,25 @@ def run_flowrl(env: str, method: str, seed: int, steps: int, out: Path) -> dict:
     history = trainer.log.history
     train_s = sum(r.get("time_s", 0.0) for r in history if r.get("epoch", 0) > 0)
     per_epoch = config.env.num_envs * config.env.steps_per_env
-    curve = [[r["epoch"] * per_epoch, r["reward/mean"]] for r in history
-             if r.get("epoch", 0) > 0 and math.isfinite(r.get("reward/mean", float("nan")))]  # fmt: skip
-    row = {"return": summary["eval_end"]["eval/reward"], "train_s": train_s,
-           "env_steps": trainer.state.samples_scored, "curve": curve}  # fmt: skip
+    curve = [
+        [r["epoch"] * per_epoch, r["reward/mean"]]
+        for r in history
+        if r.get("epoch", 0) > 0 and math.isfinite(r.get("reward/mean", float("nan")))
+    ]
+    row = {
+        "return": summary["eval_end"]["eval/reward"],
+        "train_s": train_s,
+        "env_steps": trainer.state.samples_scored,
+        "curve": curve,
+    }
     if env == "bimodal":
-        row.update({k.removeprefix("eval/"): v for k, v in summary["eval_end"].items()
-                    if k in ("eval/saddle_up", "eval/top_fraction", "eval/saddle_success")})  # fmt: skip
+        row.update(
+            {
+                k.removeprefix("eval/"): v
+                for k, v in summary["eval_end"].items()
+                if k in ("eval/saddle_up", "eval/top_fraction", "eval/saddle_success")
+            }
+        )
         _panel(trainer.evaluator.raw_stochastic_act, method, seed, out)
     return row
 
@@ -91,28 +103,53 @@ def run_sb3(env: str, seed: int, steps: int, out: Path) -> dict:
     e = c.env
     venv = make_vec_env(e.id, n_envs=e.num_envs, seed=seed, env_kwargs=e.kwargs)
     if e.normalize_obs or e.normalize_reward:
-        venv = VecNormalize(venv, norm_obs=e.normalize_obs, norm_reward=e.normalize_reward, clip_obs=e.clip_obs,
-                            clip_reward=e.clip_reward, gamma=c.advantage.gamma)  # fmt: skip
+        venv = VecNormalize(
+            venv,
+            norm_obs=e.normalize_obs,
+            norm_reward=e.normalize_reward,
+            clip_obs=e.clip_obs,
+            clip_reward=e.clip_reward,
+            gamma=c.advantage.gamma,
+        )
     p = c.policy
     if (p.ortho_init, p.activation) != (c.critic.ortho_init, c.critic.activation):
         raise ValueError("SB3's MlpPolicy has one ortho_init and activation for both networks: set both alike")
     activation = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU, "silu": torch.nn.SiLU}[p.activation]
     model = PPO(
-        "MlpPolicy", venv, learning_rate=c.optim.lr, n_steps=e.steps_per_env, batch_size=c.batch.mini_batch_size,
-        n_epochs=c.batch.inner_epochs, gamma=c.advantage.gamma, gae_lambda=c.advantage.lam,
-        clip_range=c.objective.clip_eps_low or 0.2, normalize_advantage=c.advantage.normalize, ent_coef=c.ent_coef,
-        vf_coef=c.vf_coef, max_grad_norm=c.optim.max_grad_norm, target_kl=c.objective.target_kl, seed=seed,
+        "MlpPolicy",
+        venv,
+        learning_rate=c.optim.lr,
+        n_steps=e.steps_per_env,
+        batch_size=c.batch.mini_batch_size,
+        n_epochs=c.batch.inner_epochs,
+        gamma=c.advantage.gamma,
+        gae_lambda=c.advantage.lam,
+        clip_range=c.objective.clip_eps_low or 0.2,
+        normalize_advantage=c.advantage.normalize,
+        ent_coef=c.ent_coef,
+        vf_coef=c.vf_coef,
+        max_grad_norm=c.optim.max_grad_norm,
+        target_kl=c.objective.target_kl,
+        seed=seed,
         device="cpu",
-        policy_kwargs={"net_arch": {"pi": [p.hidden] * p.depth, "vf": [c.critic.hidden] * c.critic.depth},
-                       "activation_fn": activation, "log_std_init": p.log_std_init, "ortho_init": p.ortho_init},
-    )  # fmt: skip
+        policy_kwargs={
+            "net_arch": {"pi": [p.hidden] * p.depth, "vf": [c.critic.hidden] * c.critic.depth},
+            "activation_fn": activation,
+            "log_std_init": p.log_std_init,
+            "ortho_init": p.ortho_init,
+        },
+    )
     budget = c.run.epochs * e.num_envs * e.steps_per_env  # whole rollouts, as flowrl's epochs
     curve = _curve_callback()
     start = time.time()
     model.learn(budget, callback=curve)
     train_s = time.time() - start
-    row = {"return": _sb3_eval(model, venv, c), "train_s": train_s, "env_steps": int(model.num_timesteps),
-           "curve": curve.points}  # fmt: skip
+    row = {
+        "return": _sb3_eval(model, venv, c),
+        "train_s": train_s,
+        "env_steps": int(model.num_timesteps),
+        "curve": curve.points,
+    }
     if env == "bimodal":
         from flowrl.control.bimodal import bimodal_metrics
 
@@ -202,8 +239,10 @@ def single(env: str, method: str, seed: int, steps: int, out: Path) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| environment | budget | method | final return (mean ± std) | SE | seeds | train wall s | env-steps/s |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| environment | budget | method | final return (mean ± std) | SE | seeds | train wall s | env-steps/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for env in dict.fromkeys(r["env"] for r in rows):
         for method in METHODS:
             group = [r for r in rows if r["env"] == env and r["method"] == method]
@@ -211,9 +250,11 @@ def table(rows: list[dict]) -> str:
                 continue
             ret = np.array([r["return"] for r in group])
             se = ret.std(ddof=1) / np.sqrt(len(ret)) if len(ret) > 1 else float("nan")
-            lines.append(f"| {env} | {group[0]['budget'] // 1000}k | {LABELS[method]} | {ret.mean():.1f} ± "
-                         f"{ret.std():.1f} | {se:.1f} | {len(group)} | {np.mean([r['train_s'] for r in group]):.0f} | "
-                         f"{np.mean([r['env_steps_per_s'] for r in group]):.0f} |")  # fmt: skip
+            lines.append(
+                f"| {env} | {group[0]['budget'] // 1000}k | {LABELS[method]} | {ret.mean():.1f} ± "
+                f"{ret.std():.1f} | {se:.1f} | {len(group)} | {np.mean([r['train_s'] for r in group]):.0f} | "
+                f"{np.mean([r['env_steps_per_s'] for r in group]):.0f} |"
+            )
     bimodal = [r for r in rows if r["env"] == "bimodal"]
     if bimodal:
         header = "| bimodal probes | saddle_up P(a_y > 0) at (x, 0) | top_fraction from (0, 0) | success from (0, 0) |"
@@ -310,8 +351,12 @@ def main() -> int:
         env, method, seed, steps = args.single
         single(env, method, int(seed), int(steps), runs / f"{env}_{method}_seed{seed}")
         return 0
-    jobs = [(env, method, int(seed), args.steps or ENVS[env]) for env in args.envs.split(",")
-            for seed in args.seeds.split(",") for method in args.methods.split(",")]  # fmt: skip
+    jobs = [
+        (env, method, int(seed), args.steps or ENVS[env])
+        for env in args.envs.split(",")
+        for seed in args.seeds.split(",")
+        for method in args.methods.split(",")
+    ]
     # the slowest first, so the parallel slots stay busy
     order = sorted(jobs, key=lambda j: -j[3] * {"dppo": 3, "fpo": 2}.get(j[1], 1))
     pending, running, rows = list(order), [], []
@@ -341,8 +386,11 @@ def main() -> int:
                 continue
             row = json.loads(result.read_text())
             rows.append(row)
-            print(f"{job[0]:12s} {job[1]:5s} seed {job[2]}: return {row['return']:9.1f}  {row['train_s']:6.0f} s  "
-                  f"{row['env_steps_per_s']:6.0f} steps/s", flush=True)  # fmt: skip
+            print(
+                f"{job[0]:12s} {job[1]:5s} seed {job[2]}: return {row['return']:9.1f}  {row['train_s']:6.0f} s  "
+                f"{row['env_steps_per_s']:6.0f} steps/s",
+                flush=True,
+            )
     rows.sort(key=lambda r: (list(ENVS).index(r["env"]), METHODS.index(r["method"]), r["seed"]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -129,8 +129,12 @@ def main():
 
     with ThreadPoolExecutor(args.jobs) as pool:
         clones = dict(pool.map(bc, seeds))
-        jobs = {(s, t, kind): pool.submit(rl, s, t, clones[s] if kind == "finetune" else None)
-                for s in seeds for t in trainers for kind in ("finetune", "scratch")}  # fmt: skip
+        jobs = {
+            (s, t, kind): pool.submit(rl, s, t, clones[s] if kind == "finetune" else None)
+            for s in seeds
+            for t in trainers
+            for kind in ("finetune", "scratch")
+        }
         folders = {key: job.result() for key, job in jobs.items()}
 
     rows = []
@@ -139,13 +143,29 @@ def main():
         for trainer in trainers:
             for kind in ("finetune", "scratch"):
                 points = curve(folders[(seed, trainer, kind)])
-                rows.append({"seed": seed, "trainer": trainer, "start": kind, "bc_return": clone,
-                             "final_return": points[-1][1], "curve": points,
-                             "steps_to_beat_bc": first_reach(points[1:], clone)})  # fmt: skip
-    result = {"benchmark": "control_finetune", "env": "Pendulum-v1", "expert_return": expert_return,
-              "demonstrations": {"episodes": args.episodes, "noise": args.noise}, "bc_epochs": args.bc_epochs,
-              "steps": args.steps, "seeds": seeds, "wall_s": round(time.time() - start), "rows": rows,
-              "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+                rows.append(
+                    {
+                        "seed": seed,
+                        "trainer": trainer,
+                        "start": kind,
+                        "bc_return": clone,
+                        "final_return": points[-1][1],
+                        "curve": points,
+                        "steps_to_beat_bc": first_reach(points[1:], clone),
+                    }
+                )
+    result = {
+        "benchmark": "control_finetune",
+        "env": "Pendulum-v1",
+        "expert_return": expert_return,
+        "demonstrations": {"episodes": args.episodes, "noise": args.noise},
+        "bc_epochs": args.bc_epochs,
+        "steps": args.steps,
+        "seeds": seeds,
+        "wall_s": round(time.time() - start),
+        "rows": rows,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     write_result(result, args.out, markdown(result))
 
 
@@ -170,8 +190,10 @@ def markdown(result: dict) -> str:
             reached = [r["steps_to_beat_bc"] for r in mine if r["steps_to_beat_bc"] is not None]
             start = "BC clone" if kind == "finetune" else "scratch"
             final = mean_sd([r["final_return"] for r in mine])
-            lines.append(f"| {trainer} | {start} | {final} | {above}/{len(mine)} | {len(reached)}/{len(mine)} "
-                         f"| {mean_sd(reached)} |")  # fmt: skip
+            lines.append(
+                f"| {trainer} | {start} | {final} | {above}/{len(mine)} | {len(reached)}/{len(mine)} "
+                f"| {mean_sd(reached)} |"
+            )
     return "\n".join(lines) + "\n"
 
 

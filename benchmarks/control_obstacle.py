@@ -30,8 +30,19 @@ from flowrl.control.obstacle import obstacle_metrics, scripted_demonstrations  #
 
 def train(demos: Path, actor: str, seed: int, out: Path) -> Path:
     config = str(ROOT / "configs" / "control" / "obstacle_bc.yaml")
-    flowrl("train", config, "--set", f"demonstrations={demos}", "--set", f"actor={actor}", "--set", f"run.seed={seed}",
-           "--output-dir", str(out), "--overwrite")  # fmt: skip
+    flowrl(
+        "train",
+        config,
+        "--set",
+        f"demonstrations={demos}",
+        "--set",
+        f"actor={actor}",
+        "--set",
+        f"run.seed={seed}",
+        "--output-dir",
+        str(out),
+        "--overwrite",
+    )
     return out
 
 
@@ -46,8 +57,10 @@ def measure(run: Path, episodes: int) -> dict:
     def deterministic(obs, generator):
         return actor.act(obs, generator, deterministic=True)
 
-    return {"sampled": obstacle_metrics(sampled, seed=1, episodes=episodes),
-            "deterministic": obstacle_metrics(deterministic, seed=1, episodes=episodes)}  # fmt: skip
+    return {
+        "sampled": obstacle_metrics(sampled, seed=1, episodes=episodes),
+        "deterministic": obstacle_metrics(deterministic, seed=1, episodes=episodes),
+    }
 
 
 def main():
@@ -68,11 +81,20 @@ def main():
         jobs = {(a, s): pool.submit(train, path, a, s, runs / f"{a}_{s}") for a in ("flow", "gaussian") for s in seeds}
         folders = {key: job.result() for key, job in jobs.items()}
     rows = [{"actor": a, "seed": s, **measure(folders[(a, s)], args.eval_episodes)} for (a, s) in folders]
-    result = {"benchmark": "control_obstacle", "env": "flowrl/ObstaclePointMass-v0", "seeds": seeds,
-              "demonstrations": {"episodes": args.episodes, "transitions": len(demos),
-                                 "expert_success": float(demos.episode_returns.mean())},
-              "eval_episodes": args.eval_episodes, "rows": rows, "wall_s": round(time.time() - start),
-              "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    result = {
+        "benchmark": "control_obstacle",
+        "env": "flowrl/ObstaclePointMass-v0",
+        "seeds": seeds,
+        "demonstrations": {
+            "episodes": args.episodes,
+            "transitions": len(demos),
+            "expert_success": float(demos.episode_returns.mean()),
+        },
+        "eval_episodes": args.eval_episodes,
+        "rows": rows,
+        "wall_s": round(time.time() - start),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     write_result(result, args.out, markdown(result))
 
 
@@ -93,8 +115,10 @@ def markdown(result: dict) -> str:
     for actor in ("flow", "gaussian"):
         for mode in ("sampled", "deterministic"):
             mine = [r[mode] for r in result["rows"] if r["actor"] == actor]
-            lines.append(f"| {actor} | {mode} | {stat([m['success'] for m in mine])} | "
-                         f"{stat([m['collided'] for m in mine])} | {stat([m['above'] for m in mine])} |")  # fmt: skip
+            lines.append(
+                f"| {actor} | {mode} | {stat([m['success'] for m in mine])} | "
+                f"{stat([m['collided'] for m in mine])} | {stat([m['above'] for m in mine])} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -36,9 +36,26 @@ sys.path.insert(0, str(ROOT))
 from flowrl import ablate  # noqa: E402
 
 
-TRAINERS = ["flow_grpo", "grpo_guard", "loop", "dpok", "find", "acflow", "mix_grpo", "mix_grpo_flash",
-            "flow_grpo_fast", "dance_grpo", "tempflow_grpo", "diffusion_nft", "awm", "image_fpo", "diffusion_dpo",
-            "dgpo", "flow_dppo", "gardo"]  # fmt: skip
+TRAINERS = [
+    "flow_grpo",
+    "grpo_guard",
+    "loop",
+    "dpok",
+    "find",
+    "acflow",
+    "mix_grpo",
+    "mix_grpo_flash",
+    "flow_grpo_fast",
+    "dance_grpo",
+    "tempflow_grpo",
+    "diffusion_nft",
+    "awm",
+    "image_fpo",
+    "diffusion_dpo",
+    "dgpo",
+    "flow_dppo",
+    "gardo",
+]
 METRICS = ["eval/digits_accuracy", "eval/digits_gold", "eval/digits_realism", "eval/diversity", "eval/reward"]
 
 
@@ -75,16 +92,25 @@ def main():
     seeds = [int(s) for s in args.seeds.split(",")]
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.beside_busy_loop else None
     try:
-        rows = ablate.run(configs, seeds=seeds, output_dir=args.runs, skip_done=args.keep,
-                          overrides=[f"eval.every={args.eval_every}"] if args.eval_every else [],
-                          threshold=("eval/digits_alignment", args.threshold))  # fmt: skip
+        rows = ablate.run(
+            configs,
+            seeds=seeds,
+            output_dir=args.runs,
+            skip_done=args.keep,
+            overrides=[f"eval.every={args.eval_every}"] if args.eval_every else [],
+            threshold=("eval/digits_alignment", args.threshold),
+        )
     finally:
         if loop is not None:
             loop.kill()
-    stamp = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-             "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),
-             "quiet_machine": not (args.busy or args.beside_busy_loop),
-             "beside_busy_loop": args.beside_busy_loop}  # fmt: skip
+    stamp = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "quiet_machine": not (args.busy or args.beside_busy_loop),
+        "beside_busy_loop": args.beside_busy_loop,
+    }
     rows = [{**row, **stamp} for row in rows]
     existing = Path(args.out + ".json")
     if args.merge and existing.is_file():
@@ -129,8 +155,7 @@ def provenance(rows: list[dict]) -> str:
         else:
             where = ""
         runs.setdefault((date, where), []).append(row["variant"])
-    lines = [f"- {date}{where}: {', '.join(dict.fromkeys(names))}"
-             for (date, where), names in sorted(runs.items())]  # fmt: skip
+    lines = [f"- {date}{where}: {', '.join(dict.fromkeys(names))}" for (date, where), names in sorted(runs.items())]
     return "Runs:\n" + "\n".join(lines) + "\n"
 
 

@@ -51,8 +51,24 @@ CONFIG = ROOT / "configs" / "llm" / "arith_grpo.yaml"
 
 SHARED = ["grpo", "dapo", "dr_grpo", "gspo", "sapo", "cispo"]
 """Objectives other libraries (trl, verl) have too."""
-SEED_PAPERS = ["bapo", "dcpo", "dcpo_sas", "ce_gppo", "pspo", "aspo", "minpro", "high_entropy", "dispo", "troll",
-               "humanline", "vcpo", "trpa", "reg_grpo", "gtpo", "st_ppo"]  # fmt: skip
+SEED_PAPERS = [
+    "bapo",
+    "dcpo",
+    "dcpo_sas",
+    "ce_gppo",
+    "pspo",
+    "aspo",
+    "minpro",
+    "high_entropy",
+    "dispo",
+    "troll",
+    "humanline",
+    "vcpo",
+    "trpa",
+    "reg_grpo",
+    "gtpo",
+    "st_ppo",
+]
 """Objectives of papers no other library implements."""
 VARIANTS = {
     "dcpo_sas": ["objective.name=dcpo", "advantage.estimator=sas"],
@@ -79,11 +95,11 @@ TRL_CASES = {
     "gspo": (
         {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon_low": 3e-4, "epsilon_high": 4e-4},
         {},
-    ),  # fmt: skip
+    ),
     "luspo": (
         {"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon_low": 2e-3, "epsilon_high": 2.5e-3},
         {},
-    ),  # fmt: skip
+    ),
     "vespo": ({"loss_type": "vespo"}, {}),
 }
 TRL_LABELS = {"gspo": "gspo (grpo, sequence level)", "luspo": "luspo (sequence level)"}
@@ -96,9 +112,17 @@ TRL_LABELS = {"gspo": "gspo (grpo, sequence level)", "luspo": "luspo (sequence l
 
 def overrides(objective: str, seed: int, epochs: int, inner_epochs: int) -> list[str]:
     name = VARIANTS.get(objective, [f"objective.name={objective}"])
-    return [*name, f"run.seed={seed}", f"run.epochs={epochs}",
-            f"batch.inner_epochs={inner_epochs}", "eval.every=0", "run.log_with=[]", "run.threads=1",
-            "run.save_every=0", "run.samples_every=0"]  # fmt: skip
+    return [
+        *name,
+        f"run.seed={seed}",
+        f"run.epochs={epochs}",
+        f"batch.inner_epochs={inner_epochs}",
+        "eval.every=0",
+        "run.log_with=[]",
+        "run.threads=1",
+        "run.save_every=0",
+        "run.samples_every=0",
+    ]
 
 
 def run_accuracy(objective: str, seed: int, epochs: int, inner_epochs: int, out: Path) -> dict:
@@ -140,8 +164,11 @@ def paper(objective: str) -> str:
 
 
 def accuracy_table(rows: list[dict], objectives: list[str]) -> str:
-    lines = ["| objective | paper | in other libraries | start acc | final acc (mean ± std) | per seed | "
-             "clip frac | train s | wall s |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| objective | paper | in other libraries | start acc | final acc (mean ± std) | per seed | "
+        "clip frac | train s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in objectives:
         group = [r for r in rows if r["objective"] == name]
         if not group:
@@ -151,9 +178,11 @@ def accuracy_table(rows: list[dict], objectives: list[str]) -> str:
         start = np.mean([r["start_acc"] for r in group])
         clip_cell = f"{np.mean(clip):.3f}" if clip else "-"
         train_s, wall_s = np.mean([r["train_s"] for r in group]), np.mean([r["wall_s"] for r in group])
-        lines.append(f"| {name} | {paper(name)} | {'yes' if name in SHARED else 'no'} | {start:.3f} | "
-                     f"{final.mean():.3f} ± {final.std():.3f} | {', '.join(f'{a:.3f}' for a in final)} | "
-                     f"{clip_cell} | {train_s:.0f} | {wall_s:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {paper(name)} | {'yes' if name in SHARED else 'no'} | {start:.3f} | "
+            f"{final.mean():.3f} ± {final.std():.3f} | {', '.join(f'{a:.3f}' for a in final)} | "
+            f"{clip_cell} | {train_s:.0f} | {wall_s:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -175,8 +204,17 @@ def accuracy_part(args, runs: Path) -> tuple[list[dict], list[str]]:
     while pending or running:
         while pending and len(running) < args.jobs:
             job = pending.pop(0)
-            cmd = [sys.executable, __file__, "--runs", str(runs), "--single", job[0], str(job[1]), str(args.epochs),
-                   str(args.inner_epochs)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--runs",
+                str(runs),
+                "--single",
+                job[0],
+                str(job[1]),
+                str(args.epochs),
+                str(args.inner_epochs),
+            ]
             log = open(runs / f"{job[0]}_seed{job[1]}.log", "w")
             running.append((job, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
         time.sleep(0.5)
@@ -193,8 +231,11 @@ def accuracy_part(args, runs: Path) -> tuple[list[dict], list[str]]:
                 continue
             row = json.loads(result.read_text())
             rows.append(row)
-            print(f"{job[0]:13s} seed {job[1]}: acc {row['start_acc']:.3f} -> {row['final_acc']:.3f}  "
-                  f"{row['wall_s']:5.0f} s", flush=True)  # fmt: skip
+            print(
+                f"{job[0]:13s} seed {job[1]}: acc {row['start_acc']:.3f} -> {row['final_acc']:.3f}  "
+                f"{row['wall_s']:5.0f} s",
+                flush=True,
+            )
     rows.sort(key=lambda r: (objectives.index(r["objective"]), r["seed"]))
     return rows, failed
 
@@ -228,19 +269,45 @@ def _tiny_trainers(folder: Path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2 * K,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=None)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2 * K,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     twin = copy.deepcopy(model)
     data = Dataset.from_dict({"prompt": ["abc", "xyz"]})
-    common = dict(report_to=[], use_cpu=True, per_device_train_batch_size=2, num_generations=2,
-                  max_completion_length=K, gradient_accumulation_steps=1, save_strategy="no")  # fmt: skip
-    ref = GRPOTrainer(model, reward_funcs=_reward, args=GRPOConfig(output_dir=str(folder / "trl"), **common),
-                      train_dataset=data, processing_class=tokenizer)  # fmt: skip
-    ours = FlowrlGRPOTrainer(twin, reward_funcs=_reward, processing_class=tokenizer, train_dataset=data,
-                             args=FlowrlGRPOConfig(output_dir=str(folder / "flowrl"), **common))  # fmt: skip
+    common = dict(
+        report_to=[],
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=K,
+        gradient_accumulation_steps=1,
+        save_strategy="no",
+    )
+    ref = GRPOTrainer(
+        model,
+        reward_funcs=_reward,
+        args=GRPOConfig(output_dir=str(folder / "trl"), **common),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    ours = FlowrlGRPOTrainer(
+        twin,
+        reward_funcs=_reward,
+        processing_class=tokenizer,
+        train_dataset=data,
+        args=FlowrlGRPOConfig(output_dir=str(folder / "flowrl"), **common),
+    )
     for trainer in (ref, ours):
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
@@ -285,12 +352,19 @@ def _flowrl_settings(case: str, ref) -> dict:
 
     a = ref.args
     config = SimpleNamespace(
-        loss_type=ref.loss_type, epsilon=ref.epsilon_low, epsilon_high=ref.epsilon_high, delta=a.delta,
-        importance_sampling_level=ref.importance_sampling_level, max_completion_length=K,
-        sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
-        vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
+        loss_type=ref.loss_type,
+        epsilon=ref.epsilon_low,
+        epsilon_high=ref.epsilon_high,
+        delta=a.delta,
+        importance_sampling_level=ref.importance_sampling_level,
+        max_completion_length=K,
+        sapo_temperature_pos=a.sapo_temperature_pos,
+        sapo_temperature_neg=a.sapo_temperature_neg,
+        vespo_k_pos=a.vespo_k_pos,
+        vespo_lambda_pos=a.vespo_lambda_pos,
+        vespo_k_neg=a.vespo_k_neg,
         vespo_lambda_neg=a.vespo_lambda_neg,
-    )  # fmt: skip
+    )
     return trl_loss_as_objective(config)
 
 
@@ -346,8 +420,9 @@ def timing_part(args) -> dict:
             mask = inputs["completion_mask"].bool()
             kwargs = {**settings["objective_kwargs"]}
             start = time.perf_counter()
-            loss, _ = compute_policy_loss(settings["objective"], logp, inputs["old_per_token_logps"],
-                                          inputs["advantages"], mask, **kwargs)  # fmt: skip
+            loss, _ = compute_policy_loss(
+                settings["objective"], logp, inputs["old_per_token_logps"], inputs["advantages"], mask, **kwargs
+            )
             loss.backward()
             return time.perf_counter() - start
 
@@ -364,8 +439,11 @@ def timing_part(args) -> dict:
             clip_kwargs = dict(ours.args.objective_kwargs)
             full_kwargs = {**clip_kwargs, "diagnostics": "full"}
             for i in range(args.warmup + args.repeats):
-                order = [("flowrl", ours, FlowrlGRPOTrainer._compute_loss), ("trl", ref, GRPOTrainer._compute_loss),
-                         ("flowrl_full", ours, FlowrlGRPOTrainer._compute_loss)]  # fmt: skip
+                order = [
+                    ("flowrl", ours, FlowrlGRPOTrainer._compute_loss),
+                    ("trl", ref, GRPOTrainer._compute_loss),
+                    ("flowrl_full", ours, FlowrlGRPOTrainer._compute_loss),
+                ]
                 for side, trainer, fn in order if i % 2 == 0 else order[::-1]:
                     ours.args.objective_kwargs = full_kwargs if side == "flowrl_full" else clip_kwargs
                     elapsed = call(trainer, fn, inputs, base, entropy)[0]
@@ -376,28 +454,55 @@ def timing_part(args) -> dict:
                     times["core"].append(elapsed)
             ours.args.objective_kwargs = clip_kwargs
             med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-            row = {"loss_type": case, "flowrl_objective": settings["objective"],
-                   "flowrl_kwargs": settings["objective_kwargs"], "flowrl_ms": med["flowrl"], "trl_ms": med["trl"],
-                   "flowrl_full_ms": med["flowrl_full"], "core_ms": med["core"], "ratio": med["flowrl"] / med["trl"],
-                   "ratio_full": med["flowrl_full"] / med["trl"], "loss_rel_err": loss_err,
-                   "grad_rel_err": grad_err, "match": ok, "loss": float(loss_ref)}  # fmt: skip
+            row = {
+                "loss_type": case,
+                "flowrl_objective": settings["objective"],
+                "flowrl_kwargs": settings["objective_kwargs"],
+                "flowrl_ms": med["flowrl"],
+                "trl_ms": med["trl"],
+                "flowrl_full_ms": med["flowrl_full"],
+                "core_ms": med["core"],
+                "ratio": med["flowrl"] / med["trl"],
+                "ratio_full": med["flowrl_full"] / med["trl"],
+                "loss_rel_err": loss_err,
+                "grad_rel_err": grad_err,
+                "match": ok,
+                "loss": float(loss_ref),
+            }
             rows.append(row)
-            print(f"{case:8s} flowrl {med['flowrl']:7.2f} ms  trl {med['trl']:7.2f} ms  ratio {row['ratio']:.2f}  "
-                  f"full diagnostics {med['flowrl_full']:7.2f} ms ({row['ratio_full']:.2f})  "
-                  f"core {med['core']:6.2f} ms  {'match' if ok else 'MISMATCH'} (loss {loss_err:.1e}, grad "
-                  f"{grad_err:.1e})", flush=True)  # fmt: skip
-    meta = {"B": B, "K": K, "dtype": "fp32", "device": "cpu", "threads": args.threads, "repeats": args.repeats,
-            "warmup": args.warmup, "torch": torch.__version__, "trl": __import__("trl").__version__}  # fmt: skip
+            print(
+                f"{case:8s} flowrl {med['flowrl']:7.2f} ms  trl {med['trl']:7.2f} ms  ratio {row['ratio']:.2f}  "
+                f"full diagnostics {med['flowrl_full']:7.2f} ms ({row['ratio_full']:.2f})  "
+                f"core {med['core']:6.2f} ms  {'match' if ok else 'MISMATCH'} (loss {loss_err:.1e}, grad "
+                f"{grad_err:.1e})",
+                flush=True,
+            )
+    meta = {
+        "B": B,
+        "K": K,
+        "dtype": "fp32",
+        "device": "cpu",
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "torch": torch.__version__,
+        "trl": __import__("trl").__version__,
+    }
     return {"meta": meta, "rows": rows}
 
 
 def timing_table(timing: dict) -> str:
-    lines = ["| loss type | flowrl objective | flowrl ms | trl ms | ratio flowrl/trl | flowrl, full diagnostics ms "
-             "(ratio) | bare core ms | values match |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| loss type | flowrl objective | flowrl ms | trl ms | ratio flowrl/trl | flowrl, full diagnostics ms "
+        "(ratio) | bare core ms | values match |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in timing["rows"]:
-        lines.append(f"| {TRL_LABELS.get(r['loss_type'], r['loss_type'])} | {r['flowrl_objective']} | "
-                     f"{r['flowrl_ms']:.2f} | {r['trl_ms']:.2f} | {r['ratio']:.2f} | {r['flowrl_full_ms']:.2f} "
-                     f"({r['ratio_full']:.2f}) | {r['core_ms']:.2f} | {'yes' if r['match'] else 'NO'} |")  # fmt: skip
+        lines.append(
+            f"| {TRL_LABELS.get(r['loss_type'], r['loss_type'])} | {r['flowrl_objective']} | "
+            f"{r['flowrl_ms']:.2f} | {r['trl_ms']:.2f} | {r['ratio']:.2f} | {r['flowrl_full_ms']:.2f} "
+            f"({r['ratio_full']:.2f}) | {r['core_ms']:.2f} | {'yes' if r['match'] else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
@@ -430,8 +535,10 @@ def markdown(data: dict) -> str:
             by_day = {}
             for name, day in dates.items():
                 by_day.setdefault(day, []).append(name)
-            parts += ["", "Run on: " + "; ".join(f"{day}: {', '.join(names)}" for day, names in sorted(by_day.items()))
-                      + "."]  # fmt: skip
+            parts += [
+                "",
+                "Run on: " + "; ".join(f"{day}: {', '.join(names)}" for day, names in sorted(by_day.items())) + ".",
+            ]
         if acc.get("failed"):
             parts += ["", f"Failed runs: {', '.join(acc['failed'])}."]
     timing = data.get("timing")
@@ -494,10 +601,17 @@ def main() -> int:
     ok = True
     if "accuracy" in parts:
         rows, failed = accuracy_part(args, runs)
-        meta = {"objectives": args.objectives.split(","), "seeds": [int(s) for s in args.seeds.split(",")],
-                "epochs": args.epochs, "inner_epochs": args.inner_epochs, "jobs": args.jobs, "threads_per_job": 1,
-                "overrides": overrides("<objective>", "<seed>", args.epochs, args.inner_epochs),
-                "cpu": _cpu(), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+        meta = {
+            "objectives": args.objectives.split(","),
+            "seeds": [int(s) for s in args.seeds.split(",")],
+            "epochs": args.epochs,
+            "inner_epochs": args.inner_epochs,
+            "jobs": args.jobs,
+            "threads_per_job": 1,
+            "overrides": overrides("<objective>", "<seed>", args.epochs, args.inner_epochs),
+            "cpu": _cpu(),
+            "date": time.strftime("%Y-%m-%d"),
+        }
         stored = data.get("accuracy")
         if stored and all(stored["meta"].get(k) == meta[k] for k in ("seeds", "epochs", "inner_epochs")):
             rows, meta = _merge(stored, rows, meta)  # a subset of objectives replaces their rows only
@@ -520,8 +634,11 @@ def _merge(stored: dict, rows: list[dict], meta: dict) -> tuple[list[dict], dict
     new = meta["objectives"]
     old = stored["meta"]["objectives"]
     dates = stored["meta"].get("dates") or {o: stored["meta"]["date"] for o in old}
-    meta = {**meta, "objectives": [*old, *(o for o in new if o not in old)],
-            "dates": {**dates, **{o: meta["date"] for o in new}}}  # fmt: skip
+    meta = {
+        **meta,
+        "objectives": [*old, *(o for o in new if o not in old)],
+        "dates": {**dates, **{o: meta["date"] for o in new}},
+    }
     return [r for r in stored["runs"] if r["objective"] not in new] + rows, meta
 
 

@@ -53,19 +53,33 @@ def bench_model(name, pipe, guidance, batch, steps, repeats):
 
     def pipeline_call():
         with torch.no_grad():
-            pipe(prompts, num_inference_steps=steps, guidance_scale=guidance, output_type="pt",
-                 generator=torch.Generator().manual_seed(0), max_sequence_length=16, **size)  # fmt: skip
+            pipe(
+                prompts,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                output_type="pt",
+                generator=torch.Generator().manual_seed(0),
+                max_sequence_length=16,
+                **size,
+            )
 
     def rollout_warm():
-        policy.rollout(prompts, num_steps=steps, guidance_scale=guidance, sampler="flow_sde",
-                       generator=torch.Generator().manual_seed(0), **size)  # fmt: skip
+        policy.rollout(
+            prompts,
+            num_steps=steps,
+            guidance_scale=guidance,
+            sampler="flow_sde",
+            generator=torch.Generator().manual_seed(0),
+            **size,
+        )
 
     def rollout_cold():
         policy.clear_text_cache()
         rollout_warm()
 
-    sample = interleaved({"pipeline": pipeline_call, "rollout_cold": rollout_cold, "rollout_warm": rollout_warm},
-                         repeats)  # fmt: skip
+    sample = interleaved(
+        {"pipeline": pipeline_call, "rollout_cold": rollout_cold, "rollout_warm": rollout_warm}, repeats
+    )
 
     generator = torch.Generator().manual_seed(0)
     rollout = policy.rollout(prompts, num_steps=steps, guidance_scale=guidance, generator=generator, **size)
@@ -115,16 +129,25 @@ def main():
         bench_model("tiny_sd3", tiny_sd3(), 4.5, args.batch, args.steps, args.repeats),
         bench_model("tiny_flux", tiny_flux(), 3.5, args.batch, args.steps, args.repeats),
     ]
-    result = {"benchmark": "policy_bench", "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "machine": platform.processor() or platform.machine(), "rows": rows}  # fmt: skip
+    result = {
+        "benchmark": "policy_bench",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"{'model':<10}{'pipeline s':>12}{'rollout cold':>14}{'ratio':>7}{'rollout warm':>14}{'ratio':>7}"
-          f"{'forward ms':>12}{'score ms':>10}{'ratio':>7}")  # fmt: skip
+    print(
+        f"{'model':<10}{'pipeline s':>12}{'rollout cold':>14}{'ratio':>7}{'rollout warm':>14}{'ratio':>7}"
+        f"{'forward ms':>12}{'score ms':>10}{'ratio':>7}"
+    )
     for r in rows:
-        print(f"{r['model']:<10}{r['pipeline_s']:>12.4f}{r['rollout_cold_s']:>14.4f}{r['rollout_cold_ratio']:>7.3f}"
-              f"{r['rollout_warm_s']:>14.4f}{r['rollout_warm_ratio']:>7.3f}{r['forward_ms']:>12.2f}"
-              f"{r['score_ms']:>10.2f}{r['score_ratio']:>7.3f}")  # fmt: skip
+        print(
+            f"{r['model']:<10}{r['pipeline_s']:>12.4f}{r['rollout_cold_s']:>14.4f}{r['rollout_cold_ratio']:>7.3f}"
+            f"{r['rollout_warm_s']:>14.4f}{r['rollout_warm_ratio']:>7.3f}{r['forward_ms']:>12.2f}"
+            f"{r['score_ms']:>10.2f}{r['score_ratio']:>7.3f}"
+        )
     print(f"targets: rollout <= 1.05 x pipeline, score <= 1.10 x forward; written to {args.out}")
 
 

@@ -65,19 +65,26 @@ def old_implementation(ref: str, folder: Path) -> None:
     (the old client is not registered as a reward: the registry has this checkout's `http`)."""
     for name in ("http", "server"):
         try:
-            text = subprocess.run(["git", "show", f"{ref}:rewards/{name}.py"], cwd=ROOT, check=True,
-                                  capture_output=True, text=True).stdout  # fmt: skip
+            text = subprocess.run(
+                ["git", "show", f"{ref}:rewards/{name}.py"], cwd=ROOT, check=True, capture_output=True, text=True
+            ).stdout
         except subprocess.CalledProcessError as err:
-            raise SystemExit(f"reward_server_bench: cannot read rewards/{name}.py at {ref}: "
-                             f"{err.stderr.strip()}") from None  # fmt: skip
+            raise SystemExit(
+                f"reward_server_bench: cannot read rewards/{name}.py at {ref}: {err.stderr.strip()}"
+            ) from None
         text = text.replace("from flowrl.rewards.http import", "from old_http import")
         text = "\n".join(line for line in text.splitlines() if not line.startswith("@register("))
         (folder / f"old_{name}.py").write_text(text + "\n")
 
 
 def start_server(impl: str, folder: Path, reward: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-c", SERVER, impl, str(folder), reward], stdout=subprocess.PIPE,
-                               text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVER, impl, str(folder), reward],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     url = process.stdout.readline().strip()
     if not url.startswith("http://"):
         process.kill()
@@ -85,8 +92,9 @@ def start_server(impl: str, folder: Path, reward: str) -> tuple[subprocess.Popen
     return process, url
 
 
-def client(impl: str, url: str, size: int, batch: int, fmt: str, start_at: float, end_at: float, seed: int,
-           results) -> None:  # fmt: skip
+def client(
+    impl: str, url: str, size: int, batch: int, fmt: str, start_at: float, end_at: float, seed: int, results
+) -> None:
     """One client process: the same batch in a loop from `start_at` until `end_at`; puts `(requests as (start, end,
     whether it was the first), errors)` on `results`."""
     import torch
@@ -120,8 +128,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(round(q / 100 * (len(ordered) - 1))), len(ordered) - 1)]
 
 
-def measure(impl: str, url: str, size: int, clients: int, batch: int, fmt: str, warmup: float,
-            seconds: float) -> dict:  # fmt: skip
+def measure(impl: str, url: str, size: int, clients: int, batch: int, fmt: str, warmup: float, seconds: float) -> dict:
     """One implementation on one case: `clients` forked processes, measured over one window of `seconds` that
     starts `warmup` seconds after they start. A request counts for the part of it inside the window (images/s
     is unbiased however long a request takes); the latencies are those of the requests that end in the window or
@@ -130,8 +137,10 @@ def measure(impl: str, url: str, size: int, clients: int, batch: int, fmt: str, 
     results = context.Queue()
     start_at = time.time() + 0.3  # every client starts together
     window = (start_at + warmup, start_at + warmup + seconds)
-    processes = [context.Process(target=client, args=(impl, url, size, batch, fmt, start_at, window[1], i, results))
-                 for i in range(clients)]  # fmt: skip
+    processes = [
+        context.Process(target=client, args=(impl, url, size, batch, fmt, start_at, window[1], i, results))
+        for i in range(clients)
+    ]
     for process in processes:
         process.start()
     gathered = [results.get(timeout=warmup + seconds + 600) for _ in processes]
@@ -139,47 +148,67 @@ def measure(impl: str, url: str, size: int, clients: int, batch: int, fmt: str, 
         process.join(timeout=30)
     requests = [r for found, _ in gathered for r in found]
     errors = [e for _, found in gathered for e in found]
-    inside = sum(batch * max(0.0, min(end, window[1]) - max(begin, window[0])) / max(end - begin, 1e-9)
-                 for begin, end, _ in requests)  # fmt: skip
+    inside = sum(
+        batch * max(0.0, min(end, window[1]) - max(begin, window[0])) / max(end - begin, 1e-9)
+        for begin, end, _ in requests
+    )
     timed = [r for r in requests if r[1] > window[0]]
     latencies = [end - begin for begin, end, first in timed if not first] or [end - begin for begin, end, _ in timed]
-    return {"server": impl, "size": size, "clients": clients, "batch": batch, "format": fmt,
-            "images_per_s": round(inside / seconds, 1),
-            "p50_ms": round(1000 * percentile(latencies, 50), 1),
-            "p99_ms": round(1000 * percentile(latencies, 99), 1),
-            "requests": len(latencies), "errors": len(errors),
-            "first_error": errors[0] if errors else None}  # fmt: skip
+    return {
+        "server": impl,
+        "size": size,
+        "clients": clients,
+        "batch": batch,
+        "format": fmt,
+        "images_per_s": round(inside / seconds, 1),
+        "p50_ms": round(1000 * percentile(latencies, 50), 1),
+        "p99_ms": round(1000 * percentile(latencies, 99), 1),
+        "requests": len(latencies),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+    }
 
 
 def table(rows: list[dict]) -> str:
     by = {(r["server"], r["size"], r["clients"], r["format"]): r for r in rows}
-    lines = ["| images | clients | format | old images/s | new images/s | speed-up | old p50 / p99 ms | "
-             "new p50 / p99 ms |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| images | clients | format | old images/s | new images/s | speed-up | old p50 / p99 ms | new p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for (server, size, clients, fmt), old in by.items():
         new = by.get(("new", size, clients, fmt))
         if server != "old" or new is None:
             continue
         speedup = new["images_per_s"] / old["images_per_s"] if old["images_per_s"] else float("nan")
-        lines.append(f"| {old['batch']} x {size} px | {clients} | {fmt} | {old['images_per_s']:g} | "
-                     f"{new['images_per_s']:g} | {speedup:.2f}x | {old['p50_ms']:g} / {old['p99_ms']:g} | "
-                     f"{new['p50_ms']:g} / {new['p99_ms']:g} |")  # fmt: skip
+        lines.append(
+            f"| {old['batch']} x {size} px | {clients} | {fmt} | {old['images_per_s']:g} | "
+            f"{new['images_per_s']:g} | {speedup:.2f}x | {old['p50_ms']:g} / {old['p99_ms']:g} | "
+            f"{new['p50_ms']:g} / {new['p99_ms']:g} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old-ref", default="81f42df", help="the commit of the old server and client (81f42df)")
-    parser.add_argument("--reward", default="jpeg_compressibility",
-                        help="a registered reward both servers serve, or `mean` (default "
-                        "jpeg_compressibility)")  # fmt: skip
-    parser.add_argument("--cases", default="8x8,512x4", metavar="SIZExCLIENTS,...",
-                        help="image size x client processes (default 8x8,512x4)")  # fmt: skip
+    parser.add_argument(
+        "--reward",
+        default="jpeg_compressibility",
+        help="a registered reward both servers serve, or `mean` (default jpeg_compressibility)",
+    )
+    parser.add_argument(
+        "--cases",
+        default="8x8,512x4",
+        metavar="SIZExCLIENTS,...",
+        help="image size x client processes (default 8x8,512x4)",
+    )
     parser.add_argument("--formats", default="png,raw", help="png and/or raw (uint8 pixels); default both")
     parser.add_argument("--batch", type=int, default=16, help="images per request (16)")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per case (8)")
     parser.add_argument("--warmup", type=float, default=1.5, help="seconds per case not counted (1.5)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: 8 images per request, 1 s per case after 0.3 s of warm-up")  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 8 images per request, 1 s per case after 0.3 s of warm-up"
+    )
     parser.add_argument("--out", type=Path, default=OUT, help=f"the JSON report (default {OUT.relative_to(ROOT)})")
     args = parser.parse_args()
     if args.quick:
@@ -209,9 +238,12 @@ def main() -> None:
                     for impl, (_, url) in servers.items():
                         row = measure(impl, url, size, clients, args.batch, fmt, args.warmup, args.seconds)
                         rows.append(row)
-                        print(f"{impl} {size} px x {clients} clients, {fmt}: {row['images_per_s']:g} images/s, "
-                              f"p50 {row['p50_ms']:g} ms, p99 {row['p99_ms']:g} ms ({row['requests']} requests, "
-                              f"{row['errors']} errors)", flush=True)  # fmt: skip
+                        print(
+                            f"{impl} {size} px x {clients} clients, {fmt}: {row['images_per_s']:g} images/s, "
+                            f"p50 {row['p50_ms']:g} ms, p99 {row['p99_ms']:g} ms ({row['requests']} requests, "
+                            f"{row['errors']} errors)",
+                            flush=True,
+                        )
         finally:
             for process, _ in servers.values():
                 process.terminate()

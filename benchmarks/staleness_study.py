@@ -41,7 +41,7 @@ TASKS = {
             "flow_grpo": "configs/digits/flow_grpo.yaml",
             "grpo_guard": "configs/digits/grpo_guard.yaml",
             "diffusion_nft": "configs/digits/diffusion_nft.yaml",
-        },  # fmt: skip
+        },
         # 30 epochs each (the shipped Flow-GRPO and Guard recipes run 50): the budget of 36 runs on 2 cores
         "set": ["run.epochs=30", "eval.every=5"],
         "staleness": [0, 1, 4],  # 27 runs: about an hour on 2 cores
@@ -66,8 +66,16 @@ def train(config: str, extra: list[str], staleness: int, seed: int, folder: Path
     """One run in its own process on one torch thread (skipped when `folder` holds a finished one); its seconds."""
     if (folder / "summary.json").is_file():
         return 0.0
-    overrides = [*extra, "run.mode=async", "asynchrony.backend=inline", f"asynchrony.max_staleness={staleness}",
-                 f"run.seed={seed}", "run.save_every=0", "run.samples_every=0", "run.log_with=[]"]  # fmt: skip
+    overrides = [
+        *extra,
+        "run.mode=async",
+        "asynchrony.backend=inline",
+        f"asynchrony.max_staleness={staleness}",
+        f"run.seed={seed}",
+        "run.save_every=0",
+        "run.samples_every=0",
+        "run.log_with=[]",
+    ]
     cmd = [sys.executable, "-m", "flowrl", "train", str(ROOT / config), "--output-dir", str(folder), "--overwrite"]
     for item in overrides:
         cmd += ["--set", item]
@@ -85,12 +93,14 @@ def summarise(folder: Path, metric: str, gold: str | None) -> dict:
     train = [r for r in rows if "loss" in r]
     out = {
         "curve": evals,
-        "start": evals[0][1], "end": evals[-1][1], "peak": max(v for _, v in evals),
+        "start": evals[0][1],
+        "end": evals[-1][1],
+        "peak": max(v for _, v in evals),
         "clipfrac": statistics.fmean(r.get("clipfrac", 0.0) for r in train),
         "ratio_std": statistics.fmean(r.get("ratio_std", 0.0) for r in train),
         "nonfinite_steps": max(r.get("nonfinite_steps", 0) for r in train),
         "staleness": statistics.fmean(r["async/staleness"] for r in train),
-    }  # fmt: skip
+    }
     if gold:
         golds = [r[gold] for r in rows if gold in r]
         out.update(gold_start=golds[0], gold_end=golds[-1])
@@ -115,8 +125,13 @@ def table(results: dict) -> str:
         lines += [f"### {task}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for objective, by_staleness in cells.items():
             for staleness, runs in by_staleness.items():
-                row = [objective, staleness, _ms([r["start"] for r in runs]), _ms([r["end"] for r in runs]),
-                       _ms([r["peak"] for r in runs])]  # fmt: skip
+                row = [
+                    objective,
+                    staleness,
+                    _ms([r["start"] for r in runs]),
+                    _ms([r["end"] for r in runs]),
+                    _ms([r["peak"] for r in runs]),
+                ]
                 row += [_ms([r["gold_end"] for r in runs])] if gold else []
                 clip, spread = (statistics.fmean(r[k] for r in runs) for k in ("clipfrac", "ratio_std"))
                 row += [f"{sum(r['collapsed'] for r in runs)}/{len(runs)}", f"{clip:.4f}", f"{spread:.2e}"]
@@ -150,9 +165,14 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
         for objective, by_staleness in cells.items():
             xs = [int(s) for s in by_staleness]
             ends = [[r["end"] for r in runs] for runs in by_staleness.values()]
-            axes[0].errorbar(xs, [statistics.fmean(e) for e in ends],
-                             yerr=[statistics.stdev(e) if len(e) > 1 else 0 for e in ends], marker="o",
-                             capsize=3, label=objective)  # fmt: skip
+            axes[0].errorbar(
+                xs,
+                [statistics.fmean(e) for e in ends],
+                yerr=[statistics.stdev(e) if len(e) > 1 else 0 for e in ends],
+                marker="o",
+                capsize=3,
+                label=objective,
+            )
         axes[0].set_xlabel("staleness (versions)")
         axes[0].set_ylabel(f"final {metric}")
         axes[0].set_title(f"{task}: final {metric} (mean ± sd)")
@@ -188,20 +208,37 @@ def main(argv=None) -> None:
         for seed in seeds
     ]
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {job: pool.submit(train, job[2], TASKS[job[0]]["set"], job[3], job[4],
-                                    _folder(runs_dir, job[0], job[1], job[3], job[4])) for job in jobs}  # fmt: skip
+        futures = {
+            job: pool.submit(
+                train, job[2], TASKS[job[0]]["set"], job[3], job[4], _folder(runs_dir, job[0], job[1], job[3], job[4])
+            )
+            for job in jobs
+        }
         for job, future in futures.items():
             seconds = future.result()
             print(f"{job[0]:7s} {job[1]:14s} staleness {job[3]} seed {job[4]}: {seconds:.0f} s", flush=True)
     results = {
-        "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "jobs": args.jobs,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "jobs": args.jobs,
         "settings": {task: {"configs": TASKS[task]["configs"], "set": TASKS[task]["set"]} for task in tasks},
-        "tasks": {task: {objective: {str(s): [summarise(_folder(runs_dir, task, objective, s, seed),
-                                                        TASKS[task]["metric"], TASKS[task]["gold"]) for seed in seeds]
-                                     for s in stalenesses[task]} for objective in TASKS[task]["configs"]}
-                  for task in tasks},
-    }  # fmt: skip
+        "tasks": {
+            task: {
+                objective: {
+                    str(s): [
+                        summarise(
+                            _folder(runs_dir, task, objective, s, seed), TASKS[task]["metric"], TASKS[task]["gold"]
+                        )
+                        for seed in seeds
+                    ]
+                    for s in stalenesses[task]
+                }
+                for objective in TASKS[task]["configs"]
+            }
+            for task in tasks
+        },
+    }
     (out_dir / "staleness_study.json").write_text(json.dumps(results, indent=1))
     (out_dir / "staleness_study.md").write_text(table(results))
     plot(results, out_dir)

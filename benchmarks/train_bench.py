@@ -51,8 +51,9 @@ def network_work(trainer, collected, optimizer_steps: int) -> float:
         return lambda: trainer.policy.adapter.forward(x, t, c, cfg.sampling.guidance_scale, model=model)
 
     call = network_call(chunk)  # sampling: chunks of exactly `chunk` rows (padded)
-    batch = UpdateBatch(data=rollout, rows=collected.rows, size=n, advantages=torch.zeros(n),
-                        trainable=torch.ones(n, dtype=torch.bool))  # fmt: skip
+    batch = UpdateBatch(
+        data=rollout, rows=collected.rows, size=n, advantages=torch.zeros(n), trainable=torch.ones(n, dtype=torch.bool)
+    )
     index, _ = trainer.algorithm.elements(batch, 0)
     trained_steps = index.shape[1]
     # each optimizer step's mini-batch in micro-batches of `chunk` rows

@@ -32,8 +32,14 @@ def steps_per_s(env_id: str, trainer: str, num_envs: int, mode: str, epochs: int
     from flowrl.trainers import build_trainer, load_config
 
     steps = max(2048 // num_envs, 64)
-    overrides = [f"env.num_envs={num_envs}", f"env.steps_per_env={steps}", f"env.vectorization={mode}",
-                 "env.continue_episodes=true", "run.log_with=[]", "run.threads=1"]  # fmt: skip
+    overrides = [
+        f"env.num_envs={num_envs}",
+        f"env.steps_per_env={steps}",
+        f"env.vectorization={mode}",
+        "env.continue_episodes=true",
+        "run.log_with=[]",
+        "run.threads=1",
+    ]
     config = load_config(ROOT / "configs" / "control" / f"{CONFIG[env_id]}_{trainer}.yaml", overrides)
     built = build_trainer(config, output_dir=folder)
     collector = built.collector
@@ -73,12 +79,19 @@ def main() -> int:
                     medians = {mode: statistics.median(v) for mode, v in times.items()}
                     row = {"env": env_id, "trainer": trainer, "num_envs": n, **medians, "ratio": ratio}
                     rows.append(row)
-                    print(f"{env_id} {trainer} x{n}: sync {row['sync']:.0f}, async {row['async']:.0f} env-steps/s "
-                          f"({row['ratio']:.2f}x)", flush=True)  # fmt: skip
-    lines = ["| environment | trainer | envs | sync env-steps/s | async env-steps/s | async / sync |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['env']} | {r['trainer']} | {r['num_envs']} | {r['sync']:.0f} | {r['async']:.0f} | "
-              f"{r['ratio']:.2f} |" for r in rows]  # fmt: skip
+                    print(
+                        f"{env_id} {trainer} x{n}: sync {row['sync']:.0f}, async {row['async']:.0f} env-steps/s "
+                        f"({row['ratio']:.2f}x)",
+                        flush=True,
+                    )
+    lines = [
+        "| environment | trainer | envs | sync env-steps/s | async env-steps/s | async / sync |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['env']} | {r['trainer']} | {r['num_envs']} | {r['sync']:.0f} | {r['async']:.0f} | {r['ratio']:.2f} |"
+        for r in rows
+    ]
     meta = {"date": time.strftime("%Y-%m-%d"), "torch_threads": 1, "epochs": args.epochs, "pairs": args.pairs}
     write_result({"meta": meta, "rows": rows}, args.out, "\n".join(lines) + "\n")
     return 0

@@ -61,12 +61,18 @@ def load_study(path: str | Path) -> dict:
                     raise unknown_name_error("cell key", key, list(CELL_KEYS), where=f"in {path}")
             if not cell.get("name") or not cell.get("config"):
                 raise ConfigError(f"{path}: a named cell needs `name` and `config`, got {cell}")
-    grid = {k: [str(v) for v in (values if isinstance(values, list) else [values])]
-            for k, values in (study.get("grid") or {}).items()}  # fmt: skip
+    grid = {
+        k: [str(v) for v in (values if isinstance(values, list) else [values])]
+        for k, values in (study.get("grid") or {}).items()
+    }
     cells = [_cell(c) if isinstance(c, dict) else str(c) for c in study["configs"]]
-    out = {"configs": cells, "grid": grid,
-           "seeds": [int(s) for s in study.get("seeds", [0])], "overrides": [str(o) for o in study.get("set", [])],
-           "output_dir": str(study.get("output_dir", "runs/ablation"))}  # fmt: skip
+    out = {
+        "configs": cells,
+        "grid": grid,
+        "seeds": [int(s) for s in study.get("seeds", [0])],
+        "overrides": [str(o) for o in study.get("set", [])],
+        "output_dir": str(study.get("output_dir", "runs/ablation")),
+    }
     if study.get("threshold"):
         out["threshold"] = parse_threshold(str(study["threshold"]))
     return out
@@ -110,8 +116,11 @@ def variants(configs: list[str | dict], grid: dict[str, list[str]]) -> list[tupl
     out = []
     keys = list(grid)
     for entry in configs:
-        stem, path, base = (entry["name"], entry["config"], entry["set"]) if isinstance(entry, dict) else (
-            Path(entry).stem, entry, [])  # fmt: skip
+        stem, path, base = (
+            (entry["name"], entry["config"], entry["set"])
+            if isinstance(entry, dict)
+            else (Path(entry).stem, entry, [])
+        )
         for values in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
             overrides = [*base, *(f"{k}={v}" for k, v in zip(keys, values))]
             name = stem + "".join(f"__{k.split('.')[-1]}={v}" for k, v in zip(keys, values))
@@ -119,9 +128,17 @@ def variants(configs: list[str | dict], grid: dict[str, list[str]]) -> list[tupl
     return out
 
 
-def run(configs: list[str], *, grid: dict[str, list[str]] | None = None, seeds: list[int] = (0,),
-        output_dir: str | Path = "runs/ablation", overrides: list[str] = (), log=print,
-        skip_done: bool = False, threshold: tuple[str, float] | None = None) -> list[dict]:  # fmt: skip
+def run(
+    configs: list[str],
+    *,
+    grid: dict[str, list[str]] | None = None,
+    seeds: list[int] = (0,),
+    output_dir: str | Path = "runs/ablation",
+    overrides: list[str] = (),
+    log=print,
+    skip_done: bool = False,
+    threshold: tuple[str, float] | None = None,
+) -> list[dict]:
     """Train every variant for every seed (sequentially, in this process) and return one row per run.
 
     `skip_done`: reuse a finished run (its folder has `summary.json` and an identical resolved config).
@@ -146,20 +163,22 @@ def run(configs: list[str], *, grid: dict[str, list[str]] | None = None, seeds: 
                 log(f"[ablate] {name} seed {seed} -> {folder}" + (" (finished before: reused)" if summary else ""))
             if summary is None:
                 summary = build_trainer(config).train(overwrite=True)  # the sweep owns its run folders
-            rows.append({
-                "variant": name,
-                "config": str(path),
-                "overrides": extra,
-                "seed": seed,
-                "trainer": config.trainer,
-                "wall_s": summary["wall_s"],
-                "reward_evaluations": summary["samples_scored"],
-                "eval_start": summary["eval_start"],
-                "eval_end": summary["eval_end"],
-                "gold_metric": summary["gold_metric"],
-                "folder": str(folder),
-                **({"to_threshold": first_reaching(folder, *threshold)} if threshold else {}),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "variant": name,
+                    "config": str(path),
+                    "overrides": extra,
+                    "seed": seed,
+                    "trainer": config.trainer,
+                    "wall_s": summary["wall_s"],
+                    "reward_evaluations": summary["samples_scored"],
+                    "eval_start": summary["eval_start"],
+                    "eval_end": summary["eval_end"],
+                    "gold_metric": summary["gold_metric"],
+                    "folder": str(folder),
+                    **({"to_threshold": first_reaching(folder, *threshold)} if threshold else {}),
+                }
+            )
             (output_dir / "results.json").write_text(json.dumps(rows, indent=1, allow_nan=True))
             gc.collect()
     (output_dir / "results.md").write_text(table(rows))
@@ -178,18 +197,35 @@ def write_csv(rows: list[dict], path: str | Path) -> Path:
         metrics.extend(k for k in {**row["eval_start"], **row["eval_end"]} if k not in metrics)
     threshold = any("to_threshold" in r for r in rows)
     reach = ["reached_epoch", "reached_reward_evals", "reached_wall_s"] if threshold else []
-    header = ["variant", "seed", "trainer", "overrides", "wall_s", "reward_evaluations",
-              *(f"start:{m}" for m in metrics), *(f"end:{m}" for m in metrics), *reach]  # fmt: skip
+    header = [
+        "variant",
+        "seed",
+        "trainer",
+        "overrides",
+        "wall_s",
+        "reward_evaluations",
+        *(f"start:{m}" for m in metrics),
+        *(f"end:{m}" for m in metrics),
+        *reach,
+    ]
     with Path(path).open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header)
         for row in rows:
             hit = row.get("to_threshold") or {}
-            writer.writerow([row["variant"], row["seed"], row["trainer"], " ".join(row["overrides"]), row["wall_s"],
-                             row["reward_evaluations"], *(row["eval_start"].get(m, "") for m in metrics),
-                             *(row["eval_end"].get(m, "") for m in metrics),
-                             *([hit.get("epoch", ""), hit.get("reward_evals", ""), hit.get("wall_s", "")] if reach
-                               else [])])  # fmt: skip
+            writer.writerow(
+                [
+                    row["variant"],
+                    row["seed"],
+                    row["trainer"],
+                    " ".join(row["overrides"]),
+                    row["wall_s"],
+                    row["reward_evaluations"],
+                    *(row["eval_start"].get(m, "") for m in metrics),
+                    *(row["eval_end"].get(m, "") for m in metrics),
+                    *([hit.get("epoch", ""), hit.get("reward_evals", ""), hit.get("wall_s", "")] if reach else []),
+                ]
+            )
     return Path(path)
 
 
@@ -217,8 +253,11 @@ def plot(rows: list[dict], out_dir: str | Path, metrics: list[str] | None = None
         lines = (Path(row["folder"]) / "metrics.jsonl").read_text().splitlines()
         runs.setdefault(row["variant"], []).append([json.loads(line) for line in lines if line.strip()])
     if metrics is None:
-        metrics = ["eval/reward"] + [m for m in rows[0]["eval_end"] if m not in ("eval/reward",) and
-                                     m.removeprefix("eval/") in _gold_names(rows)]  # fmt: skip
+        metrics = ["eval/reward"] + [
+            m
+            for m in rows[0]["eval_end"]
+            if m not in ("eval/reward",) and m.removeprefix("eval/") in _gold_names(rows)
+        ]
     paths = []
     for axis, label in (("epoch", "epoch"), ("reward_evals", "reward evaluations")):
         fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.4), squeeze=False)
@@ -279,7 +318,8 @@ def _band(seeds: list[list[dict]], metric: str, axis: str):
         for row in history:
             if isinstance(row.get(metric), (int, float)) and math.isfinite(row[metric]):
                 curve[row["epoch"] if axis == "epoch" else (row.get("reward_evals", 0) if row["epoch"] else 0)] = row[
-                    metric]  # fmt: skip
+                    metric
+                ]
         curves.append(curve)
     x = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     values = [[c[v] for c in curves] for v in x]

@@ -95,8 +95,14 @@ def _disk_full(err: BaseException) -> bool:
     )
 
 
-def save(folder: Path, accelerator, state: dict, tensors: dict[str, torch.Tensor], keep: int | None = None,
-         files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str] | None]] | None = None) -> Path:  # fmt: skip
+def save(
+    folder: Path,
+    accelerator,
+    state: dict,
+    tensors: dict[str, torch.Tensor],
+    keep: int | None = None,
+    files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str] | None]] | None = None,
+) -> Path:
     """Write a complete checkpoint to `folder` (via a temporary sibling and a rename).
 
     `files` adds safetensors files by name, `(tensors, metadata)` each (a sharded run's gathered model and
@@ -125,8 +131,10 @@ def save(folder: Path, accelerator, state: dict, tensors: dict[str, torch.Tensor
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if _disk_full(err):
-            raise CheckpointError(f"no space left on {folder.parent} while writing {folder.name}: the partial "
-                                  "checkpoint was removed, earlier checkpoints are kept") from None  # fmt: skip
+            raise CheckpointError(
+                f"no space left on {folder.parent} while writing {folder.name}: the partial "
+                "checkpoint was removed, earlier checkpoints are kept"
+            ) from None
         raise
     if accelerator.is_main_process:
         # a complete checkpoint under the name at every instant but between the two renames (`best` is rewritten)
@@ -138,8 +146,11 @@ def save(folder: Path, accelerator, state: dict, tensors: dict[str, torch.Tensor
         shutil.rmtree(aside, ignore_errors=True)
         if keep:
             number = int(_NAME.match(folder.name).group(1)) if _NAME.match(folder.name) else None
-            earlier = [p for p in list_checkpoints(folder.parent.parent)
-                       if number is None or int(_NAME.match(p.name).group(1)) <= number]  # fmt: skip
+            earlier = [
+                p
+                for p in list_checkpoints(folder.parent.parent)
+                if number is None or int(_NAME.match(p.name).group(1)) <= number
+            ]
             for old in earlier[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -198,6 +209,8 @@ def load(folder: str | Path, accelerator, trainer: str | None = None) -> tuple[d
         ) from None
     except (RuntimeError, ValueError, KeyError) as err:
         detail = " ".join(line.strip() for line in str(err).strip().splitlines()[:2])
-        raise CheckpointMismatch(f"checkpoint {folder} does not fit this run's model or optimizer (written with "
-                                 f"another model or LoRA config?): {detail[:300]}") from None  # fmt: skip
+        raise CheckpointMismatch(
+            f"checkpoint {folder} does not fit this run's model or optimizer (written with "
+            f"another model or LoRA config?): {detail[:300]}"
+        ) from None
     return state, load_file(folder / "extra.safetensors")

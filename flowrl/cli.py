@@ -84,8 +84,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def markdown_catalog(sections: dict[str, dict[str, str]] | None = None) -> str:
     """The registries as markdown tables (`docs/registries.md` is `flowrl list --markdown`)."""
-    lines = ["# Registries", "", "Every name a config can use, from the registries themselves (`flowrl list",
-             "--markdown` writes this page; `tests/test_docs.py` checks that it is current).", ""]  # fmt: skip
+    lines = [
+        "# Registries",
+        "",
+        "Every name a config can use, from the registries themselves (`flowrl list",
+        "--markdown` writes this page; `tests/test_docs.py` checks that it is current).",
+        "",
+    ]
     for title, entries in (sections or _catalog()).items():
         lines += [f"## {title}", "", "| name | description |", "| --- | --- |"]
         lines += [f"| `{name}` | {entries[name].replace('|', chr(92) + '|')} |" for name in sorted(entries)]
@@ -131,8 +136,10 @@ def _train_config(args: argparse.Namespace):
     else:  # the YAML's run folder, as its `--set` overrides (run.output_dir=X among them) make it
         run_dir = Path(load_config(source, args.set or []).run.output_dir)
         if "{" in str(run_dir):
-            raise ValueError(f"run.output_dir {run_dir} names a new folder each run: resume with "
-                             "`flowrl train RUN_FOLDER --resume` (or --output-dir RUN_FOLDER)")  # fmt: skip
+            raise ValueError(
+                f"run.output_dir {run_dir} names a new folder each run: resume with "
+                "`flowrl train RUN_FOLDER --resume` (or --output-dir RUN_FOLDER)"
+            )
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         raise FileNotFoundError(f"{run_dir} holds no run to resume (no config.yaml): start it without --resume")
@@ -141,8 +148,11 @@ def _train_config(args: argparse.Namespace):
     before, after = _flat(to_dict(base)), _flat(to_dict(config))
     changed = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
     if changed:
-        print("flowrl train: resuming with overrides: "
-              + ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()), flush=True)  # fmt: skip
+        print(
+            "flowrl train: resuming with overrides: "
+            + ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()),
+            flush=True,
+        )
     config.run.output_dir = str(run_dir)
     return config
 
@@ -252,12 +262,19 @@ def build_parser() -> argparse.ArgumentParser:
     p_train = sub.add_parser("train", help="train from a YAML config")
     p_train.add_argument("config", help="YAML run config (see configs/); with --resume, the run folder may be given")
     p_train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
-    p_train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                         help="resume the run (its own saved config; --set overrides are printed) from its latest "
-                         "checkpoint, or from the checkpoint PATH")  # fmt: skip
+    p_train.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="resume the run (its own saved config; --set overrides are printed) from its latest "
+        "checkpoint, or from the checkpoint PATH",
+    )
     p_train.add_argument("--output-dir", help="run folder (overrides run.output_dir)")
-    p_train.add_argument("--overwrite", action="store_true",
-                         help="start afresh in a run folder that holds another run (deletes it)")  # fmt: skip
+    p_train.add_argument(
+        "--overwrite", action="store_true", help="start afresh in a run folder that holds another run (deletes it)"
+    )
     p_train.set_defaults(func=cmd_train)
     p_plan = sub.add_parser("plan", help="a run's GPU memory per phase, traced without weights, and what fits")
     p_plan.add_argument("config", help="YAML run config (an image or video run)")
@@ -271,8 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_export.add_argument("run", help="a run folder (with config.yaml and checkpoints/)")
     p_export.add_argument("--out", required=True, help="the folder to write")
     p_export.add_argument("--checkpoint", help="a checkpoint folder (default: the run's latest)")
-    p_export.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
-                          help="export the EMA weights (default: when the run kept them)")  # fmt: skip
+    p_export.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="export the EMA weights (default: when the run kept them)",
+    )
     p_export.set_defaults(func=cmd_export)
     p_demos = sub.add_parser("demos", help="record a control run's policy as demonstrations (.npz) for `trainer: bc`")
     p_demos.add_argument("run", help="a control run folder (or one of its checkpoint folders)")
@@ -289,8 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_demos.set_defaults(func=cmd_demos)
     p_sample = sub.add_parser("sample", help="images (PNGs and a captioned grid) from a run's checkpoint")
     p_sample.add_argument("target", help="a run folder or one of its checkpoint folders")
-    p_sample.add_argument("--prompts", required=True,
-                          help="a prompt, a .txt/.jsonl file or a shipped prompt set (digits/test)")  # fmt: skip
+    p_sample.add_argument(
+        "--prompts", required=True, help="a prompt, a .txt/.jsonl file or a shipped prompt set (digits/test)"
+    )
     p_sample.add_argument("--n", type=int, default=4, help="images per prompt (default 4)")
     p_sample.add_argument("--seed", type=int, default=0, help="noise seed: the same seed, the same images")
     p_sample.add_argument("--sampler", help="ode (default; ddim for UNets), flow_sde, dance_sde, cps, ...")
@@ -298,13 +320,21 @@ def build_parser() -> argparse.ArgumentParser:
     p_sample.add_argument("--num-steps", type=int, help="denoising steps (default: the run's evaluation steps)")
     p_sample.add_argument("--guidance-scale", type=float, help="default: the run's evaluation guidance")
     p_sample.add_argument("--checkpoint", default="latest", help="latest (default), best, or a checkpoint folder")
-    p_sample.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
-                          help="use the EMA weights (default: when the run kept them)")  # fmt: skip
+    p_sample.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="use the EMA weights (default: when the run kept them)",
+    )
     p_sample.add_argument("--out", help="output folder (default: RUN/samples/<checkpoint>)")
-    p_sample.add_argument("--image", action="append", metavar="PATH",
-                          help="editing models: a source image every prompt edits (repeat for several; default: an "
-                               "editing prompt set's own, e.g. edit_shapes/test); image-to-video models: the start "
-                               "frame of every prompt, or repeated, one per prompt")  # fmt: skip
+    p_sample.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="editing models: a source image every prompt edits (repeat for several; default: an "
+        "editing prompt set's own, e.g. edit_shapes/test); image-to-video models: the start "
+        "frame of every prompt, or repeated, one per prompt",
+    )
     p_sample.set_defaults(func=cmd_sample)
     p_eval = sub.add_parser("eval", help="evaluate a run folder's checkpoint, or a config's base model")
     p_eval.add_argument("target", help="a run folder (with config.yaml and checkpoints/) or a YAML config")
@@ -318,13 +348,22 @@ def build_parser() -> argparse.ArgumentParser:
     p_ablate.add_argument("--seeds", help="comma-separated seeds (default: the study's, else 0)")
     p_ablate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every run")
     p_ablate.add_argument("--output-dir", help="where runs and results go (default: the study's, runs/ablation)")
-    p_ablate.add_argument("--threshold", metavar="METRIC=VALUE",
-                          help="report reward evaluations and seconds until METRIC first reaches VALUE")  # fmt: skip
-    p_ablate.add_argument("--skip-done", action="store_true",
-                          help="reuse runs that already finished in --output-dir with the same config")  # fmt: skip
+    p_ablate.add_argument(
+        "--threshold",
+        metavar="METRIC=VALUE",
+        help="report reward evaluations and seconds until METRIC first reaches VALUE",
+    )
+    p_ablate.add_argument(
+        "--skip-done",
+        action="store_true",
+        help="reuse runs that already finished in --output-dir with the same config",
+    )
     p_ablate.set_defaults(func=cmd_ablate)
-    p_serve = sub.add_parser("serve-reward", help="serve a reward over HTTP: one model copy for many runs (FastAPI "
-                             "on uvicorn: pip install 'flowrl-toolkit[serve]')")  # fmt: skip
+    p_serve = sub.add_parser(
+        "serve-reward",
+        help="serve a reward over HTTP: one model copy for many runs (FastAPI "
+        "on uvicorn: pip install 'flowrl-toolkit[serve]')",
+    )
     p_serve.add_argument("name", help="a registered reward (see `flowrl list rewards`) or package.module:attribute")
     p_serve.add_argument(
         "--host",
@@ -338,8 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
         "port can use the reward)",
     )
     p_serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p_serve.add_argument("--token", help="require Authorization: Bearer TOKEN (default: $FLOWRL_REWARD_TOKEN if "
-                         "set, which keeps the token out of the process list)")  # fmt: skip
+    p_serve.add_argument(
+        "--token",
+        help="require Authorization: Bearer TOKEN (default: $FLOWRL_REWARD_TOKEN if "
+        "set, which keeps the token out of the process list)",
+    )
     p_serve.add_argument("--max-batch", type=int, default=64, help="merge requests up to this many images (64)")
     p_serve.add_argument("--max-body-mb", type=float, default=256.0, help="refuse larger requests with 413 (256)")
     p_serve.add_argument(
@@ -355,26 +397,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory budget of the requests in flight together: bodies and decoded pixels; beyond "
         "it a request gets 503 and is sent again (2048)",
     )
-    p_serve.add_argument("--batch-wait", type=float, default=0.01, metavar="SECONDS",
-                         help="how long to wait for more requests to merge (0.01)")  # fmt: skip
-    p_serve.add_argument("--set", action="append", metavar="KEY=VALUE",
-                         help="a reward constructor argument, e.g. --set device=cuda (repeatable)")  # fmt: skip
+    p_serve.add_argument(
+        "--batch-wait",
+        type=float,
+        default=0.01,
+        metavar="SECONDS",
+        help="how long to wait for more requests to merge (0.01)",
+    )
+    p_serve.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a reward constructor argument, e.g. --set device=cuda (repeatable)",
+    )
     p_serve.set_defaults(func=cmd_serve_reward)
     p_score = sub.add_parser("score", help="a reward's scores for image (or video) files: check it before training")
     p_score.add_argument("reward", help="a registered reward (see `flowrl list rewards`) or package.module:attribute")
     p_score.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...) or videos (.mp4)")
     p_score_prompts = p_score.add_mutually_exclusive_group()
     p_score_prompts.add_argument("--prompt", help="the prompt of every image (default: the empty prompt)")
-    p_score_prompts.add_argument("--prompts", metavar="FILE",
-                                 help="a .txt/.jsonl prompt file with one row per image, in order (jsonl keys go to "
-                                 "the reward as metadata)")  # fmt: skip
-    p_score.add_argument("--server", metavar="URL",
-                         help="score through `flowrl serve-reward REWARD` at URL (the http reward)")  # fmt: skip
-    p_score.add_argument("--kwargs", metavar="JSON",
-                         help='the reward\'s constructor arguments, e.g. \'{"device": "cuda"}\' (with --server: the '
-                         "http client's, e.g. timeout_s, deadline_s (10 s here), token)")  # fmt: skip
-    p_score.add_argument("--image", metavar="IMAGE", help="the conditioning image of every file (an image-to-video "
-                         "start frame, an edit's source) for the rewards that read it")  # fmt: skip
+    p_score_prompts.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="a .txt/.jsonl prompt file with one row per image, in order (jsonl keys go to the reward as metadata)",
+    )
+    p_score.add_argument(
+        "--server", metavar="URL", help="score through `flowrl serve-reward REWARD` at URL (the http reward)"
+    )
+    p_score.add_argument(
+        "--kwargs",
+        metavar="JSON",
+        help='the reward\'s constructor arguments, e.g. \'{"device": "cuda"}\' (with --server: the '
+        "http client's, e.g. timeout_s, deadline_s (10 s here), token)",
+    )
+    p_score.add_argument(
+        "--image",
+        metavar="IMAGE",
+        help="the conditioning image of every file (an image-to-video "
+        "start frame, an edit's source) for the rewards that read it",
+    )
     p_score.add_argument("--json", action="store_true", help="print the scores as JSON (NaN as null)")
     p_score.set_defaults(func=cmd_score)
     p_digits = sub.add_parser("digits", help="the digits world: `flowrl digits build [--force]`")

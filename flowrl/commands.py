@@ -13,8 +13,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from flowrl.export import export, indented
 
     record = export(args.run, args.out, checkpoint_path=args.checkpoint, ema=args.ema)
-    print(f"exported {record['kind']} weights of {record['checkpoint']} (epoch {record['epoch']}"
-          f"{', EMA' if record['ema'] else ''}) to {args.out}\nload them with: {record['load']}")  # fmt: skip
+    print(
+        f"exported {record['kind']} weights of {record['checkpoint']} (epoch {record['epoch']}"
+        f"{', EMA' if record['ema'] else ''}) to {args.out}\nload them with: {record['load']}"
+    )
     if "diffusers" in record:
         print("sample with a plain diffusers pipeline as flowrl evaluates:\n" + indented(record["diffusers"]))
     return 0
@@ -29,12 +31,21 @@ def cmd_demos(args: argparse.Namespace) -> int:
     if not hasattr(run.modality, "normalizer"):
         raise ValueError(f"{args.run} is a {run.config.trainer} run: demonstrations come from a control run")
     env = run.config.env
-    demos = record(run.algorithm.policy.actor, run.modality.normalizer, env.id, env.kwargs, episodes=args.episodes,
-                   noise=args.noise, seed=args.seed)  # fmt: skip
+    demos = record(
+        run.algorithm.policy.actor,
+        run.modality.normalizer,
+        env.id,
+        env.kwargs,
+        episodes=args.episodes,
+        noise=args.noise,
+        seed=args.seed,
+    )
     path = demos.save(args.out)
     returns = demos.episode_returns
-    print(f"{len(demos)} transitions of {args.episodes} {env.id} episodes (return {returns.mean():.1f} ± "
-          f"{returns.std():.1f}, action noise {args.noise}) in {path}")  # fmt: skip
+    print(
+        f"{len(demos)} transitions of {args.episodes} {env.id} episodes (return {returns.mean():.1f} ± "
+        f"{returns.std():.1f}, action noise {args.noise}) in {path}"
+    )
     return 0
 
 
@@ -42,14 +53,27 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from flowrl.export import indented
     from flowrl.sample import sample
 
-    record = sample(args.target, args.prompts, n=args.n, seed=args.seed, sampler=args.sampler,
-                    noise_level=args.noise_level, num_steps=args.num_steps, guidance_scale=args.guidance_scale,
-                    checkpoint=args.checkpoint, ema=args.ema, out=args.out, image=args.image)  # fmt: skip
+    record = sample(
+        args.target,
+        args.prompts,
+        n=args.n,
+        seed=args.seed,
+        sampler=args.sampler,
+        noise_level=args.noise_level,
+        num_steps=args.num_steps,
+        guidance_scale=args.guidance_scale,
+        checkpoint=args.checkpoint,
+        ema=args.ema,
+        out=args.out,
+        image=args.image,
+    )
     count = len(record["files"])
     kind = "video" if record["files"] and record["files"][0]["file"].endswith(".mp4") else "image"
-    print(f"{count} {kind}{'s' if count != 1 else ''} of {record['checkpoint']} (epoch {record['epoch']}"
-          f"{', EMA' if record['ema'] else ''}, sampler {record['sampler']}, seed {record['seed']}) in "
-          f"{record['out']}; grid: {record['out']}/grid.png")  # fmt: skip
+    print(
+        f"{count} {kind}{'s' if count != 1 else ''} of {record['checkpoint']} (epoch {record['epoch']}"
+        f"{', EMA' if record['ema'] else ''}, sampler {record['sampler']}, seed {record['seed']}) in "
+        f"{record['out']}; grid: {record['out']}/grid.png"
+    )
     if "diffusers" in record:
         print("the same with a plain diffusers pipeline:\n" + indented(record["diffusers"]))
     return 0
@@ -97,9 +121,15 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else study.get("seeds", [0])
     output_dir = args.output_dir or study.get("output_dir", "runs/ablation")
     threshold = ablate.parse_threshold(args.threshold) if args.threshold else study.get("threshold")
-    rows = ablate.run(configs, grid=grid, seeds=seeds, output_dir=output_dir,
-                      overrides=[*study.get("overrides", []), *(args.set or [])], skip_done=args.skip_done,
-                      threshold=threshold)  # fmt: skip
+    rows = ablate.run(
+        configs,
+        grid=grid,
+        seeds=seeds,
+        output_dir=output_dir,
+        overrides=[*study.get("overrides", []), *(args.set or [])],
+        skip_done=args.skip_done,
+        threshold=threshold,
+    )
     print(ablate.table(rows))
     print(f"results: {output_dir}/results.json, results.md, results.csv; plots: {output_dir}/plots/")
     return 0
@@ -125,8 +155,11 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         config = f"rewards: [{{name: http, kwargs: {{url: {server.url}}}}}]"
-        print(f"serving reward {args.name!r} at {server.url} (POST /score, GET /health; {auth}; Ctrl-C stops it)\n"
-              f"use it in a run config as: {config}", flush=True)  # fmt: skip
+        print(
+            f"serving reward {args.name!r} at {server.url} (POST /score, GET /health; {auth}; Ctrl-C stops it)\n"
+            f"use it in a run config as: {config}",
+            flush=True,
+        )
 
     try:
         serve_reward(
@@ -152,8 +185,15 @@ def cmd_score(args: argparse.Namespace) -> int:
     """Score image/video files with a reward and print a table (or JSON): `flowrl.score`."""
     from flowrl.score import format_table, parse_kwargs, score_files, to_json
 
-    record = score_files(args.reward, args.images, prompt=args.prompt, prompts_file=args.prompts,
-                         server=args.server, kwargs=parse_kwargs(args.kwargs), image=args.image)  # fmt: skip
+    record = score_files(
+        args.reward,
+        args.images,
+        prompt=args.prompt,
+        prompts_file=args.prompts,
+        server=args.server,
+        kwargs=parse_kwargs(args.kwargs),
+        image=args.image,
+    )
     print(to_json(record) if args.json else format_table(record))
     return 0
 

@@ -135,8 +135,9 @@ def _merge(base: dict, update: dict) -> dict:
     return merged
 
 
-def from_dict(cls, data: dict, prefix: str = "", renamed: dict[str, str] | None = None,
-              absent: dict[str, str] | None = None):  # fmt: skip
+def from_dict(
+    cls, data: dict, prefix: str = "", renamed: dict[str, str] | None = None, absent: dict[str, str] | None = None
+):
     """Build the dataclass `cls` from `data`, validating every key and value.
 
     `renamed` maps keys of earlier versions (full dotted paths) to where they went: using one fails with a

@@ -24,8 +24,9 @@ import json
 from pathlib import Path
 
 
-def export(run_dir: str | Path, out: str | Path, *, checkpoint_path: str | Path | None = None,
-           ema: bool | None = None) -> dict:  # fmt: skip
+def export(
+    run_dir: str | Path, out: str | Path, *, checkpoint_path: str | Path | None = None, ema: bool | None = None
+) -> dict:
     """Export a run's (latest or given) checkpoint to `out`; returns what was written and how to load it."""
     from flowrl.run.run_folder import writable
     from flowrl.trainers import load_run
@@ -269,9 +270,11 @@ def write(run, out: str | Path) -> dict:
     out = Path(out)
     policy = run.policy
     if run.algorithm.trained_module() is not getattr(policy, "model", None):
-        raise ValueError(f"{run.config.trainer} trains {type(run.algorithm.trained_module()).__name__}, not the "
-                         "diffusion model: there is no diffusers artefact to export (its weights are in the "
-                         "run's checkpoints)")  # fmt: skip
+        raise ValueError(
+            f"{run.config.trainer} trains {type(run.algorithm.trained_module()).__name__}, not the "
+            "diffusion model: there is no diffusers artefact to export (its weights are in the "
+            "run's checkpoints)"
+        )
     if not hasattr(policy, "adapter"):
         raise ValueError(f"{run.config.trainer} trains no diffusion model: flowrl export writes diffusers weights")
     out.mkdir(parents=True, exist_ok=True)
@@ -291,8 +294,13 @@ def write(run, out: str | Path) -> dict:
         (out / "meta.json").write_text(json.dumps(meta, indent=2))
         written = out / "transformer" / "config.json"
         load = f"flowrl.digits.DigitsWorld({str(out)!r}, flowrl.digits.load_classifiers()).policy()"
-    record = {"epoch": run.epoch, "ema": run.ema, "kind": "lora" if policy.has_lora else "full",
-              "written": str(written), "load": load}  # fmt: skip
+    record = {
+        "epoch": run.epoch,
+        "ema": run.ema,
+        "kind": "lora" if policy.has_lora else "full",
+        "written": str(written),
+        "load": load,
+    }
     if policy.adapter.pipeline is not None:  # the run's first test prompt, sampled by a plain pipeline
         from flowrl import prompts
 

@@ -40,8 +40,10 @@ class ObjectiveConfig:
         params = [*objective.hparams, *objective.required]
         for key in ("clip_eps_low", "clip_eps_high"):
             if getattr(self, key) is not None and key not in params:
-                raise ValueError(f"objective {self.name!r} has no {key}; its hyper-parameters are "
-                                 f"{', '.join(params) or 'none'} (set them in objective.kwargs)")  # fmt: skip
+                raise ValueError(
+                    f"objective {self.name!r} has no {key}; its hyper-parameters are "
+                    f"{', '.join(params) or 'none'} (set them in objective.kwargs)"
+                )
         for key in self.kwargs:
             if key in ("clip_eps_low", "clip_eps_high", "agg"):
                 raise ValueError(f"set {key} as objective.{key}, not in objective.kwargs")
@@ -97,13 +99,16 @@ class AdvantageConfig:
             from flowrl.core import ADVANTAGES
 
             ADVANTAGES.get(self.estimator)  # an unknown name lists the registered ones
-            raise ValueError(f"advantage.estimator {self.estimator!r} does not apply here; choose from "
-                             f"{', '.join(self.estimators)}")  # fmt: skip
+            raise ValueError(
+                f"advantage.estimator {self.estimator!r} does not apply here; choose from {', '.join(self.estimators)}"
+            )
         if self.estimator == "leave_one_out" and self.std == "global":
             raise ValueError("advantage.std=global does not apply to leave_one_out; use group or none")
         if self.estimator == "per_prompt" and not 1 <= self.min_count <= self.buffer_size:
-            raise ValueError("advantage.per_prompt needs 1 <= min_count <= buffer_size, "
-                             f"got min_count={self.min_count}, buffer_size={self.buffer_size}")  # fmt: skip
+            raise ValueError(
+                "advantage.per_prompt needs 1 <= min_count <= buffer_size, "
+                f"got min_count={self.min_count}, buffer_size={self.buffer_size}"
+            )
         if self.clip is not None and self.clip <= 0:
             raise ValueError("advantage.clip must be > 0 (or null)")
 

@@ -53,8 +53,9 @@ def read_sources(prompts: str | list[str], image, count: int) -> list[tuple] | N
         if missing:
             raise ValueError(f"--image: no such file {', '.join(missing)}")
         return [images] * count
-    if not isinstance(prompts, (list, tuple)) and (Path(prompts).suffix in (".txt", ".jsonl")
-                                                   or prompts in prompt_sets.list_sets()):  # fmt: skip
+    if not isinstance(prompts, (list, tuple)) and (
+        Path(prompts).suffix in (".txt", ".jsonl") or prompts in prompt_sets.list_sets()
+    ):
         return source_images(prompt_sets.load(prompts))
     return None
 
@@ -137,17 +138,28 @@ def sample(
     rows = [p for p in texts for _ in range(n)]
     generator = torch.Generator().manual_seed(seed)
     steps = num_steps or e.num_steps or s.num_steps
-    guidance = guidance_scale if guidance_scale is not None else (
-        e.guidance_scale if e.guidance_scale is not None else s.guidance_scale)  # fmt: skip
+    guidance = (
+        guidance_scale
+        if guidance_scale is not None
+        else (e.guidance_scale if e.guidance_scale is not None else s.guidance_scale)
+    )
     latents_of = run.algorithm.evaluation_latents
     with torch.no_grad():
         # FIND: its trained noise policy draws the starting noise
         latents = latents_of(rows, generator, s.height, s.width) if latents_of is not None else None
         edits = None if sources is None else [x for x in sources for _ in range(n)]  # editing: each row's source
-        rollout = policy.rollout(rows, num_steps=steps, guidance_scale=guidance, sampler=sampler,
-                                 noise_level=s.noise_level if noise_level is None else noise_level,
-                                 generator=generator, height=s.height, width=s.width, latents=latents,
-                                 source_images=edits)  # fmt: skip
+        rollout = policy.rollout(
+            rows,
+            num_steps=steps,
+            guidance_scale=guidance,
+            sampler=sampler,
+            noise_level=s.noise_level if noise_level is None else noise_level,
+            generator=generator,
+            height=s.height,
+            width=s.width,
+            latents=latents,
+            source_images=edits,
+        )
     files = []
     for i, image in enumerate(rollout.images):
         name = file_name(i // n, rows[i], i % n)
@@ -160,13 +172,28 @@ def sample(
         else:
             _save_png(image, out / name)
         files.append({"file": name, "prompt": rows[i], **sheet})
-    image_grid(rollout.images, [f"{r['prompt']} #{i % n}" for i, r in enumerate(files)], out / "grid.png",
-               columns=n, title=f"{run_dir.name} {path.name}{' EMA' if run.ema else ''} seed {seed}")  # fmt: skip
-    record = {"run": str(run_dir), "checkpoint": str(path), "epoch": run.epoch, "ema": run.ema,
-              "sampler": sampler, "seed": seed, "n": n, "out": str(out), "files": files}  # fmt: skip
+    image_grid(
+        rollout.images,
+        [f"{r['prompt']} #{i % n}" for i, r in enumerate(files)],
+        out / "grid.png",
+        columns=n,
+        title=f"{run_dir.name} {path.name}{' EMA' if run.ema else ''} seed {seed}",
+    )
+    record = {
+        "run": str(run_dir),
+        "checkpoint": str(path),
+        "epoch": run.epoch,
+        "ema": run.ema,
+        "sampler": sampler,
+        "seed": seed,
+        "n": n,
+        "out": str(out),
+        "files": files,
+    }
     if sources is not None:  # editing: which source image(s) each prompt edited (in-memory ones by their key)
-        record["images"] = [[str(x) if isinstance(x, (str, Path)) else source_key(x) for x in entry]
-                            for entry in sources]  # fmt: skip
+        record["images"] = [
+            [str(x) if isinstance(x, (str, Path)) else source_key(x) for x in entry] for entry in sources
+        ]
     if policy.has_lora and policy.adapter.pipeline is not None:
         exported = write(run, out / "lora")
         files = source_files(sources[:1], out / "sources") if sources is not None else None  # editing: as files

@@ -53,8 +53,9 @@ def load_file(path: str | Path) -> torch.Tensor:
 
             video = read_mp4(path)
         except ImportError:
-            raise ValueError(f"reading the video {path} needs imageio and imageio-ffmpeg: pip install "
-                             "'flowrl-toolkit[video]'") from None  # fmt: skip
+            raise ValueError(
+                f"reading the video {path} needs imageio and imageio-ffmpeg: pip install 'flowrl-toolkit[video]'"
+            ) from None
         except Exception as err:  # noqa: BLE001  (imageio/ffmpeg fail in many ways; all mean "cannot read it")
             raise ValueError(f"cannot read the video {path}: {type(err).__name__}: {err}") from None
         if video.ndim != 4 or video.shape[0] != 3 or video.shape[1] == 0:
@@ -80,8 +81,10 @@ def file_prompts(n: int, prompt: str | None = None, prompts_file: str | None = N
     if prompts_file is not None:
         rows = prompts.load(prompts_file)
         if len(rows) != n:
-            raise ValueError(f"--prompts {prompts_file} holds {len(rows)} prompts for {n} "
-                             f"{'file' if n == 1 else 'files'}: give one prompt per file, in order")  # fmt: skip
+            raise ValueError(
+                f"--prompts {prompts_file} holds {len(rows)} prompts for {n} "
+                f"{'file' if n == 1 else 'files'}: give one prompt per file, in order"
+            )
         return rows
     text = prompt or ""
     quoted = prompts.quoted_text(text)
@@ -109,16 +112,20 @@ def build_reward(name: str, kwargs: dict[str, Any], server: str | None = None):
     allowed = [p for p in inspect.signature(HttpReward).parameters if p != "url"]
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
-        raise ValueError(f"with --server the reward's own arguments are the server's (`flowrl serve-reward {name} "
-                         f"--set KEY=VALUE`); --kwargs {unknown} are not the http client's: "
-                         f"{', '.join(allowed)}")  # fmt: skip
+        raise ValueError(
+            f"with --server the reward's own arguments are the server's (`flowrl serve-reward {name} "
+            f"--set KEY=VALUE`); --kwargs {unknown} are not the http client's: "
+            f"{', '.join(allowed)}"
+        )
     # a command run by hand: a server that is not there is said within seconds, not after the training default's
     # 10 minutes of waiting for it
     client = HttpReward(server, **{"deadline_s": SERVER_DEADLINE_S, **kwargs})
     served = _served_name(client)
     if served is not None and served != name:
-        raise ValueError(f"the reward server at {client.url} serves {served!r}, not {name!r}: run "
-                         f"`flowrl score {served} ... --server {server}` or start a server for {name!r}")  # fmt: skip
+        raise ValueError(
+            f"the reward server at {client.url} serves {served!r}, not {name!r}: run "
+            f"`flowrl score {served} ... --server {server}` or start a server for {name!r}"
+        )
     return client
 
 
@@ -163,9 +170,15 @@ def _pixels(image) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1).float().div_(255)
 
 
-def score_files(reward: str, paths: list[str], prompt: str | None = None, prompts_file: str | None = None,
-                server: str | None = None, kwargs: dict[str, Any] | None = None,
-                image: str | None = None) -> dict[str, Any]:  # fmt: skip
+def score_files(
+    reward: str,
+    paths: list[str],
+    prompt: str | None = None,
+    prompts_file: str | None = None,
+    server: str | None = None,
+    kwargs: dict[str, Any] | None = None,
+    image: str | None = None,
+) -> dict[str, Any]:
     """Score image/video files with the reward `reward` (see the module doc); the record `format_table` prints.
 
     `image` (or a prompt file's rows' `image`): each file's conditioning image (an image-to-video start frame, an
@@ -204,11 +217,20 @@ def score_files(reward: str, paths: list[str], prompt: str | None = None, prompt
         for i, value in zip(index, out.tolist()):
             totals[i] = value
     finite = [s for s in totals if math.isfinite(s)]
-    files = [{"file": str(path), "prompt": str(row), "score": total, **({"components": part} if multi else {})}
-             for path, row, total, part in zip(paths, rows, totals, parts)]  # fmt: skip
-    return {"reward": reward, "server": server, "components": labels, "weights": dict(fn.weights) if multi else {},
-            "files": files, "count": len(files), "nan": len(files) - len(finite),
-            "mean": sum(finite) / len(finite) if finite else math.nan}  # fmt: skip
+    files = [
+        {"file": str(path), "prompt": str(row), "score": total, **({"components": part} if multi else {})}
+        for path, row, total, part in zip(paths, rows, totals, parts)
+    ]
+    return {
+        "reward": reward,
+        "server": server,
+        "components": labels,
+        "weights": dict(fn.weights) if multi else {},
+        "files": files,
+        "count": len(files),
+        "nan": len(files) - len(finite),
+        "mean": sum(finite) / len(finite) if finite else math.nan,
+    }
 
 
 def _stack(images: list[torch.Tensor]) -> torch.Tensor:
@@ -240,13 +262,22 @@ def format_table(record: dict[str, Any], max_prompt: int = 40) -> str:
     for row in record["files"]:
         text = row["prompt"] if len(row["prompt"]) <= max_prompt else row["prompt"][: max_prompt - 3] + "..."
         parts = row.get("components", {})
-        lines.append([row["file"], *([text] if with_prompt else []), _number(row["score"]),
-                      *(_number(parts.get(label, math.nan)) for label in labels)])  # fmt: skip
+        lines.append(
+            [
+                row["file"],
+                *([text] if with_prompt else []),
+                _number(row["score"]),
+                *(_number(parts.get(label, math.nan)) for label in labels),
+            ]
+        )
     widths = [max(len(cells[c]) for cells in [header, *lines]) for c in range(len(header))]
     numeric = {c for c, name in enumerate(header) if name not in ("file", "prompt")}
-    out = ["  ".join(cell.rjust(w) if c in numeric else cell.ljust(w)
-                     for c, (cell, w) in enumerate(zip(cells, widths))).rstrip()
-           for cells in [header, *lines]]  # fmt: skip
+    out = [
+        "  ".join(
+            cell.rjust(w) if c in numeric else cell.ljust(w) for c, (cell, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+        for cells in [header, *lines]
+    ]
     where = f" (served at {record['server']})" if record["server"] else ""
     count, nan = record["count"], record["nan"]
     summary = f"{count} {'file' if count == 1 else 'files'} scored by {record['reward']!r}{where}: mean "

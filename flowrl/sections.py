@@ -66,10 +66,12 @@ class RunConfig:
         from flowrl.threads import check_setting
 
         check_setting(self.threads)
-        run_checks([
-            (self.epochs >= 1, "run.epochs must be >= 1"),
-            (0 <= self.max_bad_reward_frac <= 1, "run.max_bad_reward_frac must lie in [0, 1]"),
-        ])  # fmt: skip
+        run_checks(
+            [
+                (self.epochs >= 1, "run.epochs must be >= 1"),
+                (0 <= self.max_bad_reward_frac <= 1, "run.max_bad_reward_frac must lie in [0, 1]"),
+            ]
+        )
 
 
 @dataclasses.dataclass
@@ -112,17 +114,24 @@ class AsynchronyConfig:
     """Dead workers replaced in the run (each one's unfinished batch sampled again) before it ends with one line."""
 
     def __post_init__(self):
-        run_checks([
-            (self.rollout_workers >= 1, "asynchrony.rollout_workers must be >= 1"),
-            (self.sync_every >= 1, "asynchrony.sync_every must be >= 1"),
-            (self.max_staleness >= 0, "asynchrony.max_staleness must be >= 0"),
-            (self.on_stale == "drop" or self.max_staleness >= self.sync_every - 1,
-             "asynchrony.max_staleness must be >= sync_every - 1 with on_stale: wait (weights published every "
-             "sync_every updates are up to sync_every - 1 versions old)"),
-            (self.max_restarts >= 0, "asynchrony.max_restarts must be >= 0"),
-            (self.worker_threads >= 1, "asynchrony.worker_threads must be >= 1"),
-            (self.worker_cpus >= 0 and self.worker_gpus >= 0, "asynchrony.worker_cpus and worker_gpus must be >= 0"),
-        ])  # fmt: skip
+        run_checks(
+            [
+                (self.rollout_workers >= 1, "asynchrony.rollout_workers must be >= 1"),
+                (self.sync_every >= 1, "asynchrony.sync_every must be >= 1"),
+                (self.max_staleness >= 0, "asynchrony.max_staleness must be >= 0"),
+                (
+                    self.on_stale == "drop" or self.max_staleness >= self.sync_every - 1,
+                    "asynchrony.max_staleness must be >= sync_every - 1 with on_stale: wait (weights published every "
+                    "sync_every updates are up to sync_every - 1 versions old)",
+                ),
+                (self.max_restarts >= 0, "asynchrony.max_restarts must be >= 0"),
+                (self.worker_threads >= 1, "asynchrony.worker_threads must be >= 1"),
+                (
+                    self.worker_cpus >= 0 and self.worker_gpus >= 0,
+                    "asynchrony.worker_cpus and worker_gpus must be >= 0",
+                ),
+            ]
+        )
 
 
 @dataclasses.dataclass
@@ -166,11 +175,18 @@ class OptimConfig:
         return self.lr * (self.final_lr_ratio + (1 - self.final_lr_ratio) * factor)
 
     def __post_init__(self):
-        run_checks([
-            (self.lr > 0 and 0 <= self.final_lr_ratio <= 1, "optim.lr must be > 0 and optim.final_lr_ratio in [0, 1]"),
-            (self.max_nonfinite_steps >= 0,
-             f"optim.max_nonfinite_steps must be >= 0, got {self.max_nonfinite_steps}"),
-        ])  # fmt: skip
+        run_checks(
+            [
+                (
+                    self.lr > 0 and 0 <= self.final_lr_ratio <= 1,
+                    "optim.lr must be > 0 and optim.final_lr_ratio in [0, 1]",
+                ),
+                (
+                    self.max_nonfinite_steps >= 0,
+                    f"optim.max_nonfinite_steps must be >= 0, got {self.max_nonfinite_steps}",
+                ),
+            ]
+        )
 
 
 @dataclasses.dataclass
@@ -197,12 +213,16 @@ class BatchConfig:
     that couple a row's elements (GSPO's trajectory ratio)."""
 
     def __post_init__(self):
-        run_checks([
-            (self.micro_batch_size >= 1, f"batch.micro_batch_size must be >= 1, got {self.micro_batch_size}"),
-            (self.mini_batch_size is None or self.mini_batch_size >= 1,
-             f"batch.mini_batch_size must be >= 1 (or null: the whole batch), got {self.mini_batch_size}"),
-            (self.inner_epochs >= 1, f"batch.inner_epochs must be >= 1, got {self.inner_epochs}"),
-        ])  # fmt: skip
+        run_checks(
+            [
+                (self.micro_batch_size >= 1, f"batch.micro_batch_size must be >= 1, got {self.micro_batch_size}"),
+                (
+                    self.mini_batch_size is None or self.mini_batch_size >= 1,
+                    f"batch.mini_batch_size must be >= 1 (or null: the whole batch), got {self.mini_batch_size}",
+                ),
+                (self.inner_epochs >= 1, f"batch.inner_epochs must be >= 1, got {self.inner_epochs}"),
+            ]
+        )
 
 
 @dataclasses.dataclass
@@ -229,8 +249,10 @@ class EvalConfig:
         if self.restore_best and not self.best_metric:
             raise ValueError("eval.restore_best needs eval.best_metric (which evaluation is the best)")
         if self.stop_on_drop is not None and (not self.best_metric or self.stop_on_drop <= 0):
-            raise ValueError("eval.stop_on_drop needs eval.best_metric (what to watch) and a positive amount, got "
-                             f"best_metric={self.best_metric!r}, stop_on_drop={self.stop_on_drop}")  # fmt: skip
+            raise ValueError(
+                "eval.stop_on_drop needs eval.best_metric (what to watch) and a positive amount, got "
+                f"best_metric={self.best_metric!r}, stop_on_drop={self.stop_on_drop}"
+            )
 
     def best_key(self) -> tuple[str, float] | None:
         """`("eval/<metric>", sign)` of `best_metric` (sign -1: lower is better), or None."""
@@ -270,10 +292,12 @@ class PromptConfig:
     """Samples k per prompt (the group of group-relative advantages)."""
 
     def __post_init__(self):
-        run_checks([
-            (self.prompts_per_epoch >= 1, "prompts.prompts_per_epoch must be >= 1"),
-            (self.group_size >= 1, "prompts.group_size must be >= 1"),
-        ])  # fmt: skip
+        run_checks(
+            [
+                (self.prompts_per_epoch >= 1, "prompts.prompts_per_epoch must be >= 1"),
+                (self.group_size >= 1, "prompts.group_size must be >= 1"),
+            ]
+        )
 
 
 RENAMED = {
@@ -375,9 +399,13 @@ class HasKL:
 
     def checks(self):
         name = self.trainer or "this trainer"
-        return [*super().checks(),
-                (self.kl.form in self.kl_forms, f"kl.form {self.kl.form!r} is not one of {name}'s: "
-                 f"{', '.join(self.kl_forms)}")]  # fmt: skip
+        return [
+            *super().checks(),
+            (
+                self.kl.form in self.kl_forms,
+                f"kl.form {self.kl.form!r} is not one of {name}'s: {', '.join(self.kl_forms)}",
+            ),
+        ]
 
 
 @dataclasses.dataclass
@@ -407,13 +435,21 @@ class PromptedConfig(BaseConfig):
         return [
             *super().checks(),
             (len(self.rewards) >= 1, "rewards needs at least one reward"),
-            (a.estimator not in ("per_prompt", "sas") or self.reward_aggregation == "sum",
-             f"advantage.estimator={a.estimator} tracks the weighted reward sum; reward_aggregation must be 'sum'"),
-            (a.estimator != "sas" or p.group_size >= 2,
-             "advantage.estimator=sas needs prompts.group_size >= 2 (each step's group std)"),
-            (a.estimator != "leave_one_out" or p.group_size >= 2,
-             "the leave_one_out baseline needs prompts.group_size >= 2 (the k - 1 others of each sample)"),
-            (a.estimator != "group" or p.group_size >= 2,
-             "group-relative advantages need prompts.group_size >= 2: a group of one sample has advantage 0, so "
-             "nothing would ever train (or choose advantage.estimator: batch, per_prompt or raw)"),
-        ]  # fmt: skip
+            (
+                a.estimator not in ("per_prompt", "sas") or self.reward_aggregation == "sum",
+                f"advantage.estimator={a.estimator} tracks the weighted reward sum; reward_aggregation must be 'sum'",
+            ),
+            (
+                a.estimator != "sas" or p.group_size >= 2,
+                "advantage.estimator=sas needs prompts.group_size >= 2 (each step's group std)",
+            ),
+            (
+                a.estimator != "leave_one_out" or p.group_size >= 2,
+                "the leave_one_out baseline needs prompts.group_size >= 2 (the k - 1 others of each sample)",
+            ),
+            (
+                a.estimator != "group" or p.group_size >= 2,
+                "group-relative advantages need prompts.group_size >= 2: a group of one sample has advantage 0, so "
+                "nothing would ever train (or choose advantage.estimator: batch, per_prompt or raw)",
+            ),
+        ]

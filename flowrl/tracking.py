@@ -106,8 +106,9 @@ def image_grid(images: torch.Tensor, captions: list[str], path: str | Path, colu
     wrapped = ["\n".join(textwrap.wrap(c.replace("\n", " | "), width=width)) or " " for c in captions]
     lines = max(w.count("\n") + 1 for w in wrapped)
     caption_h = 0.13 * lines  # inches of caption text under each image
-    fig, axes = plt.subplots(rows, columns, figsize=(cell_w * columns, (cell_h + caption_h) * rows
-                                                     + (0.4 if title else 0)), squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(cell_w * columns, (cell_h + caption_h) * rows + (0.4 if title else 0)), squeeze=False
+    )
     for ax in axes.flat:
         ax.axis("off")
     for ax, image, caption in zip(axes.flat, images, wrapped):
@@ -202,8 +203,10 @@ def flat_config(config: dict) -> dict:
 
 def summary_screen(summary: dict, output_dir) -> str:
     """The table printed at the end of a run: every evaluation metric at start and end."""
-    lines = [f"\n== {summary['trainer']}: {summary['epochs']} epochs in {summary['wall_s']:.0f} s ==",
-             f"{'metric':<28}{'start':>10}{'end':>10}"]  # fmt: skip
+    lines = [
+        f"\n== {summary['trainer']}: {summary['epochs']} epochs in {summary['wall_s']:.0f} s ==",
+        f"{'metric':<28}{'start':>10}{'end':>10}",
+    ]
     for key, start in summary["eval_start"].items():
         end = summary["eval_end"].get(key)
         fmt = lambda v: f"{v:10.4f}" if isinstance(v, float) else f"{v!s:>10}"  # noqa: E731

@@ -57,8 +57,15 @@ def write_mp4(video: torch.Tensor, path: str | Path, fps: int = FPS) -> Path:
     if video.ndim != 4 or video.shape[0] != 3:
         raise ValueError(f"write_mp4 needs one video [3, F, H, W]; got {tuple(video.shape)}")
     path = Path(path)
-    imageio.mimwrite(path, list(_uint8_frames(video)), fps=fps, codec="libx264", quality=8, macro_block_size=1,
-                     ffmpeg_log_level="error")  # fmt: skip
+    imageio.mimwrite(
+        path,
+        list(_uint8_frames(video)),
+        fps=fps,
+        codec="libx264",
+        quality=8,
+        macro_block_size=1,
+        ffmpeg_log_level="error",
+    )
     return path
 
 

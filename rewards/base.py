@@ -9,8 +9,14 @@ import torch
 from flowrl.rewards import check_output
 
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 def as_dtype(dtype) -> torch.dtype:
@@ -73,8 +79,9 @@ class Reward(ABC):
         with torch.no_grad():
             for start in range(0, len(prompts), self.batch_size):
                 end = start + self.batch_size
-                chunk_meta = {k: v[start:end] if isinstance(v, (list, tuple, torch.Tensor)) else v
-                              for k, v in metadata.items()}  # fmt: skip
+                chunk_meta = {
+                    k: v[start:end] if isinstance(v, (list, tuple, torch.Tensor)) else v for k, v in metadata.items()
+                }
                 chunk = images[start:end].to(self.device, self.dtype)
                 out.append(check_output(self.name, self.score(chunk, prompts[start:end], **chunk_meta), len(chunk)))
         return torch.cat(out) if out else torch.zeros(0)

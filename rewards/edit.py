@@ -58,8 +58,10 @@ def region_mask(region, height: int, width: int, device=None) -> torch.Tensor:
 def _first_source(source_images, images: torch.Tensor, name: str) -> torch.Tensor:
     """`[B, 3, H, W]`: each sample's first source image at the result's size (bilinear, antialiased)."""
     if source_images is None:
-        raise ValueError(f"reward {name!r} compares edits with their source images: use an editing prompt set "
-                         "(rows with `image`, or `edit_shapes/train`) on an editing model")  # fmt: skip
+        raise ValueError(
+            f"reward {name!r} compares edits with their source images: use an editing prompt set "
+            "(rows with `image`, or `edit_shapes/train`) on an editing model"
+        )
     source = source_images[:, 0].to(images.device, torch.float32)
     if source.shape[-2:] != images.shape[-2:]:
         source = F.interpolate(source, size=images.shape[-2:], mode="bilinear", antialias=True, align_corners=False)
@@ -72,8 +74,9 @@ class EditConsistency(Reward):
 
     needs_source_images = True
 
-    def __init__(self, outside_region: bool = True, device=None, dtype: torch.dtype = torch.float32,
-                 batch_size: int = 64):  # fmt: skip
+    def __init__(
+        self, outside_region: bool = True, device=None, dtype: torch.dtype = torch.float32, batch_size: int = 64
+    ):
         super().__init__(device=device, dtype=dtype, batch_size=batch_size)
         self.outside_region = outside_region
 

@@ -370,8 +370,11 @@ class CLIPColorClassifier:
     def classifier(self, classname: str) -> torch.Tensor:
         """`[10, D]` unit colour embeddings for `classname`."""
         if classname not in self._classifiers:
-            templates = [f"a photo of a {{c}} {classname}", f"a photo of a {{c}}-colored {classname}",
-                         "a photo of a {c} object"]  # fmt: skip
+            templates = [
+                f"a photo of a {{c}} {classname}",
+                f"a photo of a {{c}}-colored {classname}",
+                "a photo of a {c} object",
+            ]
             texts = [t.format(c=c) for c in COLORS for t in templates]
             emb = self.clip.encode_text(texts).float().reshape(len(COLORS), len(templates), -1).mean(1)
             self._classifiers[classname] = emb / emb.norm(dim=-1, keepdim=True)
@@ -415,8 +418,14 @@ class TransformersDetector:
         label_map (`dict[str, str]`, *optional*): detector label -> COCO class name, for unusual label sets.
     """
 
-    def __init__(self, model: str, device=None, dtype=torch.float32, min_score: float = 0.0,
-                 label_map: Mapping[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: str,
+        device=None,
+        dtype=torch.float32,
+        min_score: float = 0.0,
+        label_map: Mapping[str, str] | None = None,
+    ):
         from transformers import AutoConfig
 
         from flowrl.rewards.loading import load_pretrained
@@ -456,8 +465,9 @@ class TransformersDetector:
             inputs = self.processor(text=[queries] * len(images), images=list(images), return_tensors="pt")
         else:
             inputs = self.processor(images=list(images), return_tensors="pt")
-        inputs = {k: v.to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device)
-                  for k, v in inputs.items()}  # fmt: skip
+        inputs = {
+            k: v.to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device) for k, v in inputs.items()
+        }
         outputs = self.model(**inputs)
         if self.zero_shot and hasattr(self.processor, "post_process_grounded_object_detection"):
             post = self.processor.post_process_grounded_object_detection  # transformers 5's OWL-ViT processors
@@ -528,11 +538,18 @@ class GenEvalReward(Reward):
         if mode not in MODES:
             raise ValueError(f"unknown GenEval mode {mode!r}; choose from {', '.join(MODES)}")
         if detector is None:
-            raise ValueError("reward 'geneval' needs detector=: a transformers object detector (hub id or folder, "
-                             "e.g. facebook/detr-resnet-50) or a callable returning Detection lists")  # fmt: skip
+            raise ValueError(
+                "reward 'geneval' needs detector=: a transformers object detector (hub id or folder, "
+                "e.g. facebook/detr-resnet-50) or a callable returning Detection lists"
+            )
         self.mode = mode
-        self.options = dict(threshold=threshold, counting_threshold=counting_threshold, max_objects=max_objects,
-                            max_overlap=max_overlap, position_threshold=position_threshold)  # fmt: skip
+        self.options = dict(
+            threshold=threshold,
+            counting_threshold=counting_threshold,
+            max_objects=max_objects,
+            max_overlap=max_overlap,
+            position_threshold=position_threshold,
+        )
         if isinstance(detector, str):
             floor = min(threshold, counting_threshold)
             detector = TransformersDetector(detector, self.device, self.dtype, min_score=floor, label_map=label_map)
@@ -567,13 +584,17 @@ class GenEvalReward(Reward):
 
     def score(self, images, prompts, tag=None, include=None, exclude=None, **metadata):
         if include is None:
-            raise ValueError("reward 'geneval' needs GenEval metadata (`include`, `exclude`, `tag`) on the prompts: "
-                             "use a prompt set such as compositional/train or a jsonl with those keys")  # fmt: skip
+            raise ValueError(
+                "reward 'geneval' needs GenEval metadata (`include`, `exclude`, `tag`) on the prompts: "
+                "use a prompt set such as compositional/train or a jsonl with those keys"
+            )
         n = len(prompts)
         tag = tag if tag is not None else [None] * n
         exclude = exclude if exclude is not None else [None] * n
-        metas = [None if inc is None else {"tag": t, "include": inc, "exclude": exc or []}
-                 for t, inc, exc in zip(tag, include, exclude)]  # fmt: skip
+        metas = [
+            None if inc is None else {"tag": t, "include": inc, "exclude": exc or []}
+            for t, inc, exc in zip(tag, include, exclude)
+        ]
         verdicts = self.verdicts(images, metas)
         return torch.tensor([float("nan") if v is None else v.score for v in verdicts], dtype=torch.float32)
 

@@ -59,8 +59,14 @@ class PairwiseWinRate:
 
     differentiable = False
 
-    def __init__(self, judge: str | Callable | None = None, score: str | None = None, both_orders: bool = False,
-                 tie_margin: float = 0.0, **kwargs: Any):  # fmt: skip
+    def __init__(
+        self,
+        judge: str | Callable | None = None,
+        score: str | None = None,
+        both_orders: bool = False,
+        tie_margin: float = 0.0,
+        **kwargs: Any,
+    ):
         if (judge is None) == (score is None):
             raise ValueError("pairwise_winrate needs exactly one of judge= (a pairwise judge) or score= (a reward)")
         if tie_margin < 0:
@@ -107,6 +113,7 @@ class PairwiseWinRate:
         out = self.judge(images[first], images[second], [prompts[i] for i in first.tolist()])
         p = torch.as_tensor(out, dtype=torch.float64).flatten().cpu()
         if p.shape[0] != first.shape[0] or not bool(((p >= 0) & (p <= 1)).all()):
-            raise ValueError(f"the pairwise judge must return {first.shape[0]} probabilities in [0, 1], got "
-                             f"shape {tuple(p.shape)}")  # fmt: skip
+            raise ValueError(
+                f"the pairwise judge must return {first.shape[0]} probabilities in [0, 1], got shape {tuple(p.shape)}"
+            )
         return p

@@ -63,9 +63,12 @@ class Rewards:
         `sources` (editing: the rollout's `source_images [B, N, 3, H, W]`) go to the rewards that ask for them.
         """
         texts, metadata = texts_and_metadata(prompts)
-        return {name: self.processes.gather(call_reward(name, partial(fn, outputs, texts, **metadata,
-                                                                      **source_kwargs(fn, sources)), len(texts)))
-                for name, fn in (fns or self.fns).items()}  # fmt: skip
+        return {
+            name: self.processes.gather(
+                call_reward(name, partial(fn, outputs, texts, **metadata, **source_kwargs(fn, sources)), len(texts))
+            )
+            for name, fn in (fns or self.fns).items()
+        }
 
     def combined(self, rewards: dict[str, torch.Tensor]) -> torch.Tensor:
         """The weighted sum of the training rewards."""
@@ -87,8 +90,11 @@ class Rewards:
                 f"{frac:.0%} of this epoch's rewards are NaN/inf ({detail} of {len(valid)} samples), more than "
                 f"run.max_bad_reward_frac={self.max_bad_frac}; check the reward model(s)"
             )
-        return valid, {"bad_rewards": int((~valid).sum()), **{f"bad_rewards/{k}": v for k, v in bad.items() if v},
-                       **reward_metrics(self.fns)}  # fmt: skip
+        return valid, {
+            "bad_rewards": int((~valid).sum()),
+            **{f"bad_rewards/{k}": v for k, v in bad.items() if v},
+            **reward_metrics(self.fns),
+        }
 
 
 def reward_metrics(fns: dict) -> dict[str, float]:

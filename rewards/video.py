@@ -21,8 +21,9 @@ def frame_indices(num_frames: int, max_frames: int | None) -> torch.Tensor:
     return torch.linspace(0, num_frames - 1, max_frames).round().long()
 
 
-def score_frames(reward, videos: torch.Tensor, prompts, *, max_frames: int | None = None, name: str = "per_frame",
-                 **metadata) -> torch.Tensor:  # fmt: skip
+def score_frames(
+    reward, videos: torch.Tensor, prompts, *, max_frames: int | None = None, name: str = "per_frame", **metadata
+) -> torch.Tensor:
     """`[B]`: the mean over frames of the image reward `reward(images [N, 3, H, W], prompts, **metadata)` on `videos
     [B, 3, F, H, W]` (at most `max_frames` evenly spaced frames); per-sample metadata repeats for each frame.
 
@@ -80,8 +81,9 @@ class PerFrame:
     def __call__(self, videos: torch.Tensor, prompts, **metadata) -> torch.Tensor:
         """`[B]` for `videos [B, 3, F, H, W]` (images `[B, 3, H, W]` are one-frame videos)."""
         videos = videos.unsqueeze(2) if videos.ndim == 4 else videos
-        return score_frames(self.reward, videos, prompts, max_frames=self.max_frames,
-                            name=f"per_frame({self.reward_name})", **metadata)  # fmt: skip
+        return score_frames(
+            self.reward, videos, prompts, max_frames=self.max_frames, name=f"per_frame({self.reward_name})", **metadata
+        )
 
 
 @register("temporal_consistency")

@@ -51,8 +51,9 @@ def to_pixels(image: torch.Tensor, size: int | None = None) -> np.ndarray:
     antialiased) when `size` is given."""
     image = image.detach().float().clamp(0, 1)
     if size is not None and tuple(image.shape[-2:]) != (size, size):
-        image = torch.nn.functional.interpolate(image[None], size=(size, size), mode="bilinear", antialias=True,
-                                                align_corners=False)[0].clamp(0, 1)  # fmt: skip
+        image = torch.nn.functional.interpolate(
+            image[None], size=(size, size), mode="bilinear", antialias=True, align_corners=False
+        )[0].clamp(0, 1)
     return np.ascontiguousarray((image * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy())
 
 
@@ -76,8 +77,9 @@ class Question:
 
     def messages(self) -> list[dict[str, Any]]:
         """The request's `messages`: the images as PNG data URLs, then the text."""
-        content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": png_data_url(p)}}
-                                         for p in self.images]  # fmt: skip
+        content: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": png_data_url(p)}} for p in self.images
+        ]
         content.append({"type": "text", "text": self.text})
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
         return [*system, {"role": "user", "content": content}]
@@ -164,14 +166,29 @@ class JudgeClient:
         transport (`httpx.BaseTransport`, *optional*): the HTTP transport (custom networking, tests).
     """
 
-    def __init__(self, url: str, model: str, *, api_key: str | None = None, max_concurrency: int = 8,
-                 timeout: float = 60.0, retries: int = 3, backoff: float = 1.0, max_backoff: float = 30.0,
-                 cache_size: int = 4096, cache_dir: str | os.PathLike | None = None, request: dict | None = None,
-                 name: str = "vlm judge", transport=None):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        max_concurrency: int = 8,
+        timeout: float = 60.0,
+        retries: int = 3,
+        backoff: float = 1.0,
+        max_backoff: float = 30.0,
+        cache_size: int = 4096,
+        cache_dir: str | os.PathLike | None = None,
+        request: dict | None = None,
+        name: str = "vlm judge",
+        transport=None,
+    ):
         if max_concurrency < 1 or timeout <= 0 or retries < 0 or backoff < 0 or max_backoff < 0 or cache_size < 0:
-            raise ValueError(f"{name}: need max_concurrency >= 1, timeout > 0, retries, backoff, max_backoff, "
-                             f"cache_size >= 0; got {max_concurrency}, {timeout}, {retries}, {backoff}, "
-                             f"{max_backoff}, {cache_size}")  # fmt: skip
+            raise ValueError(
+                f"{name}: need max_concurrency >= 1, timeout > 0, retries, backoff, max_backoff, "
+                f"cache_size >= 0; got {max_concurrency}, {timeout}, {retries}, {backoff}, "
+                f"{max_backoff}, {cache_size}"
+            )
         if not model:
             raise ValueError(f"{name}: model= (the served model's name) is required")
         self.url, self.model, self.name = chat_url(url), str(model), name
@@ -209,8 +226,13 @@ class JudgeClient:
     def key(self, question: Question, fields: dict[str, Any]) -> str:
         """The cache key: sha256 of the model, the request fields, the texts and each image's shape and pixels."""
         digest = hashlib.sha256()
-        head = {"model": self.model, "fields": {**fields, **self.request}, "system": question.system,
-                "text": question.text, "images": [list(p.shape) for p in question.images]}  # fmt: skip
+        head = {
+            "model": self.model,
+            "fields": {**fields, **self.request},
+            "system": question.system,
+            "text": question.text,
+            "images": [list(p.shape) for p in question.images],
+        }
         digest.update(json.dumps(head, sort_keys=True, default=str).encode())
         for pixels in question.images:
             digest.update(hashlib.sha256(pixels.tobytes()).digest())
@@ -305,12 +327,14 @@ class JudgeClient:
                 except ImportError as err:
                     raise ImportError(f"{self.name} needs httpx: pip install 'flowrl-toolkit[judge]'") from err
                 headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-                limits = httpx.Limits(max_connections=self.max_concurrency,
-                                      max_keepalive_connections=self.max_concurrency)  # fmt: skip
+                limits = httpx.Limits(
+                    max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency
+                )
                 # a proxy from the environment must not capture requests to this machine
                 local = urlsplit(self.url).hostname in _LOOPBACK
-                self._http = httpx.Client(timeout=self.timeout, limits=limits, headers=headers,
-                                          trust_env=not local, transport=self.transport)  # fmt: skip
+                self._http = httpx.Client(
+                    timeout=self.timeout, limits=limits, headers=headers, trust_env=not local, transport=self.transport
+                )
             return self._http
 
     def _ask_one(self, question: Question, fields: dict[str, Any]) -> Answer:
@@ -355,14 +379,17 @@ class JudgeClient:
                 retry_after = _retry_after(response)
                 continue
             if status >= 400:
-                raise RewardError(f"{self.name} at {self.url} refused the request ({status}: "
-                                  f"{_error_message(response)}); check model={self.model!r}, the api key and the "
-                                  "request fields")  # fmt: skip
+                raise RewardError(
+                    f"{self.name} at {self.url} refused the request ({status}: "
+                    f"{_error_message(response)}); check model={self.model!r}, the api key and the "
+                    "request fields"
+                )
             try:
                 return response.json()
             except ValueError:
-                raise RewardError(f"{self.name} at {self.url} answered with something that is not JSON: "
-                                  f"{_one_line(response.text)!r}") from None  # fmt: skip
+                raise RewardError(
+                    f"{self.name} at {self.url} answered with something that is not JSON: {_one_line(response.text)!r}"
+                ) from None
         tries = f"{attempts} {'tries' if attempts > 1 else 'try'}"
         raise RewardError(f"{self.name} at {self.url} {last} after {tries}; start the server or fix the url")
 

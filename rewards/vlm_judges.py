@@ -234,8 +234,18 @@ def _unparsable_policy(value) -> str | float:
 
 
 def _client(name: str, url: str, model: str, client_kwargs: dict[str, Any]) -> JudgeClient:
-    unknown = set(client_kwargs) - {"api_key", "max_concurrency", "timeout", "retries", "backoff", "max_backoff",
-                                    "cache_size", "cache_dir", "request", "transport"}  # fmt: skip
+    unknown = set(client_kwargs) - {
+        "api_key",
+        "max_concurrency",
+        "timeout",
+        "retries",
+        "backoff",
+        "max_backoff",
+        "cache_size",
+        "cache_dir",
+        "request",
+        "transport",
+    }
     if unknown:
         raise TypeError(f"reward {name!r} got unexpected arguments {sorted(unknown)}")
     return JudgeClient(url, model, name=f"VLM judge {name!r}", **client_kwargs)
@@ -252,9 +262,11 @@ class _Unparsable:
             return value
         self.client.count("unparsable")
         if self.policy == "error":
-            raise RewardError(f"{self.client.name} at {self.client.url}: cannot read the answer "
-                              f"{' '.join(answer.text.split())[:120]!r} (prompt {prompt[:60]!r}); set "
-                              "on_unparsable: nan to drop such samples")  # fmt: skip
+            raise RewardError(
+                f"{self.client.name} at {self.client.url}: cannot read the answer "
+                f"{' '.join(answer.text.split())[:120]!r} (prompt {prompt[:60]!r}); set "
+                "on_unparsable: nan to drop such samples"
+            )
         return math.nan if self.policy == "nan" else float(self.policy)
 
 
@@ -303,11 +315,27 @@ class VlmJudge(Reward):
     name = "vlm_judge"
     default_template = {"score": "unifiedreward", "yes_no": "alignment"}
 
-    def __init__(self, url: str, model: str, *, answer: str = "score", template: str | None = None,
-                 system: str | None = None, image_size: int | None = None, on_unparsable: str | float = "nan",
-                 max_tokens: int | None = None, temperature: float = 0.0, score_pattern: str | None = None,
-                 score_range: tuple[float, float] = (1, 5), scale: str = "fraction", logprobs: bool = True,
-                 top_logprobs: int = 20, canonicalize: bool = True, batch_size: int = 64, **client: Any):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        answer: str = "score",
+        template: str | None = None,
+        system: str | None = None,
+        image_size: int | None = None,
+        on_unparsable: str | float = "nan",
+        max_tokens: int | None = None,
+        temperature: float = 0.0,
+        score_pattern: str | None = None,
+        score_range: tuple[float, float] = (1, 5),
+        scale: str = "fraction",
+        logprobs: bool = True,
+        top_logprobs: int = 20,
+        canonicalize: bool = True,
+        batch_size: int = 64,
+        **client: Any,
+    ):
         super().__init__(device="cpu", batch_size=batch_size)
         if answer not in ANSWERS:
             raise ValueError(f"reward {self.name!r}: answer must be one of {', '.join(ANSWERS)}, got {answer!r}")
@@ -332,8 +360,10 @@ class VlmJudge(Reward):
         if answer == "yes_no" and self.logprobs and top_logprobs < 1:
             raise ValueError(f"reward {self.name!r}: top_logprobs must be >= 1, got {top_logprobs}")
         default_tokens = 512 if answer == "score" else 1 if self.logprobs else 8
-        self.fields: dict[str, Any] = {"temperature": float(temperature),
-                                       "max_tokens": int(max_tokens or default_tokens)}  # fmt: skip
+        self.fields: dict[str, Any] = {
+            "temperature": float(temperature),
+            "max_tokens": int(max_tokens or default_tokens),
+        }
         if answer == "yes_no" and self.logprobs:
             self.fields.update(logprobs=True, top_logprobs=int(top_logprobs))
         self.client = _client(self.name, url, model, client)
@@ -353,8 +383,10 @@ class VlmJudge(Reward):
 
     def questions(self, images: torch.Tensor, prompts: list[str], **metadata) -> list[Question]:
         """One question per sample: its images and the filled-in template."""
-        return [Question((self.pixels(image),), _fill(self.template, prompt=p), self.system)
-                for image, p in zip(images, prompts)]  # fmt: skip
+        return [
+            Question((self.pixels(image),), _fill(self.template, prompt=p), self.system)
+            for image, p in zip(images, prompts)
+        ]
 
     def read(self, answer: Answer) -> float | None:
         """The score in an answer, or None when it cannot be read."""
@@ -364,15 +396,18 @@ class VlmJudge(Reward):
         if not self.logprobs:
             return yes_no_text(answer.text)
         if answer.first_token is None:
-            raise RewardError(f"{self.client.name} at {self.client.url} answered without logprobs (the server must "
-                              "support `logprobs` / `top_logprobs`, as vLLM and SGLang do); set logprobs: false to "
-                              "read yes/no from the text")  # fmt: skip
+            raise RewardError(
+                f"{self.client.name} at {self.client.url} answered without logprobs (the server must "
+                "support `logprobs` / `top_logprobs`, as vLLM and SGLang do); set logprobs: false to "
+                "read yes/no from the text"
+            )
         return yes_probability(answer.first_token, self.canonicalize)
 
     def score(self, images: torch.Tensor, prompts: list[str], **metadata) -> torch.Tensor:
         answers = self.client.ask(self.questions(images, prompts, **metadata), self.fields)
-        return torch.tensor([self.unparsable(self.read(a), a, p) for a, p in zip(answers, prompts)],
-                            dtype=torch.float32)  # fmt: skip
+        return torch.tensor(
+            [self.unparsable(self.read(a), a, p) for a, p in zip(answers, prompts)], dtype=torch.float32
+        )
 
 
 @register("vlm_score")
@@ -415,11 +450,16 @@ class VlmEdit(VlmJudge):
 
     def questions(self, images, prompts, source_images=None, **metadata) -> list[Question]:
         if source_images is None:
-            raise ValueError(f"reward {self.name!r} compares edits with their source images: use an editing prompt "
-                             "set (rows with `image`) on an editing model")  # fmt: skip
-        return [Question((*(self.pixels(s) for s in sources), self.pixels(image)), _fill(self.template, prompt=p),
-                         self.system)
-                for image, sources, p in zip(images, source_images, prompts)]  # fmt: skip
+            raise ValueError(
+                f"reward {self.name!r} compares edits with their source images: use an editing prompt "
+                "set (rows with `image`) on an editing model"
+            )
+        return [
+            Question(
+                (*(self.pixels(s) for s in sources), self.pixels(image)), _fill(self.template, prompt=p), self.system
+            )
+            for image, sources, p in zip(images, source_images, prompts)
+        ]
 
 
 @register("vlm_video")
@@ -442,9 +482,14 @@ class VlmVideo(VlmJudge):
 
     def questions(self, images, prompts, **metadata) -> list[Question]:
         index = frame_indices(images.shape[2], self.frames)
-        return [Question(tuple(self.pixels(video[:, f]) for f in index.tolist()),
-                         _fill(self.template, prompt=p, frames=len(index)), self.system)
-                for video, p in zip(images, prompts)]  # fmt: skip
+        return [
+            Question(
+                tuple(self.pixels(video[:, f]) for f in index.tolist()),
+                _fill(self.template, prompt=p, frames=len(index)),
+                self.system,
+            )
+            for video, p in zip(images, prompts)
+        ]
 
 
 # ----- pairwise -----
@@ -474,10 +519,21 @@ class VlmPairwise(PairwiseWinRate):
         **client: `JudgeClient` arguments, as `VlmJudge`.
     """
 
-    def __init__(self, url: str, model: str, *, both_orders: bool = False, template: str | None = None,
-                 frames: int = 8, system: str | None = None, image_size: int | None = None,
-                 on_unparsable: str | float = "nan", max_tokens: int = 1024, temperature: float = 0.0,
-                 **client: Any):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        both_orders: bool = False,
+        template: str | None = None,
+        frames: int = 8,
+        system: str | None = None,
+        image_size: int | None = None,
+        on_unparsable: str | float = "nan",
+        max_tokens: int = 1024,
+        temperature: float = 0.0,
+        **client: Any,
+    ):
         if frames < 1 or (image_size is not None and image_size < 1):
             raise ValueError(f"reward 'vlm_pairwise': frames and image_size must be >= 1, got {frames}, {image_size}")
         self.both_orders, self.scorer, self.tie_margin = both_orders, None, 0.0
@@ -506,8 +562,10 @@ class VlmPairwise(PairwiseWinRate):
     def __call__(self, images: torch.Tensor, prompts, **metadata) -> torch.Tensor:
         prompts = [str(p) for p in prompts]
         if images.ndim not in (4, 5) or images.shape[1] != 3:
-            raise ValueError(f"reward {self.name!r} needs images [B, 3, H, W] or videos [B, 3, F, H, W] in [0, 1]; "
-                             f"got {tuple(images.shape)}")  # fmt: skip
+            raise ValueError(
+                f"reward {self.name!r} needs images [B, 3, H, W] or videos [B, 3, F, H, W] in [0, 1]; "
+                f"got {tuple(images.shape)}"
+            )
         if len(prompts) != images.shape[0]:
             raise ValueError(f"reward {self.name!r} got {images.shape[0]} images but {len(prompts)} prompts")
         first, second, sizes = self.pairs(prompts)
@@ -519,12 +577,20 @@ class VlmPairwise(PairwiseWinRate):
         n_frames = len(pixels[first[0].item()]) if video and pairs else 1
         note = f" Each video is {n_frames} frames in order: those of Video 1, then those of Video 2." if video else ""
         item = "video" if video else "image"
-        text = _fill(self.template, item=item, item_cap=item.capitalize(), frames=n_frames, frames_note=note,
-                     video_note="; temporal coherence" if video else "")  # fmt: skip
+        text = _fill(
+            self.template,
+            item=item,
+            item_cap=item.capitalize(),
+            frames=n_frames,
+            frames_note=note,
+            video_note="; temporal coherence" if video else "",
+        )
         questions = [Question(pixels[i] + pixels[j], _fill(text, prompt=prompts[i]), self.system) for i, j in pairs]
         answers = self.client.ask(questions, self.fields)
-        p = torch.tensor([self.unparsable(parse_preference(a.text), a, prompts[i])
-                          for a, (i, _) in zip(answers, pairs)], dtype=torch.float64)  # fmt: skip
+        p = torch.tensor(
+            [self.unparsable(parse_preference(a.text), a, prompts[i]) for a, (i, _) in zip(answers, pairs)],
+            dtype=torch.float64,
+        )
         if self.both_orders:
             n = first.numel()
             p = torch.stack([p[:n], 1 - p[n:]]).nanmean(0)  # NaN only when neither order was read

@@ -125,8 +125,9 @@ def build(seed: int = SEED) -> tuple[list[dict], list[dict]]:
     rng = random.Random(seed)
     train, test = [], []
     for tag, generate in GENERATORS.items():
-        candidates = [{"prompt": c["prompt"], "tag": tag, **{k: v for k, v in c.items() if k != "prompt"}}
-                      for c in generate(rng)]  # fmt: skip
+        candidates = [
+            {"prompt": c["prompt"], "tag": tag, **{k: v for k, v in c.items() if k != "prompt"}} for c in generate(rng)
+        ]
         rng.shuffle(candidates)
         n_train, n_test = SIZES[tag]
         if n_train + n_test > len(candidates):

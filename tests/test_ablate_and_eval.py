@@ -38,12 +38,15 @@ def test_grid_parsing_and_variants():
 
 def test_ablate_runs_every_variant_and_seed_and_tabulates(tiny_yaml, tmp_path, monkeypatch):
     out = tmp_path / "ablation"
-    rows = ablate.run([str(tiny_yaml)], grid={"steps.weighting": ["uniform", "inv_dt"]}, seeds=[0, 1],
-                      output_dir=out, log=None)  # fmt: skip
+    rows = ablate.run(
+        [str(tiny_yaml)], grid={"steps.weighting": ["uniform", "inv_dt"]}, seeds=[0, 1], output_dir=out, log=None
+    )
     assert [(r["variant"], r["seed"]) for r in rows] == [
-        ("tiny__weighting=uniform", 0), ("tiny__weighting=uniform", 1),
-        ("tiny__weighting=inv_dt", 0), ("tiny__weighting=inv_dt", 1),
-    ]  # fmt: skip
+        ("tiny__weighting=uniform", 0),
+        ("tiny__weighting=uniform", 1),
+        ("tiny__weighting=inv_dt", 0),
+        ("tiny__weighting=inv_dt", 1),
+    ]
     assert all(r["reward_evaluations"] == 8 for r in rows)
     results = json.loads((out / "results.json").read_text())
     summary = json.loads((out / "tiny__weighting=uniform" / "seed_0" / "summary.json").read_text())
@@ -71,12 +74,25 @@ def test_ablate_runs_every_variant_and_seed_and_tabulates(tiny_yaml, tmp_path, m
         raise AssertionError(f"retrained {config.run.output_dir}")
 
     monkeypatch.setattr("flowrl.trainers.build_trainer", boom)
-    again = ablate.run([str(tiny_yaml)], grid={"steps.weighting": ["uniform", "inv_dt"]}, seeds=[0, 1],
-                       output_dir=out, log=None, skip_done=True)  # fmt: skip
+    again = ablate.run(
+        [str(tiny_yaml)],
+        grid={"steps.weighting": ["uniform", "inv_dt"]},
+        seeds=[0, 1],
+        output_dir=out,
+        log=None,
+        skip_done=True,
+    )
     assert json.dumps(again) == json.dumps(rows)  # (json: the tiny run's diversity is NaN)
     with pytest.raises(AssertionError, match="retrained"):
-        ablate.run([str(tiny_yaml)], grid={"steps.weighting": ["uniform"]}, seeds=[0], output_dir=out, log=None,
-                   skip_done=True, overrides=["run.epochs=2"])  # fmt: skip
+        ablate.run(
+            [str(tiny_yaml)],
+            grid={"steps.weighting": ["uniform"]},
+            seeds=[0],
+            output_dir=out,
+            log=None,
+            skip_done=True,
+            overrides=["run.epochs=2"],
+        )
 
 
 def test_ablate_fails_early_on_bad_keys(tiny_yaml, tmp_path, capsys):
@@ -115,21 +131,53 @@ def test_first_reaching_reads_the_eval_curve_and_its_resolution(tmp_path):
     hit = ablate.first_reaching(tmp_path, "eval/a", 0.9)
     assert hit == {"epoch": 4, "reward_evals": 256, "wall_s": 12.5, "resolution": 128}
     assert ablate.first_reaching(tmp_path, "eval/a", 0.99) is None
-    assert ablate.first_reaching(tmp_path, "eval/a", 0.5) == {"epoch": 0, "reward_evals": 0, "wall_s": 0.0,
-                                                            "resolution": 0}  # fmt: skip
-    table = ablate.table([{"variant": "v", "seed": 0, "eval_start": {"eval/a": 0.5}, "eval_end": {"eval/a": 0.97},
-                           "wall_s": 15.0, "reward_evaluations": 320, "to_threshold": hit},
-                          {"variant": "v", "seed": 1, "eval_start": {"eval/a": 0.5}, "eval_end": {"eval/a": 0.8},
-                           "wall_s": 15.0, "reward_evaluations": 320, "to_threshold": None}])  # fmt: skip
+    assert ablate.first_reaching(tmp_path, "eval/a", 0.5) == {
+        "epoch": 0,
+        "reward_evals": 0,
+        "wall_s": 0.0,
+        "resolution": 0,
+    }
+    table = ablate.table(
+        [
+            {
+                "variant": "v",
+                "seed": 0,
+                "eval_start": {"eval/a": 0.5},
+                "eval_end": {"eval/a": 0.97},
+                "wall_s": 15.0,
+                "reward_evaluations": 320,
+                "to_threshold": hit,
+            },
+            {
+                "variant": "v",
+                "seed": 1,
+                "eval_start": {"eval/a": 0.5},
+                "eval_end": {"eval/a": 0.8},
+                "wall_s": 15.0,
+                "reward_evaluations": 320,
+                "to_threshold": None,
+            },
+        ]
+    )
     assert "| 1/2 | 256.000 | 12.500 | 128.000 |" in table
 
 
 def test_a_study_file_runs_its_grid_and_draws_per_step_diagnostics(tiny_yaml, tmp_path, capsys):
     study = tmp_path / "study.yaml"
-    study.write_text(yaml.safe_dump({"ablate": {
-        "configs": [str(tiny_yaml)], "grid": {"steps.weighting": ["early", "late"]}, "seeds": [0],
-        "set": ["optim.step_grad_norms_every=1", "steps.normalize_weights=true"], "output_dir": str(tmp_path / "s"),
-        "threshold": "digits_gold=0.0"}}))  # fmt: skip
+    study.write_text(
+        yaml.safe_dump(
+            {
+                "ablate": {
+                    "configs": [str(tiny_yaml)],
+                    "grid": {"steps.weighting": ["early", "late"]},
+                    "seeds": [0],
+                    "set": ["optim.step_grad_norms_every=1", "steps.normalize_weights=true"],
+                    "output_dir": str(tmp_path / "s"),
+                    "threshold": "digits_gold=0.0",
+                }
+            }
+        )
+    )
     assert main(["ablate", str(study)]) == 0
     out = tmp_path / "s"
     rows = json.loads((out / "results.json").read_text())
@@ -150,10 +198,23 @@ def test_a_study_file_runs_its_grid_and_draws_per_step_diagnostics(tiny_yaml, tm
 
 def test_named_cells_each_carry_their_own_difference(tmp_path):
     study = tmp_path / "study.yaml"
-    study.write_text(yaml.safe_dump({"ablate": {"configs": [
-        "configs/digits/flow_grpo.yaml",
-        {"name": "guard_global_std", "config": "configs/digits/grpo_guard.yaml", "set": ["advantage.std=global"]},
-    ], "grid": {"optim.lr": ["1e-4"]}}}))  # fmt: skip
+    study.write_text(
+        yaml.safe_dump(
+            {
+                "ablate": {
+                    "configs": [
+                        "configs/digits/flow_grpo.yaml",
+                        {
+                            "name": "guard_global_std",
+                            "config": "configs/digits/grpo_guard.yaml",
+                            "set": ["advantage.std=global"],
+                        },
+                    ],
+                    "grid": {"optim.lr": ["1e-4"]},
+                }
+            }
+        )
+    )
     loaded = ablate.load_study(study)
     plan = ablate.variants(loaded["configs"], loaded["grid"])
     assert plan == [

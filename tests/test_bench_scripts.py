@@ -26,10 +26,28 @@ SETTINGS = _families_benchmarked()
 @pytest.mark.models  # builds every benchmarked family's tiny model and trains it two epochs: the second CI tier
 def test_gpu_bench_tiny_mode_writes_its_json(tmp_path):
     out = tmp_path / "gpu_bench.json"
-    args = ["--tiny", "--group", "2", "--steps", "2", "--epochs", "1", "--minibatch", "1", "--forward-batch", "2",
-            "--lora-rank", "4", "--models", ",".join(SETTINGS), "--out", str(out)]  # fmt: skip
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), *args], capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    args = [
+        "--tiny",
+        "--group",
+        "2",
+        "--steps",
+        "2",
+        "--epochs",
+        "1",
+        "--minibatch",
+        "1",
+        "--forward-batch",
+        "2",
+        "--lora-rank",
+        "4",
+        "--models",
+        ",".join(SETTINGS),
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), *args], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [r["model"] for r in report["results"]] == list(SETTINGS)  # every family the GPU run covers

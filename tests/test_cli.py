@@ -68,10 +68,16 @@ def test_prompt_file_mistakes_name_the_file_before_any_model_loads(tmp_path, cap
     cats.write_text("a handwritten seven\na cat\n")
     run = ["--output-dir", str(tmp_path / "run")]
     _fails(capsys, ["train", str(_yaml(tmp_path, **{"prompts.train": str(empty)})), *run], "holds no prompts")
-    _fails(capsys, ["train", str(_yaml(tmp_path, **{"prompts.train": str(latin)})), *run],
-           f"prompt file {latin} is not UTF-8 text")  # fmt: skip
-    _fails(capsys, ["train", str(_yaml(tmp_path, **{"prompts.train": str(cats)})), *run],
-           "prompts.train does not suit reward 'digits_alignment': digits prompt 'a cat' names no digit")  # fmt: skip
+    _fails(
+        capsys,
+        ["train", str(_yaml(tmp_path, **{"prompts.train": str(latin)})), *run],
+        f"prompt file {latin} is not UTF-8 text",
+    )
+    _fails(
+        capsys,
+        ["train", str(_yaml(tmp_path, **{"prompts.train": str(cats)})), *run],
+        "prompts.train does not suit reward 'digits_alignment': digits prompt 'a cat' names no digit",
+    )
 
 
 def test_run_folders_keep_their_checkpoints(tmp_path, capsys):

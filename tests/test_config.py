@@ -100,8 +100,10 @@ def test_shipped_configs_load():
             continue
         if ablate.is_study(path):  # a study file: every cell of its grid must load
             study = ablate.load_study(path)
-            configs = [{**c, "config": str(root / c["config"])} if isinstance(c, dict) else str(root / c)
-                       for c in study["configs"]]  # fmt: skip
+            configs = [
+                {**c, "config": str(root / c["config"])} if isinstance(c, dict) else str(root / c)
+                for c in study["configs"]
+            ]
             for _, config_path, extra in ablate.variants(configs, study["grid"]):
                 assert isinstance(load_config(config_path, [*study["overrides"], *extra]), TrainerConfig), path
             continue
@@ -162,8 +164,9 @@ def test_load_config_needs_no_import_cycle():
     import subprocess
     import sys
 
-    code = ("import flowrl.config, flowrl.sections, sys; assert 'flowrl.trainers' not in sys.modules, "
-            "sorted(sys.modules)")  # fmt: skip
+    code = (
+        "import flowrl.config, flowrl.sections, sys; assert 'flowrl.trainers' not in sys.modules, sorted(sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 

@@ -109,8 +109,12 @@ def test_two_processes_building_the_digits_model_at_once_share_one_intact_build(
         "print(build_model(BuildConfig(pretrain_steps=40, transformer=tiny)))\n"
     )
     cache = {**env, "FLOWRL_CACHE": str(tmp_path / "cache")}
-    both = [subprocess.Popen([sys.executable, "-c", build], env=cache, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for _ in range(2)]  # fmt: skip
+    both = [
+        subprocess.Popen(
+            [sys.executable, "-c", build], env=cache, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=600) for p in both]
     assert all(p.returncode == 0 for p in both), [err[-2000:] for _, err in outputs]
     folders = {out.strip().splitlines()[-1] for out, _ in outputs}

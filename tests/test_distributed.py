@@ -30,14 +30,20 @@ TRAINERS = {
     "flow_grpo": {"trainer": "flow_grpo"},
     "grpo_guard": {"trainer": "grpo_guard"},
     "find": {"trainer": "find", "sampling": {"sampler": "ode"}},
-    "dpok": {"trainer": "dpok", "buffer_size": 48, "policy_steps": 2, "prompts": {"group_size": 1},
-             "batch": {"mini_batch_size": 16, "micro_batch_size": 8}, "critic": {"steps": 2, "mini_batch_size": 16}},
+    "dpok": {
+        "trainer": "dpok",
+        "buffer_size": 48,
+        "policy_steps": 2,
+        "prompts": {"group_size": 1},
+        "batch": {"mini_batch_size": 16, "micro_batch_size": 8},
+        "critic": {"steps": 2, "mini_batch_size": 16},
+    },
     "loop": {"trainer": "loop"},
     "diffusion_nft": {"trainer": "diffusion_nft", "num_draws": 2},
     "awm": {"trainer": "awm", "num_draws": 1},
     "image_fpo": {"trainer": "image_fpo", "num_draws": 2},
     "acflow": {"trainer": "acflow", "num_draws": 2},
-}  # fmt: skip
+}
 """Each trainer's changes to the tiny digits run (the same config for one process and two)."""
 
 
@@ -76,8 +82,18 @@ def _train(config, out, cache, processes: int, resume: bool = False, overrides=(
     if processes == 1:
         cmd = [sys.executable, *base]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *base]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(processes),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            *base,
+        ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "summary.json").read_text())
@@ -161,8 +177,15 @@ def test_two_processes_equal_one(tmp_path, cache, trainer):
     _two_equals_one(tmp_path, cache, trainer)
 
 
-SHIPPED_RUN = ["run.epochs=2", "run.save_every=1", "run.samples_every=0", "run.threads=1", "eval.every=2",
-               "eval.max_prompts=8", "total_env_steps=null"]  # fmt: skip
+SHIPPED_RUN = [
+    "run.epochs=2",
+    "run.save_every=1",
+    "run.samples_every=0",
+    "run.threads=1",
+    "eval.every=2",
+    "eval.max_prompts=8",
+    "total_env_steps=null",
+]
 """What the shipped-config runs change: two epochs (one thread per process), checkpoints after each, one held-out
 evaluation at the end; the algorithm (prompts, groups, steps, mini-batches, inner epochs, objective) and the digits
 model's architecture as shipped, its base pretrained for 2 steps instead of 220 (`DIGITS_BASE`: the equality of one
@@ -171,11 +194,17 @@ and two processes does not depend on the base, and the full build would cost thi
 
 @pytest.mark.parametrize(
     "name",
-    ["digits/grpo_guard", "digits/loop", "digits/diffusion_nft", "control/pendulum_ppo", "llm/arith_grpo",
-     # DPOK on two processes runs at tiny size in this tier (test_two_sharded_processes_equal_one[dpok-fsdp2]);
-     # its shipped size (~40 s) in the slow tier
-     pytest.param("digits/dpok", marks=pytest.mark.slow)],
-)  # fmt: skip
+    [
+        "digits/grpo_guard",
+        "digits/loop",
+        "digits/diffusion_nft",
+        "control/pendulum_ppo",
+        "llm/arith_grpo",
+        # DPOK on two processes runs at tiny size in this tier (test_two_sharded_processes_equal_one[dpok-fsdp2]);
+        # its shipped size (~40 s) in the slow tier
+        pytest.param("digits/dpok", marks=pytest.mark.slow),
+    ],
+)
 def test_a_shipped_config_trains_the_same_on_two_processes(tmp_path, cache, name):
     if name.startswith("control"):
         pytest.importorskip("gymnasium")
@@ -203,11 +232,18 @@ def _sharded_weights(run, epoch: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("trainer", "shard"),
-    [("flow_grpo", "fsdp2"), ("flow_grpo", "zero2"), ("flow_grpo", "zero3"), ("dpok", "fsdp2"),
-     *(pytest.param(name, "fsdp2", marks=pytest.mark.slow)
-       for name in ("grpo_guard", "loop", "diffusion_nft", "awm", "image_fpo", "acflow")),
-     pytest.param("grpo_guard", "zero3", marks=pytest.mark.slow)],
-)  # fmt: skip
+    [
+        ("flow_grpo", "fsdp2"),
+        ("flow_grpo", "zero2"),
+        ("flow_grpo", "zero3"),
+        ("dpok", "fsdp2"),
+        *(
+            pytest.param(name, "fsdp2", marks=pytest.mark.slow)
+            for name in ("grpo_guard", "loop", "diffusion_nft", "awm", "image_fpo", "acflow")
+        ),
+        pytest.param("grpo_guard", "zero3", marks=pytest.mark.slow),
+    ],
+)
 def test_two_sharded_processes_equal_one(tmp_path, cache, trainer, shard):
     # on CPUs, over a gloo group of two: FSDP2 and ZeRO-3 shard the parameters, gradients and AdamW state, ZeRO-2
     # the gradients and AdamW state; every backward (and, sharded parameters, every forward) is a collective, so
@@ -244,8 +280,13 @@ def test_offloaded_shards_train_as_one_process(tmp_path, cache, shard):
     # run.offload: the shards, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy, ZeRO-Offload);
     # on a CPU machine the copies are CPU to CPU, so this checks the plumbing: the same training as one process
     one = _train(_config(tmp_path, "flow_grpo", 1), tmp_path / "one", cache, processes=1)
-    two = _train(_config(tmp_path, "flow_grpo", 2, shard=shard), tmp_path / "two", cache, processes=2,
-                 overrides=["run.offload=true"])  # fmt: skip
+    two = _train(
+        _config(tmp_path, "flow_grpo", 2, shard=shard),
+        tmp_path / "two",
+        cache,
+        processes=2,
+        overrides=["run.offload=true"],
+    )
     assert (one["processes"], two["processes"], two["shard"]) == (1, 2, shard)
     _same_rows(tmp_path / "one", tmp_path / "two")
     _same_weights(tmp_path / "one", tmp_path / "two", epochs=(1, 2), sharded=True)
@@ -298,12 +339,18 @@ def test_a_tiny_model_config_trains_the_same_on_two_processes(tmp_path, cache, f
 
 
 CONTROL = {
-    "env": {"id": "flowrl/BimodalPointMass-v0", "num_envs": 4, "steps_per_env": 60, "normalize_obs": True,
-            "normalize_reward": True},
-    "batch": {"mini_batch_size": 48, "micro_batch_size": 48, "inner_epochs": 2}, "objective": {"target_kl": 0.05},
+    "env": {
+        "id": "flowrl/BimodalPointMass-v0",
+        "num_envs": 4,
+        "steps_per_env": 60,
+        "normalize_obs": True,
+        "normalize_reward": True,
+    },
+    "batch": {"mini_batch_size": 48, "micro_batch_size": 48, "inner_epochs": 2},
+    "objective": {"target_kl": 0.05},
     "run": {**RUN, "epochs": 3, "save_every": 1},
     "eval": {"episodes": 4, "every": 0},
-}  # fmt: skip
+}
 """Four environments (two per process) whose 50-step episodes end inside an epoch, both normalisers on, and
 target_kl (a global decision): every piece of the control update that could differ by process count."""
 
@@ -351,7 +398,7 @@ TEXT = {
     "batch": {"inner_epochs": 2},
     "run": {**RUN, "epochs": 2},
     "eval": {"every": 0, "max_prompts": 16},
-}  # fmt: skip
+}
 """32 completions of 8 prompts per epoch, 2 inner epochs."""
 
 

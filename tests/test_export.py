@@ -17,8 +17,9 @@ from flowrl.prompts.edit_shapes import draw
 from .trainers.conftest import make_trainer, tiny_config
 
 
-FAMILIES = [f if f in ("sd3", "flux", "unet") else pytest.param(f, marks=pytest.mark.models)
-            for f in MODEL_FAMILIES.names()]  # fmt: skip
+FAMILIES = [
+    f if f in ("sd3", "flux", "unet") else pytest.param(f, marks=pytest.mark.models) for f in MODEL_FAMILIES.names()
+]
 """A flow transformer, a guidance-embedding one and a DDIM UNet in the default tier; every other family's export
 runs with the `models` tier (`.ci/run`'s second step)."""
 
@@ -65,7 +66,7 @@ def _train(family, lora, tmp_path, monkeypatch, ema=True):
             "height": 64,
             "width": 64,
             **sampler,
-        },  # fmt: skip
+        },
         "batch": {"mini_batch_size": 4, "micro_batch_size": 4},
         "prompts": {"train": prompts, "test": prompts, "prompts_per_epoch": 2, "group_size": 2},
         "rewards": [{"name": "tests.test_export:_brightness"}],
@@ -116,8 +117,9 @@ def test_lora_runs_export_to_load_lora_weights(family, tmp_path, monkeypatch, ca
     main(["export", str(run), "--out", str(tmp_path / "raw"), "--no-ema"])
     pipe = _pipeline(family, base)
     MODEL_FAMILIES.get(family).load_lora_into(pipe, tmp_path / "raw")
-    torch.testing.assert_close(_samples(DiffusionPolicy.from_pipeline(pipe, options=_options(family)), family), raw,
-                               rtol=0, atol=2e-5)  # fmt: skip
+    torch.testing.assert_close(
+        _samples(DiffusionPolicy.from_pipeline(pipe, options=_options(family)), family), raw, rtol=0, atol=2e-5
+    )
     _the_printed_snippets_run_and_sample_what_flowrl_sampled(family, run, out, tmp_path, capsys)
 
 
@@ -245,8 +247,9 @@ def test_full_fine_tunes_export_the_pipeline_folder(tmp_path, monkeypatch, capsy
     out = tmp_path / "export"
     assert main(["export", str(run), "--out", str(out)]) == 0
     assert "StableDiffusion3Pipeline.from_pretrained" in capsys.readouterr().out
-    exported = _samples(DiffusionPolicy.from_pipeline(StableDiffusion3Pipeline.from_pretrained(out),
-                                                      options=_options("sd3")), "sd3")  # fmt: skip
+    exported = _samples(
+        DiffusionPolicy.from_pipeline(StableDiffusion3Pipeline.from_pretrained(out), options=_options("sd3")), "sd3"
+    )
     trainer = build_trainer(load_config(run / "config.yaml", ["run.log_with=[]"]), output_dir=run)
     trainer.load_checkpoint(run / "checkpoints" / "epoch_1")
     with trainer.ema.swapped():
@@ -257,8 +260,15 @@ def _loaded(trainer, run_dir):
     """A trainer's policy as `flowrl.run.inference.load_run` hands it to `write` (its raw weights)."""
     from flowrl.run.inference import LoadedRun
 
-    return LoadedRun(run_dir, run_dir / "checkpoints" / f"epoch_{trainer.epoch}", trainer.config, trainer.epoch,
-                     trainer.modality, trainer.algorithm, ema=False)  # fmt: skip
+    return LoadedRun(
+        run_dir,
+        run_dir / "checkpoints" / f"epoch_{trainer.epoch}",
+        trainer.config,
+        trainer.epoch,
+        trainer.modality,
+        trainer.algorithm,
+        ema=False,
+    )
 
 
 def test_digits_full_fine_tunes_export_a_digits_model_folder(tiny_world, tmp_path):
@@ -297,8 +307,24 @@ def test_sample_writes_pngs_a_grid_and_the_diffusers_lines(tmp_path, monkeypatch
     out = tmp_path / "samples"
 
     def sample(folder, *extra, target=run):
-        assert main(["sample", str(target), "--prompts", "a red cat", "--n", "2", "--num-steps", "2",
-                     "--out", str(folder), *extra]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "sample",
+                    str(target),
+                    "--prompts",
+                    "a red cat",
+                    "--n",
+                    "2",
+                    "--num-steps",
+                    "2",
+                    "--out",
+                    str(folder),
+                    *extra,
+                ]
+            )
+            == 0
+        )
         return [(folder / name).read_bytes() for name in ("000-a-red-cat_0.png", "000-a-red-cat_1.png")]
 
     first = sample(out, "--seed", "5")
@@ -325,8 +351,23 @@ def test_sample_writes_pngs_a_grid_and_the_diffusers_lines(tmp_path, monkeypatch
     assert sample(tmp_path / "other", "--seed", "6") != first
     assert sample(tmp_path / "raw", "--seed", "5", "--no-ema") != first
     # a prompt file; a best checkpoint the run never kept
-    assert main(["sample", str(run), "--prompts", str(tmp_path / "prompts.txt"), "--n", "1", "--num-steps", "1",
-                 "--out", str(tmp_path / "file")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "sample",
+                str(run),
+                "--prompts",
+                str(tmp_path / "prompts.txt"),
+                "--n",
+                "1",
+                "--num-steps",
+                "1",
+                "--out",
+                str(tmp_path / "file"),
+            ]
+        )
+        == 0
+    )
     assert len(json.loads((tmp_path / "file" / "sample.json").read_text())["files"]) == 2
     capsys.readouterr()
     assert main(["sample", str(run), "--prompts", "a cat", "--checkpoint", "best"]) == 2

@@ -23,8 +23,9 @@ def test_low_precision_rollouts_rescore_exactly_on_cuda(build, guidance, dtype):
     pipe = build().to("cuda", dtype)
     policy = DiffusionPolicy.from_pipeline(pipe, **TEXT)
     g = torch.Generator("cuda").manual_seed(0)
-    rollout = policy.rollout(["a cat", "a dog", "a cat"], num_steps=4, guidance_scale=guidance, generator=g,
-                             height=64, width=64)  # fmt: skip
+    rollout = policy.rollout(
+        ["a cat", "a dog", "a cat"], num_steps=4, guidance_scale=guidance, generator=g, height=64, width=64
+    )
     assert rollout.latents.dtype == dtype and rollout.log_probs.dtype == torch.float32
     steps = rollout.sde_steps
     assert torch.equal(policy.log_prob(rollout, steps.expand(3, -1)), rollout.log_probs[:, steps])
@@ -41,8 +42,17 @@ def test_every_family_rescores_exactly_in_bf16_on_cuda(family):
     g = torch.Generator("cuda").manual_seed(0)
     start = cls.conditioning == "start_frame"  # image-to-video: a start frame with each prompt
     sources = {"source_images": [draw("square", "blue", (10, 12, 40, 42))] * 3} if start else {}
-    rollout = policy.rollout(["a cat", "a dog", "a cat"], num_steps=4, guidance_scale=3.5, generator=g, height=64,
-                             width=64, sampler=cls.default_sampler, noise_level=0.8, **sources)  # fmt: skip
+    rollout = policy.rollout(
+        ["a cat", "a dog", "a cat"],
+        num_steps=4,
+        guidance_scale=3.5,
+        generator=g,
+        height=64,
+        width=64,
+        sampler=cls.default_sampler,
+        noise_level=0.8,
+        **sources,
+    )
     steps = rollout.sde_steps
     assert len(steps) >= 3 and rollout.log_probs.dtype == torch.float32
     assert torch.equal(policy.log_prob(rollout, steps.expand(3, -1)), rollout.log_probs[:, steps])
@@ -53,16 +63,18 @@ def test_lora_training_epoch_on_cuda(tmp_path):
 
     pipe = tiny_sd3().to("cuda", torch.bfloat16)
     pipe.save_pretrained(tmp_path / "sd3")
-    config = load_config({
-        "trainer": "grpo_guard",
-        "model": {"name": str(tmp_path / "sd3"), "dtype": "bf16", "lora_rank": 4, "options": TEXT},
-        "sampling": {"num_steps": 3, "height": 64, "width": 64},
-        "batch": {"mini_batch_size": 8, "micro_batch_size": 4},
-        "prompts": {"train": "simple_animals", "test": "simple_animals", "prompts_per_epoch": 2, "group_size": 4},
-        "rewards": [{"name": "jpeg_compressibility"}],
-        "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 2},
-        "run": {"epochs": 1, "log_with": [], "mixed_precision": "bf16", "output_dir": str(tmp_path / "run")},
-    })  # fmt: skip
+    config = load_config(
+        {
+            "trainer": "grpo_guard",
+            "model": {"name": str(tmp_path / "sd3"), "dtype": "bf16", "lora_rank": 4, "options": TEXT},
+            "sampling": {"num_steps": 3, "height": 64, "width": 64},
+            "batch": {"mini_batch_size": 8, "micro_batch_size": 4},
+            "prompts": {"train": "simple_animals", "test": "simple_animals", "prompts_per_epoch": 2, "group_size": 4},
+            "rewards": [{"name": "jpeg_compressibility"}],
+            "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 2},
+            "run": {"epochs": 1, "log_with": [], "mixed_precision": "bf16", "output_dir": str(tmp_path / "run")},
+        }
+    )
     trainer = build_trainer(config)
     assert trainer.engine.accelerator.device.type == "cuda"
     before = [p.detach().clone() for p in trainer.params]
@@ -81,16 +93,18 @@ def test_a_rollout_and_an_update_step_never_wait_for_the_gpu(tmp_path):
 
     pipe = tiny_sd3().to("cuda", torch.bfloat16)
     pipe.save_pretrained(tmp_path / "sd3")
-    config = load_config({
-        "trainer": "grpo_guard",
-        "model": {"name": str(tmp_path / "sd3"), "dtype": "bf16", "lora_rank": 4, "options": TEXT},
-        "sampling": {"num_steps": 3, "height": 64, "width": 64},
-        "batch": {"mini_batch_size": 4, "micro_batch_size": 2},
-        "prompts": {"train": "simple_animals", "test": "simple_animals", "prompts_per_epoch": 1, "group_size": 4},
-        "rewards": [{"name": "jpeg_compressibility"}],
-        "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 1},
-        "run": {"epochs": 1, "log_with": [], "mixed_precision": "bf16", "output_dir": str(tmp_path / "run")},
-    })  # fmt: skip
+    config = load_config(
+        {
+            "trainer": "grpo_guard",
+            "model": {"name": str(tmp_path / "sd3"), "dtype": "bf16", "lora_rank": 4, "options": TEXT},
+            "sampling": {"num_steps": 3, "height": 64, "width": 64},
+            "batch": {"mini_batch_size": 4, "micro_batch_size": 2},
+            "prompts": {"train": "simple_animals", "test": "simple_animals", "prompts_per_epoch": 1, "group_size": 4},
+            "rewards": [{"name": "jpeg_compressibility"}],
+            "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 1},
+            "run": {"epochs": 1, "log_with": [], "mixed_precision": "bf16", "output_dir": str(tmp_path / "run")},
+        }
+    )
     trainer = build_trainer(config)
     assert trainer.engine.optimizer.defaults.get("fused") and torch.backends.cuda.matmul.allow_tf32
     sampler, scheduler = trainer.algorithm.sampler(), trainer.scheduler
@@ -99,8 +113,14 @@ def test_a_rollout_and_an_update_step_never_wait_for_the_gpu(tmp_path):
     torch.cuda.set_sync_debug_mode("error")
     try:
         rollout = sampler(["a cat"] * 4, generators, [0, 1, 2, 3], 0)
-        collected = Collected(data=rollout, rows=torch.arange(4), size=4, prompts=["a cat"] * 4,
-                              total=torch.zeros(4), group_ids=torch.zeros(4, dtype=torch.long))  # fmt: skip
+        collected = Collected(
+            data=rollout,
+            rows=torch.arange(4),
+            size=4,
+            prompts=["a cat"] * 4,
+            total=torch.zeros(4),
+            group_ids=torch.zeros(4, dtype=torch.long),
+        )
         batch, _ = trainer.algorithm.prepare(collected, torch.linspace(-1, 1, 4), torch.ones(4, dtype=torch.bool), 0)
         plan = scheduler.plan(batch, 0)
         trainer.engine.model.train()

@@ -84,8 +84,9 @@ def test_imports_point_down_only():
         for line, name in _imports(module, path):
             target = _layer(name)
             if target is not None and target > own:
-                upward.append(f"{path.relative_to(ROOT)}:{line} ({LAYERS[own][0]}) imports {name} "
-                              f"({LAYERS[target][0]})")  # fmt: skip
+                upward.append(
+                    f"{path.relative_to(ROOT)}:{line} ({LAYERS[own][0]}) imports {name} ({LAYERS[target][0]})"
+                )
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
@@ -176,8 +177,11 @@ def test_no_algorithm_imports_another():
     found = []
     for module, path in _modules():
         if _in(module, ALGORITHMS):
-            found += [f"{path.relative_to(ROOT)}:{line} imports {name}" for line, name in _imports(module, path)
-                      if _in(name, ALGORITHMS)]
+            found += [
+                f"{path.relative_to(ROOT)}:{line} imports {name}"
+                for line, name in _imports(module, path)
+                if _in(name, ALGORITHMS)
+            ]
     assert not found, "algorithms import algorithms (what they share goes to trainers/shared/):\n" + "\n".join(found)
 
 

@@ -160,7 +160,7 @@ def test_the_plan_is_within_20_percent_of_what_an_h100_measured(monkeypatch):
         modality,
         "prepare_training",
         lambda policy, model, seed=0, mixed_precision="no": original(policy, model, seed, "no"),
-    )  # fmt: skip  (the measurement kept peft's casts)
+    )  # the measurement kept peft's casts
     measured = plan(config)
     phases = {p.name: p.bytes / GiB for p in measured.phases}
     assert phases["rollout"] == pytest.approx(5.4, rel=0.2)

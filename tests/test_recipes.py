@@ -114,8 +114,10 @@ def test_recipe_trains_one_epoch_on_tiny_stand_ins(path, tiny_folders, tmp_path)
     imagereward = {"checkpoint": str(tiny_folders["imagereward"]), "tokenizer": str(tiny_folders["bert"])}
     # no weights to swap: ocr (its models ship in its wheel) and the pixel rewards of conditioned video
     weights = {"imagereward": imagereward, "ocr": {}, "first_frame_fidelity": {}, "motion": {}}
-    rewards = [{"name": r.name, "weight": r.weight, "kwargs": {**weights.get(r.name, clip), "device": "cpu",
-                "dtype": "fp32"}} for r in shipped.rewards]  # fmt: skip
+    rewards = [
+        {"name": r.name, "weight": r.weight, "kwargs": {**weights.get(r.name, clip), "device": "cpu", "dtype": "fp32"}}
+        for r in shipped.rewards
+    ]
     if [r["name"] for r in rewards] == ["ocr"]:  # tiny models draw no text: OCR scores 0 everywhere, every group has
         rewards.append({"name": "jpeg_compressibility", "weight": 1.0, "kwargs": {}})  # zero std and is dropped
     overrides.append("rewards=" + yaml.safe_dump(rewards, default_flow_style=True).strip())

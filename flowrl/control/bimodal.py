@@ -50,8 +50,9 @@ class BimodalPointMass(gym.Env):
 
 
 @torch.no_grad()
-def rollouts(act, starts: np.ndarray, *, generator: torch.Generator, goal: float = 0.9, speed: float = 0.1,
-             max_steps: int = 50):  # fmt: skip
+def rollouts(
+    act, starts: np.ndarray, *, generator: torch.Generator, goal: float = 0.9, speed: float = 0.1, max_steps: int = 50
+):
     """Trajectories `[N, T + 1, 2]` (NaN after the end) and the goal reached `[N]` (+1 top, -1 bottom, 0 none).
 
     `act(raw_obs [N, 2], generator) -> actions [N, 2]` is the policy's stochastic action for raw observations.

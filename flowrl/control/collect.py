@@ -62,9 +62,23 @@ class ControlCollector:
         vectorization (`str`): `"sync"` or `"async"` (`EnvConfig.vectorization`); `close()` ends async workers.
     """
 
-    def __init__(self, env_id: str, num_envs: int, steps_per_env: int, env_kwargs: dict, normalizer: Normalizer,
-                 policy, *, chain: bool = False, gamma: float, lam: float, seed: int, processes=None,
-                 continue_episodes: bool = False, vectorization: str = "sync"):  # fmt: skip
+    def __init__(
+        self,
+        env_id: str,
+        num_envs: int,
+        steps_per_env: int,
+        env_kwargs: dict,
+        normalizer: Normalizer,
+        policy,
+        *,
+        chain: bool = False,
+        gamma: float,
+        lam: float,
+        seed: int,
+        processes=None,
+        continue_episodes: bool = False,
+        vectorization: str = "sync",
+    ):
         self.processes = processes
         world, rank = (processes.world, processes.rank) if processes is not None else (1, 0)
         if num_envs % world:
@@ -162,8 +176,9 @@ class ControlCollector:
             chain=torch.cat(chains) if chains[0] is not None else None,
         )
         info = {"episode_returns": returns, "episode_lengths": lengths}
-        return Collected(data=rollout, rows=self.rows(), size=n * self.steps, times={"time/collect_s": collect_s},
-                         info=info)  # fmt: skip
+        return Collected(
+            data=rollout, rows=self.rows(), size=n * self.steps, times={"time/collect_s": collect_s}, info=info
+        )
 
 
 class ControlEvaluator:
@@ -172,8 +187,19 @@ class ControlEvaluator:
     current statistics (not updated). `extra(act)` adds task probes (the bimodal task's `saddle_up`,
     `top_fraction`) computed with the stochastic policy (`chain`: its denoising chain) on raw observations."""
 
-    def __init__(self, env_id: str, env_kwargs: dict, episodes: int, seed: int, normalizer: Normalizer, policy, *,
-                 deterministic: bool = True, chain: bool = False, extra: Callable | None = None):  # fmt: skip
+    def __init__(
+        self,
+        env_id: str,
+        env_kwargs: dict,
+        episodes: int,
+        seed: int,
+        normalizer: Normalizer,
+        policy,
+        *,
+        deterministic: bool = True,
+        chain: bool = False,
+        extra: Callable | None = None,
+    ):
         self.env_id, self.env_kwargs, self.episodes, self.seed = env_id, env_kwargs, episodes, seed
         self.normalizer, self.policy, self.extra = normalizer, policy, extra
         self.deterministic, self.chain = deterministic, chain
@@ -200,8 +226,11 @@ class ControlEvaluator:
             total[alive] += reward[alive]
             length[alive] += 1
             alive &= ~(terminated | truncated)
-        out = {"eval/reward": float(total.mean()), "eval/reward_std": float(total.std()),
-               "eval/episode_length": float(length.mean())}  # fmt: skip
+        out = {
+            "eval/reward": float(total.mean()),
+            "eval/reward_std": float(total.std()),
+            "eval/episode_length": float(length.mean()),
+        }
         if self.extra is not None:
             act = self.raw_stochastic_act
             out.update({f"eval/{k}": v for k, v in self.extra(act).items()})
@@ -209,5 +238,4 @@ class ControlEvaluator:
 
     def raw_stochastic_act(self, raw_obs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The stochastic policy on raw observations (normalised here): what probes and plots sample."""
-        return self.stochastic_act(torch.from_numpy(self.normalizer.observe(raw_obs.numpy(), update=False)),
-                                   generator)  # fmt: skip
+        return self.stochastic_act(torch.from_numpy(self.normalizer.observe(raw_obs.numpy(), update=False)), generator)

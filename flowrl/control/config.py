@@ -161,12 +161,16 @@ class ControlConfig(BaseConfig):
             *super().checks(),
             (e.num_envs >= 1 and e.steps_per_env >= 1, "env.num_envs and env.steps_per_env must be >= 1"),
             (self.eval.episodes >= 1, "eval.episodes must be >= 1"),
-            (not (e.continue_episodes and self.run.mode == "async"),
-             "env.continue_episodes keeps episodes running in the process that steps them; run.mode=async samples "
-             "epochs on any rollout worker: use one or the other"),
-            (self.init_from is None or not e.normalize_obs,
-             "init_from: a policy trained on raw observations cannot start a run with env.normalize_obs"),
-        ]  # fmt: skip
+            (
+                not (e.continue_episodes and self.run.mode == "async"),
+                "env.continue_episodes keeps episodes running in the process that steps them; run.mode=async samples "
+                "epochs on any rollout worker: use one or the other",
+            ),
+            (
+                self.init_from is None or not e.normalize_obs,
+                "init_from: a policy trained on raw observations cannot start a run with env.normalize_obs",
+            ),
+        ]
 
 
 @dataclasses.dataclass

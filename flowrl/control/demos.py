@@ -37,8 +37,13 @@ class Demonstrations:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("wb") as f:  # (np.savez would add ".npz" to a name without it)
-            np.savez(f, obs=self.obs.numpy(), actions=self.actions.numpy(), episode_returns=self.episode_returns,
-                     env_id=np.array(self.env_id))  # fmt: skip
+            np.savez(
+                f,
+                obs=self.obs.numpy(),
+                actions=self.actions.numpy(),
+                episode_returns=self.episode_returns,
+                env_id=np.array(self.env_id),
+            )
         return path
 
 
@@ -61,13 +66,22 @@ def load_demonstrations(path: str | Path, obs_dim: int | None = None, act_dim: i
             raise ValueError(f"{path}: {name} have {size} dimensions, the environment {want}")
     if not (np.isfinite(obs).all() and np.isfinite(actions).all()):
         raise ValueError(f"{path} holds non-finite observations or actions")
-    return Demonstrations(torch.from_numpy(obs.astype(np.float32)), torch.from_numpy(actions.astype(np.float32)),
-                          returns, env_id)  # fmt: skip
+    return Demonstrations(
+        torch.from_numpy(obs.astype(np.float32)), torch.from_numpy(actions.astype(np.float32)), returns, env_id
+    )
 
 
 @torch.no_grad()
-def record(actor, normalizer, env_id: str, env_kwargs: dict | None = None, *, episodes: int = 20,
-           noise: float = 0.0, seed: int = 0) -> Demonstrations:  # fmt: skip
+def record(
+    actor,
+    normalizer,
+    env_id: str,
+    env_kwargs: dict | None = None,
+    *,
+    episodes: int = 20,
+    noise: float = 0.0,
+    seed: int = 0,
+) -> Demonstrations:
     """`episodes` whole episodes of `actor` (its evaluation action, `act(obs, deterministic=True)`, on observations
     normalised by `normalizer` as in its training) plus `noise * N(0, 1)`, from seeds `seed, seed + 1, ...`."""
     if episodes < 1 or noise < 0:
@@ -89,5 +103,6 @@ def record(actor, normalizer, env_id: str, env_kwargs: dict | None = None, *, ep
         total[alive] += reward[alive]
         alive &= ~(terminated | truncated)
     envs.close()
-    return Demonstrations(torch.from_numpy(np.concatenate(obs)), torch.from_numpy(np.concatenate(actions)), total,
-                          env_id)  # fmt: skip
+    return Demonstrations(
+        torch.from_numpy(np.concatenate(obs)), torch.from_numpy(np.concatenate(actions)), total, env_id
+    )

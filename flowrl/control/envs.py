@@ -55,8 +55,9 @@ def make_vec_env(env_id: str, num_envs: int, kwargs: dict | None = None, vectori
     try:
         gym.spec(env_id)
     except gym.error.Error as err:
-        raise ValueError(f"unknown Gymnasium environment {env_id!r} ({err}); MuJoCo ids need "
-                         "pip install 'flowrl-toolkit[rl]'") from None  # fmt: skip
+        raise ValueError(
+            f"unknown Gymnasium environment {env_id!r} ({err}); MuJoCo ids need pip install 'flowrl-toolkit[rl]'"
+        ) from None
     if vectorization not in ("sync", "async"):
         raise ValueError(f"env.vectorization must be 'sync' or 'async', got {vectorization!r}")
     fns = [functools.partial(_make_env, env_id, dict(kwargs or {})) for _ in range(num_envs)]
@@ -102,8 +103,18 @@ class Normalizer:
     clipped to `+-clip_reward`. Both are off unless enabled; with both off every method is the identity.
     """
 
-    def __init__(self, obs_dim: int, num_envs: int, *, obs: bool, reward: bool, gamma: float,
-                 clip_obs: float = 10.0, clip_reward: float = 10.0, eps: float = 1e-8):  # fmt: skip
+    def __init__(
+        self,
+        obs_dim: int,
+        num_envs: int,
+        *,
+        obs: bool,
+        reward: bool,
+        gamma: float,
+        clip_obs: float = 10.0,
+        clip_reward: float = 10.0,
+        eps: float = 1e-8,
+    ):
         self.norm_obs, self.norm_reward = obs, reward
         self.obs_rms, self.ret_rms = RunningMeanStd((obs_dim,)), RunningMeanStd(())
         self.gamma, self.clip_obs, self.clip_reward, self.eps = gamma, clip_obs, clip_reward, eps

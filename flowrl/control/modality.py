@@ -27,16 +27,31 @@ class ControlModality:
     budget_key = "env_steps"
     """The metrics row's count of environment steps so far."""
 
-    def __init__(self, config: ControlConfig, context: RunContext, *, policy=None, reward_fns=None, eval_fns=None,
-                 memory=None, scoring: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        config: ControlConfig,
+        context: RunContext,
+        *,
+        policy=None,
+        reward_fns=None,
+        eval_fns=None,
+        memory=None,
+        scoring: bool = True,
+    ):
         if reward_fns or eval_fns:
             raise ValueError("control trainers take their reward from the environment: no reward functions")
         self.config, self.context = config, context
         self.obs_dim, self.act_dim = self.check_env()
         env = config.env
-        self.normalizer = Normalizer(self.obs_dim, env.num_envs, obs=env.normalize_obs, reward=env.normalize_reward,
-                                     gamma=self.reward_discount(), clip_obs=env.clip_obs,
-                                     clip_reward=env.clip_reward)  # fmt: skip
+        self.normalizer = Normalizer(
+            self.obs_dim,
+            env.num_envs,
+            obs=env.normalize_obs,
+            reward=env.normalize_reward,
+            gamma=self.reward_discount(),
+            clip_obs=env.clip_obs,
+            clip_reward=env.clip_reward,
+        )
         self.policy = policy
 
     def reward_discount(self) -> float:
@@ -58,17 +73,20 @@ class ControlModality:
             raise ValueError(f"{env.id} has observations of shape {obs_shape}; control policies take vectors")
         if limit is not None and limit > env.steps_per_env and self.context.log is not None:
             # every epoch starts fresh episodes: shorter rollouts never see the episode's later states
-            self.context.log(f"warning: {env.id} episodes last up to {limit} steps but env.steps_per_env is "
-                             f"{env.steps_per_env}: training never sees an episode past step {env.steps_per_env} "
-                             "(raise env.steps_per_env, lower env.num_envs to keep the batch)")  # fmt: skip
+            self.context.log(
+                f"warning: {env.id} episodes last up to {limit} steps but env.steps_per_env is "
+                f"{env.steps_per_env}: training never sees an episode past step {env.steps_per_env} "
+                "(raise env.steps_per_env, lower env.num_envs to keep the batch)"
+            )
         return int(obs_shape[0]), int(np.prod(act_shape))
 
     def attach(self, actor: torch.nn.Module) -> ActorCritic:
         """The actor-critic of `actor` and a value MLP (`critic`), unless a policy was given."""
         if self.policy is None:
             c = self.critic_config()
-            self.policy = ActorCritic(actor, self.obs_dim, hidden=c.hidden, depth=c.depth, activation=c.activation,
-                                       ortho_init=c.ortho_init)  # fmt: skip
+            self.policy = ActorCritic(
+                actor, self.obs_dim, hidden=c.hidden, depth=c.depth, activation=c.activation, ortho_init=c.ortho_init
+            )
         return self.policy
 
     def ensure_reference(self, offload: bool = False) -> None:
@@ -80,10 +98,21 @@ class ControlModality:
 
     def collector(self, *, chain: bool = False) -> ControlCollector:
         cfg, env = self.config, self.config.env
-        return ControlCollector(env.id, env.num_envs, env.steps_per_env, env.kwargs, self.normalizer, self.policy,
-                                chain=chain, gamma=cfg.advantage.gamma, lam=cfg.advantage.lam, seed=cfg.run.seed,
-                                processes=self.context.processes, continue_episodes=env.continue_episodes,
-                                vectorization=env.vectorization)  # fmt: skip
+        return ControlCollector(
+            env.id,
+            env.num_envs,
+            env.steps_per_env,
+            env.kwargs,
+            self.normalizer,
+            self.policy,
+            chain=chain,
+            gamma=cfg.advantage.gamma,
+            lam=cfg.advantage.lam,
+            seed=cfg.run.seed,
+            processes=self.context.processes,
+            continue_episodes=env.continue_episodes,
+            vectorization=env.vectorization,
+        )
 
     def evaluator(self, *, chain: bool = False) -> ControlEvaluator:
         env, ev = self.config.env, self.config.eval
@@ -96,8 +125,17 @@ class ControlModality:
             from flowrl.control.obstacle import obstacle_metrics
 
             extra = lambda act: obstacle_metrics(act, seed=ev.seed)  # noqa: E731
-        return ControlEvaluator(env.id, env.kwargs, ev.episodes, ev.seed, self.normalizer, self.policy,
-                                deterministic=ev.deterministic, chain=chain, extra=extra)  # fmt: skip
+        return ControlEvaluator(
+            env.id,
+            env.kwargs,
+            ev.episodes,
+            ev.seed,
+            self.normalizer,
+            self.policy,
+            deterministic=ev.deterministic,
+            chain=chain,
+            extra=extra,
+        )
 
     # ------------------------------------------------------------------------------------------
     # an epoch's record and samples
@@ -129,8 +167,9 @@ class ControlModality:
 
         evaluator = self.evaluator(chain=collected.data.chain is not None)
         fig, ax = plt.subplots(figsize=(4, 4))
-        plot_bimodal(evaluator.raw_stochastic_act, ax, seed=self.config.eval.seed,
-                     title=f"{self.config.trainer}, epoch {epoch}")  # fmt: skip
+        plot_bimodal(
+            evaluator.raw_stochastic_act, ax, seed=self.config.eval.seed, title=f"{self.config.trainer}, epoch {epoch}"
+        )
         fig.tight_layout()
         (folder / "images").mkdir(parents=True, exist_ok=True)
         fig.savefig(folder / "images" / f"epoch_{epoch:04d}.png", dpi=100)
@@ -138,8 +177,10 @@ class ControlModality:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The normalisers' statistics."""
-        return {k: torch.from_numpy(np.asarray(v, np.float64).reshape(-1).copy())
-                for k, v in self.normalizer.state().items()}  # fmt: skip
+        return {
+            k: torch.from_numpy(np.asarray(v, np.float64).reshape(-1).copy())
+            for k, v in self.normalizer.state().items()
+        }
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         if tensors:

@@ -77,8 +77,9 @@ def scripted_demonstrations(episodes: int = 50, *, seed: int = 0, noise: float =
         alive &= ~(reached | hit)
         if not alive.any():
             break
-    return Demonstrations(torch.from_numpy(np.concatenate(obs)), torch.from_numpy(np.concatenate(actions)), total,
-                          OBSTACLE_ID)  # fmt: skip
+    return Demonstrations(
+        torch.from_numpy(np.concatenate(obs)), torch.from_numpy(np.concatenate(actions)), total, OBSTACLE_ID
+    )
 
 
 @torch.no_grad()
@@ -103,5 +104,8 @@ def obstacle_metrics(act, *, seed: int = 0, episodes: int = 200) -> dict[str, fl
         if not alive.any():
             break
     done = max(int(reached.sum()), 1)
-    return {"success": float(reached.mean()), "collided": float(hit.mean()),
-            "above": float((reached & (y_at_0 > 0)).sum() / done)}  # fmt: skip
+    return {
+        "success": float(reached.mean()),
+        "collided": float(hit.mean()),
+        "above": float((reached & (y_at_0 > 0)).sum() / done),
+    }

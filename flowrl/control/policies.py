@@ -37,8 +37,13 @@ ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "silu": nn.SiLU}
 class DPPOGuards(nn.Module):
     """DPPO's guards on a Gaussian denoising step (see the module docstring); None turns one off."""
 
-    def __init__(self, min_std: float | None = None, noise_clip: float | None = None,
-                 log_prob_clamp: tuple[float, float] | None = None, reduce: str = "mean"):  # fmt: skip
+    def __init__(
+        self,
+        min_std: float | None = None,
+        noise_clip: float | None = None,
+        log_prob_clamp: tuple[float, float] | None = None,
+        reduce: str = "mean",
+    ):
         super().__init__()
         self.min_std, self.noise_clip, self.reduce = min_std, noise_clip, reduce
         self.log_prob_clamp = tuple(log_prob_clamp) if log_prob_clamp is not None else None
@@ -89,8 +94,17 @@ class GaussianPolicy(nn.Module):
     Log-probabilities and entropies are summed over action dimensions (the true density).
     """
 
-    def __init__(self, obs_dim: int, act_dim: int, *, hidden: int = 64, depth: int = 2, activation: str = "tanh",
-                 log_std_init: float = 0.0, ortho_init: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        obs_dim: int,
+        act_dim: int,
+        *,
+        hidden: int = 64,
+        depth: int = 2,
+        activation: str = "tanh",
+        log_std_init: float = 0.0,
+        ortho_init: bool = True,
+    ):
         super().__init__()
         self.act_dim = act_dim
         self.mean = mlp([obs_dim, *[hidden] * depth, act_dim], activation, ortho=ortho_init, out_gain=0.01)
@@ -129,10 +143,22 @@ class FlowPolicy(nn.Module):
         min_std, noise_clip, log_prob_clamp: DPPO's guards on the `sde` kernel (`DPPOGuards`; None: off).
     """
 
-    def __init__(self, obs_dim: int, act_dim: int, *, hidden: int = 64, depth: int = 3, tau_dim: int = 8,
-                 num_steps: int = 10, sampler: str = "dance_sde", noise_level: float = 0.3,
-                 reduce: str = "mean", min_std: float | None = None, noise_clip: float | None = None,
-                 log_prob_clamp: tuple[float, float] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        obs_dim: int,
+        act_dim: int,
+        *,
+        hidden: int = 64,
+        depth: int = 3,
+        tau_dim: int = 8,
+        num_steps: int = 10,
+        sampler: str = "dance_sde",
+        noise_level: float = 0.3,
+        reduce: str = "mean",
+        min_std: float | None = None,
+        noise_clip: float | None = None,
+        log_prob_clamp: tuple[float, float] | None = None,
+    ):
         super().__init__()
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
@@ -161,8 +187,9 @@ class FlowPolicy(nn.Module):
             sigma, sigma_next = self.taus[k].expand(n), self.taus[k + 1].expand(n)
             v = self.velocity(x, sigma, obs)
             noise = torch.randn(x.shape, generator=generator, device=x.device)
-            out = sde_step(self.sampler, v, sigma, sigma_next, x, noise_level=self.noise_level, noise=noise,
-                           reduce=self.reduce)  # fmt: skip
+            out = sde_step(
+                self.sampler, v, sigma, sigma_next, x, noise_level=self.noise_level, noise=noise, reduce=self.reduce
+            )
             x = self.guards.sample(out.mean, out.std, noise).to(x.dtype) if self.guards.active else out.prev_sample
             states.append(x)
         return torch.stack(states, dim=1)
@@ -175,8 +202,9 @@ class FlowPolicy(nn.Module):
         x, x_next = chain[rows, steps].reshape(n * c, -1), chain[rows, steps + 1].reshape(n * c, -1)
         sigma, sigma_next = self.taus[steps].reshape(-1), self.taus[steps + 1].reshape(-1)
         v = self.velocity(x, sigma, obs.repeat_interleave(c, dim=0))
-        out = sde_step(self.sampler, v, sigma, sigma_next, x, prev_sample=x_next, noise_level=self.noise_level,
-                       reduce=self.reduce)  # fmt: skip
+        out = sde_step(
+            self.sampler, v, sigma, sigma_next, x, prev_sample=x_next, noise_level=self.noise_level, reduce=self.reduce
+        )
         if self.guards.active:
             return self.guards.log_prob(x_next, out.mean, out.std).reshape(n, c)
         return out.log_prob.reshape(n, c)
@@ -185,8 +213,16 @@ class FlowPolicy(nn.Module):
 class ActorCritic(nn.Module):
     """The policy and the value MLP `V(obs)`, trained together by one optimizer."""
 
-    def __init__(self, actor: nn.Module, obs_dim: int, *, hidden: int = 64, depth: int = 2, activation: str = "tanh",
-                 ortho_init: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        actor: nn.Module,
+        obs_dim: int,
+        *,
+        hidden: int = 64,
+        depth: int = 2,
+        activation: str = "tanh",
+        ortho_init: bool = True,
+    ):
         super().__init__()
         self.actor = actor
         self.critic = mlp([obs_dim, *[hidden] * depth, 1], activation, ortho=ortho_init, out_gain=1.0)

@@ -171,8 +171,9 @@ def batch_advantages(
     if std not in ("group", "global", "none"):
         raise ValueError(f"std must be one of 'group', 'global', 'none', got {std!r}")
     one_group = torch.zeros(rewards.shape[0], dtype=torch.long, device=rewards.device)
-    return group_advantages(rewards, one_group, std="none" if std == "none" else "group", eps=eps, clip=clip,
-                            unbiased=unbiased)  # fmt: skip
+    return group_advantages(
+        rewards, one_group, std="none" if std == "none" else "group", eps=eps, clip=clip, unbiased=unbiased
+    )
 
 
 @ADVANTAGES.register("raw")
@@ -283,8 +284,10 @@ class SmoothAdvantageStandardizer:
         r, inverse, count, mean, var_unbiased, _, equal = _grouped(rewards, list(prompts))
         num_groups = count.numel()
         if num_groups and int(count.min()) < 2:
-            raise ValueError("advantage.estimator=sas needs at least 2 samples of every prompt per step "
-                             "(prompts.group_size >= 2): the group std is a sample std")  # fmt: skip
+            raise ValueError(
+                "advantage.estimator=sas needs at least 2 samples of every prompt per step "
+                "(prompts.group_size >= 2): the group std is a sample std"
+            )
         adv = torch.empty_like(r)
         degenerate = torch.zeros(num_groups, dtype=torch.bool)
         for g, prompt in enumerate(dict.fromkeys(prompts)):  # a loop over distinct prompts, not over samples

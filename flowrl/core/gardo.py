@@ -31,8 +31,9 @@ def batch_ranks(scores: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
-def rank_uncertainty(proxy: torch.Tensor, auxiliaries: Sequence[torch.Tensor], *,
-                     direction: str = "aux_higher") -> torch.Tensor:  # fmt: skip
+def rank_uncertainty(
+    proxy: torch.Tensor, auxiliaries: Sequence[torch.Tensor], *, direction: str = "aux_higher"
+) -> torch.Tensor:
     """`[N]` GARDO's reward uncertainty: how much better the auxiliary rewards rank a sample than the proxy does.
 
     `u = rank_proxy - mean_k rank_aux_k` with rank 1 the batch's highest score (`direction="aux_higher"`, the
@@ -80,8 +81,9 @@ class RiskController:
 
     def __init__(self, base: float = 0.1, rate: float = 0.1, low: float = 0.02, high: float = 0.2, window: int = 20):
         if not 0 <= low <= high <= 1 or rate < 0 or window < 1:
-            raise ValueError(f"need 0 <= low <= high <= 1, rate >= 0 and window >= 1; got {low}, {high}, {rate}, "
-                             f"{window}")  # fmt: skip
+            raise ValueError(
+                f"need 0 <= low <= high <= 1, rate >= 0 and window >= 1; got {low}, {high}, {rate}, {window}"
+            )
         self.base, self.rate, self.low, self.high, self.window = base, rate, low, high, window
         self.fraction = base
         self.history: list[float] = []

@@ -35,8 +35,19 @@ DIAGNOSTICS = ("full", "clip", "none")
 """What `compute_policy_loss` reports: every ratio statistic, the clip fractions only (trl's and verl's set), or
 only the objective's own metrics."""
 
-INPUTS = ("logp", "old_logp", "log_ratio", "mask", "fmask", "adv", "entropy", "segment_ids", "state", "topk_logp",
-          "old_topk_logp")  # fmt: skip
+INPUTS = (
+    "logp",
+    "old_logp",
+    "log_ratio",
+    "mask",
+    "fmask",
+    "adv",
+    "entropy",
+    "segment_ids",
+    "state",
+    "topk_logp",
+    "old_topk_logp",
+)
 """Keyword parameters of a surrogate or log-ratio estimator that are inputs, not hyper-parameters: `logp`,
 `old_logp` and the element `log_ratio` (`[B, K]`, detached, padding zeroed), `mask` (bool) and `fmask` (the same
 as 0/1 floats of the compute dtype: sums over it are 10x faster on CPU than over bools), `adv` (estimators only),

@@ -273,12 +273,14 @@ register_objective(
     # about 1/3 of a step's, so a third of the per-step image clip, with GSPO's 3:4 asymmetry
     image={"clip_eps_low": 3e-5, "clip_eps_high": 4e-5},
 )
-register_objective("sapo", sapo, agg="seq_mean_token_mean",
-                   image={"tau_pos": 1.0 / IMAGE_SCALE, "tau_neg": 1.05 / IMAGE_SCALE})  # fmt: skip
+register_objective(
+    "sapo", sapo, agg="seq_mean_token_mean", image={"tau_pos": 1.0 / IMAGE_SCALE, "tau_neg": 1.05 / IMAGE_SCALE}
+)
 register_objective("cispo", cispo, agg="token_mean", image={"clip_eps_high": 4.0 * IMAGE_SCALE})
 register_objective("spo", spo, agg="token_mean", image={"clip_eps_low": 0.2 * IMAGE_SCALE})
-register_objective("gppo", gppo, agg="token_mean",
-                   image={"clip_eps_low": _IMAGE_CLIP, "clip_eps_high": 0.28 * IMAGE_SCALE})  # fmt: skip
+register_objective(
+    "gppo", gppo, agg="token_mean", image={"clip_eps_low": _IMAGE_CLIP, "clip_eps_high": 0.28 * IMAGE_SCALE}
+)
 register_objective("ppo_spo", ppo_spo, agg="token_mean", image={"clip_eps_low": _IMAGE_CLIP})
 register_objective("clamp", clamp, agg="token_mean", image={"clip_eps_low": _IMAGE_CLIP})
 register_objective("reinforce", reinforce, agg="token_mean")

@@ -140,15 +140,23 @@ def compute_policy_loss(
         raise ValueError(f"objective {name!r} needs hyper-parameter(s) {', '.join(missing)}")
     hp = {**objective.hparams, **hparams}
     hp.pop("top_entropy_quantile", None)
-    given = {"entropy": entropy, "segment_ids": segment_ids, "state": state, "topk_logp": topk_logp,
-             "old_topk_logp": old_topk_logp}  # fmt: skip
+    given = {
+        "entropy": entropy,
+        "segment_ids": segment_ids,
+        "state": state,
+        "topk_logp": topk_logp,
+        "old_topk_logp": old_topk_logp,
+    }
     wanted = [*objective.inputs, *(["entropy"] if top_entropy is not None else [])]
     for key in wanted:
         if given[key] is None:
-            what = {"entropy": "per-element entropies [B, K]", "segment_ids": "per-element segment ids [B, K]",
-                    "state": f"its controller state (get_objective({name!r}).init_state())",
-                    "topk_logp": "the current policy's support log-probs [B, K, V]",
-                    "old_topk_logp": "the behaviour policy's support log-probs [B, K, V]"}[key]  # fmt: skip
+            what = {
+                "entropy": "per-element entropies [B, K]",
+                "segment_ids": "per-element segment ids [B, K]",
+                "state": f"its controller state (get_objective({name!r}).init_state())",
+                "topk_logp": "the current policy's support log-probs [B, K, V]",
+                "old_topk_logp": "the behaviour policy's support log-probs [B, K, V]",
+            }[key]
             raise ValueError(f"objective {name!r} needs {key}= ({what})")
 
     if logp.ndim != 2:
@@ -194,8 +202,9 @@ def compute_policy_loss(
                 raise ValueError(f"{key} must be [B, K, V] with [B, K]={tuple(shape)}, got {tuple(value.shape)}")
             value = value.to(dtype) if key == "topk_logp" else value.detach().to(dtype)
             inputs[key] = torch.where(mask.unsqueeze(-1), value, 0.0)
-    x = objective.log_ratio(log_ratio, mask, **{k: hp[k] for k in objective.ratio_params},
-                            **{k: inputs[k] for k in objective.ratio_inputs})  # [B, K]  # fmt: skip
+    x = objective.log_ratio(
+        log_ratio, mask, **{k: hp[k] for k in objective.ratio_params}, **{k: inputs[k] for k in objective.ratio_inputs}
+    )  # [B, K]
     extra = x if isinstance(x, LogRatio) else LogRatio(x)
     x = extra.value
     kwargs = {k: hp[k] for k in objective.surrogate_params}
@@ -256,10 +265,16 @@ def _clip_metrics(terms: Surrogate, fmask, row_level: bool) -> dict[str, torch.T
     weight = fmask.sum(-1, keepdim=True) if row_level else fmask  # row-level flags are [B, 1], counted n_i times
     count = weight.sum().clamp_min(1.0)  # clamp: an all-masked batch reports zeros
     zero = weight.new_zeros(())
-    fracs = [zero if f is None else torch.dot(float_mask(f, weight.dtype).reshape(-1), weight.reshape(-1)) / count
-             for f in terms[2:5]]  # fmt: skip
-    return {"clipfrac": fracs[0] + fracs[1] + fracs[2], "clipfrac_high": fracs[0], "clipfrac_low": fracs[1],
-            "clipfrac_dual": fracs[2]}  # fmt: skip
+    fracs = [
+        zero if f is None else torch.dot(float_mask(f, weight.dtype).reshape(-1), weight.reshape(-1)) / count
+        for f in terms[2:5]
+    ]
+    return {
+        "clipfrac": fracs[0] + fracs[1] + fracs[2],
+        "clipfrac_high": fracs[0],
+        "clipfrac_low": fracs[1],
+        "clipfrac_dual": fracs[2],
+    }
 
 
 def _row_metrics(ratio, terms: Surrogate, log_ratio, fmask) -> dict[str, torch.Tensor]:

@@ -125,8 +125,9 @@ def diffusion_dpo(ratio, adv, *, log_ratio, mask, group, beta: float = 100.0):
     return _preference(log_ratio, adv, mask, group, beta, "diffusion_dpo")
 
 
-def dgpo(ratio, adv, *, log_ratio, mask, group, beta: float = 100.0, clip_eps_low: float | None = None,
-         clip_log_ratio=None):  # fmt: skip
+def dgpo(
+    ratio, adv, *, log_ratio, mask, group, beta: float = 100.0, clip_eps_low: float | None = None, clip_log_ratio=None
+):
     """DGPO: group-level DPO over a prompt's samples (Luo et al. 2025, arXiv:2510.08425; Luo-Yihong/DGPO).
 
     `L = (1 / beta) -log sigmoid((beta / n_g) sum_{i in g} A_i x_i)` per shared draw, `A` the group-relative

@@ -114,8 +114,7 @@ class ElementLayout:
         agg (`str`): the objective's aggregation; `norm_len` its constant length (Dr.GRPO).
     """
 
-    def __init__(self, index, num_elements, valid=None, agg="token_mean", norm_len=None, weights=None,
-                 row_valid=None):  # fmt: skip
+    def __init__(self, index, num_elements, valid=None, agg="token_mean", norm_len=None, weights=None, row_valid=None):
         self.index = index.long()
         self.num_elements = num_elements
         self.valid = torch.ones_like(self.index, dtype=torch.bool) if valid is None else valid.bool()
@@ -134,8 +133,15 @@ class ElementLayout:
 
     def columns(self, cols: torch.Tensor) -> ElementLayout:
         """The layout of columns `cols` alone, keeping the whole batch's aggregation weights (`agg` is then `sum`)."""
-        return ElementLayout(self.index[:, cols], self.num_elements, self.valid[:, cols], "sum", None,
-                             weights=self.weights, row_valid=self.row_valid)  # fmt: skip
+        return ElementLayout(
+            self.index[:, cols],
+            self.num_elements,
+            self.valid[:, cols],
+            "sum",
+            None,
+            weights=self.weights,
+            row_valid=self.row_valid,
+        )
 
     def dense(self, t: torch.Tensor) -> torch.Tensor:
         """`[b, c]` values of the columns -> `[b, K]` (0 elsewhere); differentiable in `t`."""
@@ -145,8 +151,14 @@ class ElementLayout:
         return torch.zeros(t.shape[0], self.num_elements, dtype=t.dtype, device=t.device).scatter(1, index, t)
 
 
-def terms_loss(terms: Terms, layout: ElementLayout, advantages: torch.Tensor | None, objective: str | None,
-               hparams: dict[str, Any], weighted: bool = False):  # fmt: skip
+def terms_loss(
+    terms: Terms,
+    layout: ElementLayout,
+    advantages: torch.Tensor | None,
+    objective: str | None,
+    hparams: dict[str, Any],
+    weighted: bool = False,
+):
     """`(loss, row_loss, metrics)` of a batch's `terms` placed by `layout`.
 
     `loss` is the objective's aggregated loss (with `objective` None: the aggregated `Terms.loss`) plus the
@@ -168,8 +180,15 @@ def terms_loss(terms: Terms, layout: ElementLayout, advantages: torch.Tensor | N
         adv = advantages.to(device)
         if weighted:
             weight = agg_weights if weight is None else weight * agg_weights
-        loss, metrics = compute_policy_loss(objective, layout.dense(terms.logp), layout.dense(terms.old_logp), adv,
-                                            mask, weights=weight, **{**hparams, **inputs})  # fmt: skip
+        loss, metrics = compute_policy_loss(
+            objective,
+            layout.dense(terms.logp),
+            layout.dense(terms.old_logp),
+            adv,
+            mask,
+            weights=weight,
+            **{**hparams, **inputs},
+        )
         metrics["pg_loss"] = loss.detach()
         metrics["approx_kl"] = metrics.pop("approx_kl_k3")
     if terms.loss is not None:

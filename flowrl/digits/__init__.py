@@ -89,9 +89,16 @@ class DigitsWorld:
         from flowrl.policies import from_callable
 
         encoder = _encoder()
-        return from_callable(self.transformer(), encoder.encode, decode, (1, 8, 8),
-                             FlowMatchEulerDiscreteScheduler(shift=1.0), encode_images=encode,
-                             forward_batch_size=forward_batch_size, **kwargs)  # fmt: skip
+        return from_callable(
+            self.transformer(),
+            encoder.encode,
+            decode,
+            (1, 8, 8),
+            FlowMatchEulerDiscreteScheduler(shift=1.0),
+            encode_images=encode,
+            forward_batch_size=forward_batch_size,
+            **kwargs,
+        )
 
 
 def load_classifiers(config: BuildConfig | None = None, *, log=print) -> DigitClassifiers:

@@ -95,8 +95,12 @@ def pretrain(transformer, encoder: MiniLMEncoder, config: BuildConfig, log=print
         eps = torch.randn(x0.shape, generator=g)
         s = sigma.view(-1, 1, 1, 1)
         x_s = (1 - s) * x0 + s * eps
-        v = transformer(hidden_states=x_s, timestep=sigma * 1000, encoder_hidden_states=cond["prompt_embeds"][rows],
-                        pooled_projections=cond["pooled"][rows]).sample  # fmt: skip
+        v = transformer(
+            hidden_states=x_s,
+            timestep=sigma * 1000,
+            encoder_hidden_states=cond["prompt_embeds"][rows],
+            pooled_projections=cond["pooled"][rows],
+        ).sample
         loss = torch.nn.functional.mse_loss(v, eps - x0)
         optimizer.zero_grad()
         loss.backward()
@@ -117,11 +121,13 @@ def _train_classifiers(config: BuildConfig, target: Path, log) -> None:
     images, labels = real_digits()
     part_a, part_b = split(config.seed)
     torch.manual_seed(config.seed + 1)
-    reward_clf = train_classifier(DigitCNN(), images[part_a], labels[part_a], epochs=config.classifier_epochs,
-                                  seed=config.seed + 1)  # fmt: skip
+    reward_clf = train_classifier(
+        DigitCNN(), images[part_a], labels[part_a], epochs=config.classifier_epochs, seed=config.seed + 1
+    )
     torch.manual_seed(config.seed + 2)
-    gold_clf = train_classifier(DigitMLP(), images[part_b], labels[part_b], epochs=config.classifier_epochs,
-                                seed=config.seed + 2)  # fmt: skip
+    gold_clf = train_classifier(
+        DigitMLP(), images[part_b], labels[part_b], epochs=config.classifier_epochs, seed=config.seed + 2
+    )
 
     def write(tmp: Path):
         save_file(reward_clf.state_dict(), tmp / "reward_classifier.safetensors")

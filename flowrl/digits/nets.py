@@ -39,8 +39,9 @@ class MiniLMEncoder:
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        batch = self.tokenizer(list(prompts), padding="max_length", max_length=TEXT_LENGTH, truncation=True,
-                               return_tensors="pt").to(self.model.device)  # fmt: skip
+        batch = self.tokenizer(
+            list(prompts), padding="max_length", max_length=TEXT_LENGTH, truncation=True, return_tensors="pt"
+        ).to(self.model.device)
         hidden = self.model(**batch).last_hidden_state  # [P, L, 384]
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1)
@@ -83,9 +84,15 @@ class DigitCNN(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(64 * 16, 128), nn.ReLU(),
-        )  # fmt: skip
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(64 * 16, 128),
+            nn.ReLU(),
+        )
         self.head = nn.Linear(128, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +106,7 @@ class DigitMLP(nn.Module):
         super().__init__()
         self.features = nn.Sequential(
             nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()
-        )  # fmt: skip
+        )
         self.head = nn.Linear(hidden, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

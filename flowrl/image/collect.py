@@ -37,9 +37,19 @@ class ImageCollector:
         memory (`PeakMemory`, *optional*): measures the rollout and scoring phases.
     """
 
-    def __init__(self, *, sampler: Callable, rewards: Rewards, processes: Processes, train_prompts: list,
-                 prompts_per_epoch: int, group_size: int, seed: int, reward_overlap: int = 1,
-                 memory=None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        sampler: Callable,
+        rewards: Rewards,
+        processes: Processes,
+        train_prompts: list,
+        prompts_per_epoch: int,
+        group_size: int,
+        seed: int,
+        reward_overlap: int = 1,
+        memory=None,
+    ):
         if not train_prompts:
             raise ValueError("the training prompt set is empty")
         self.sampler, self.rewards, self.processes = sampler, rewards, processes
@@ -90,8 +100,15 @@ class ImageCollector:
             rollout, prompts, local, rewards, sampled = self._collect_overlapped(epoch)
             memory = mark("rollout_and_scoring")
         times = {"time/sample_s": sampled - start, "time/reward_s": time.time() - sampled, **memory}
-        return Collected(data=rollout, rows=torch.arange(local.start, local.stop), size=len(prompts), prompts=prompts,
-                         rewards=rewards, total=self.rewards.combined(rewards), times=times)  # fmt: skip
+        return Collected(
+            data=rollout,
+            rows=torch.arange(local.start, local.stop),
+            size=len(prompts),
+            prompts=prompts,
+            rewards=rewards,
+            total=self.rewards.combined(rewards),
+            times=times,
+        )
 
     def _collect_overlapped(self, epoch: int):
         """`sample` in parts, each part's rewards scored on one thread per reward while later parts sample."""
@@ -100,15 +117,25 @@ class ImageCollector:
 
         def submit(part, part_prompts):
             texts, metadata = texts_and_metadata(part_prompts)
-            pending.append((len(texts), {name: ex.submit(part.images, texts, **metadata,
-                                                         **source_kwargs(self.rewards.fns[name], part.source_images))
-                                         for name, ex in executors.items()}))  # fmt: skip
+            pending.append(
+                (
+                    len(texts),
+                    {
+                        name: ex.submit(
+                            part.images, texts, **metadata, **source_kwargs(self.rewards.fns[name], part.source_images)
+                        )
+                        for name, ex in executors.items()
+                    },
+                )
+            )
 
         try:
             rollout, prompts, local = self.sample(epoch, on_part=submit)
             sampled = time.time()
-            local_scores = {name: torch.cat([call_reward(name, futures[name].result, rows)
-                                             for rows, futures in pending]) for name in executors}  # fmt: skip
+            local_scores = {
+                name: torch.cat([call_reward(name, futures[name].result, rows) for rows, futures in pending])
+                for name in executors
+            }
         finally:
             for ex in executors.values():
                 ex.shutdown(wait=True)

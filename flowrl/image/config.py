@@ -79,8 +79,15 @@ class SamplingConfig:
         if self.sde_window_schedule != "fixed":
             # every epoch's window is valid (and a random one fits) before anything runs
             for epoch in range(2):
-                sde_window_at(self.sde_window_schedule, epoch, self.num_steps, size=self.window_size,
-                              every=self.window_every, stride=self.window_stride, span=self.window_span)  # fmt: skip
+                sde_window_at(
+                    self.sde_window_schedule,
+                    epoch,
+                    self.num_steps,
+                    size=self.window_size,
+                    every=self.window_every,
+                    stride=self.window_stride,
+                    span=self.window_span,
+                )
 
 
 @dataclasses.dataclass

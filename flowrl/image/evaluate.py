@@ -40,10 +40,20 @@ class ImageEvaluator:
         autocast (`Callable`, *optional*): a context manager factory for mixed precision.
     """
 
-    def __init__(self, *, policy, rewards: Rewards, metrics: dict[str, Callable], processes: Processes,
-                 test_prompts: list, eval_config: ImageEvalConfig, sampling: SamplingConfig,
-                 initial_latents: Callable | None = None, autocast: Callable | None = None,
-                 val_prompts: list | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        policy,
+        rewards: Rewards,
+        metrics: dict[str, Callable],
+        processes: Processes,
+        test_prompts: list,
+        eval_config: ImageEvalConfig,
+        sampling: SamplingConfig,
+        initial_latents: Callable | None = None,
+        autocast: Callable | None = None,
+        val_prompts: list | None = None,
+    ):
         self.policy, self.rewards, self.metrics, self.processes = policy, rewards, metrics, processes
         self.test_prompts, self.config, self.sampling = test_prompts, eval_config, sampling
         self.val_prompts = val_prompts or []
@@ -73,10 +83,19 @@ class ImageEvaluator:
         with self.autocast() if self.autocast else nullcontext():
             latents = self.initial_latents(texts, generator, s.height, s.width) if self.initial_latents else None
             progress = f"{prefix} {len(full)} samples" if self.processes.is_main else None
-            rollout = self.policy.rollout(texts, num_steps=e.num_steps or s.num_steps, guidance_scale=guidance,
-                                          noise_level=0.0, sampler=sampler, generator=generator, height=s.height,
-                                          width=s.width, latents=latents, progress=progress,
-                                          source_images=sources)  # fmt: skip
+            rollout = self.policy.rollout(
+                texts,
+                num_steps=e.num_steps or s.num_steps,
+                guidance_scale=guidance,
+                noise_level=0.0,
+                sampler=sampler,
+                generator=generator,
+                height=s.height,
+                width=s.width,
+                latents=latents,
+                progress=progress,
+                source_images=sources,
+            )
         fns = {**self.rewards.fns, **self.metrics}
         scored = self.rewards.score(rollout.images, full_padded[local], fns, sources=rollout.source_images)
         scores = {k: v[: len(full)] for k, v in scored.items()}

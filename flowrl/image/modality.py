@@ -91,8 +91,17 @@ class ImageModality:
     budget_key = "reward_evals"
     """The metrics row's count of samples scored so far (the run's reward budget)."""
 
-    def __init__(self, config: ImageConfig, context: RunContext, *, policy=None, reward_fns: dict | None = None,
-                 eval_fns: dict | None = None, memory=None, scoring: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        config: ImageConfig,
+        context: RunContext,
+        *,
+        policy=None,
+        reward_fns: dict | None = None,
+        eval_fns: dict | None = None,
+        memory=None,
+        scoring: bool = True,
+    ):
         self.config, self.context, self.memory = config, context, memory
         self.train_prompts = prompt_sets.load(config.prompts.train)
         self.test_prompts = prompt_sets.load(config.prompts.test)
@@ -144,23 +153,43 @@ class ImageModality:
 
     def sampler(self, *, store_means: bool = False, requires_stochastic: bool = True) -> ImageSampler:
         c = self.config
-        return ImageSampler(self.policy, c.sampling, seed=c.run.seed, group_size=c.prompts.group_size,
-                            autocast=self.context.autocast, store_means=store_means,
-                            requires_stochastic=requires_stochastic)  # fmt: skip
+        return ImageSampler(
+            self.policy,
+            c.sampling,
+            seed=c.run.seed,
+            group_size=c.prompts.group_size,
+            autocast=self.context.autocast,
+            store_means=store_means,
+            requires_stochastic=requires_stochastic,
+        )
 
     def collector(self, sampler) -> ImageCollector:
         c = self.config
-        return ImageCollector(sampler=sampler, rewards=self.rewards, processes=self.context.processes,
-                              train_prompts=self.train_prompts, prompts_per_epoch=c.prompts.prompts_per_epoch,
-                              group_size=c.prompts.group_size, seed=c.run.seed,
-                              reward_overlap=c.sampling.reward_overlap, memory=self.memory)  # fmt: skip
+        return ImageCollector(
+            sampler=sampler,
+            rewards=self.rewards,
+            processes=self.context.processes,
+            train_prompts=self.train_prompts,
+            prompts_per_epoch=c.prompts.prompts_per_epoch,
+            group_size=c.prompts.group_size,
+            seed=c.run.seed,
+            reward_overlap=c.sampling.reward_overlap,
+            memory=self.memory,
+        )
 
     def evaluator(self, initial_latents=None) -> ImageEvaluator:
-        return ImageEvaluator(policy=self.policy, rewards=self.rewards, metrics=self.eval_fns,
-                              processes=self.context.processes, test_prompts=self.test_prompts,
-                              eval_config=self.config.eval, sampling=self.config.sampling,
-                              initial_latents=initial_latents, autocast=self.context.autocast,
-                              val_prompts=self.val_prompts)  # fmt: skip
+        return ImageEvaluator(
+            policy=self.policy,
+            rewards=self.rewards,
+            metrics=self.eval_fns,
+            processes=self.context.processes,
+            test_prompts=self.test_prompts,
+            eval_config=self.config.eval,
+            sampling=self.config.sampling,
+            initial_latents=initial_latents,
+            autocast=self.context.autocast,
+            val_prompts=self.val_prompts,
+        )
 
     # ------------------------------------------------------------------------------------------
     # an epoch's record and samples

@@ -42,8 +42,10 @@ def load_preferences(path: str | Path) -> list[PreferencePair]:
     """The pairs of a preference JSONL file (see the module docstring); `ValueError` on the first bad row."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"preference data {path} does not exist (the digits example: python -m "
-                         "flowrl.digits.preferences DIR builds DIR/preferences.jsonl)")  # fmt: skip
+        raise ValueError(
+            f"preference data {path} does not exist (the digits example: python -m "
+            "flowrl.digits.preferences DIR builds DIR/preferences.jsonl)"
+        )
     pairs = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         line = line.strip()
@@ -100,8 +102,18 @@ class PreferenceCollector:
         height, width (`int`, *optional*): the image size (default: the model's).
     """
 
-    def __init__(self, *, policy, pairs: list[PreferencePair], processes, pairs_per_epoch: int, seed: int,
-                 num_steps: int, height: int | None = None, width: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        policy,
+        pairs: list[PreferencePair],
+        processes,
+        pairs_per_epoch: int,
+        seed: int,
+        num_steps: int,
+        height: int | None = None,
+        width: int | None = None,
+    ):
         self.policy, self.pairs, self.processes = policy, pairs, processes
         self.m, self.seed, self.num_steps = pairs_per_epoch, seed, num_steps
         default_h, default_w = policy.adapter.default_size()
@@ -123,9 +135,15 @@ class PreferenceCollector:
         images = torch.stack([self.image(p) for p in paths])  # [b, 3, H, W]
         labels = torch.tensor([1.0 if i % 2 == 0 else 0.0 for i in range(len(chosen))])  # [2m]
         rollout = self.rollout(prompts[local], images)
-        return Collected(data=rollout, rows=torch.arange(local.start, local.stop), size=len(chosen), prompts=prompts,
-                         rewards={"preference": labels}, total=labels.clone(),
-                         times={"time/sample_s": time.time() - start})  # fmt: skip
+        return Collected(
+            data=rollout,
+            rows=torch.arange(local.start, local.stop),
+            size=len(chosen),
+            prompts=prompts,
+            rewards={"preference": labels},
+            total=labels.clone(),
+            times={"time/sample_s": time.time() - start},
+        )
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], images: torch.Tensor) -> DiffusionRollout:

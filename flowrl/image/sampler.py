@@ -29,8 +29,17 @@ class ImageSampler:
         requires_stochastic (`bool`): refuse rollouts without a stochastic step (log-ratio trainers).
     """
 
-    def __init__(self, policy, sampling: SamplingConfig, *, seed: int, group_size: int, autocast,
-                 store_means: bool = False, requires_stochastic: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        policy,
+        sampling: SamplingConfig,
+        *,
+        seed: int,
+        group_size: int,
+        autocast,
+        store_means: bool = False,
+        requires_stochastic: bool = True,
+    ):
         self.policy, self.sampling, self.seed, self.group_size = policy, sampling, seed, group_size
         self.autocast, self.store_means, self.requires_stochastic = autocast, store_means, requires_stochastic
 
@@ -66,9 +75,17 @@ class ImageSampler:
         process and on resume."""
         s = self.sampling
         generator = seeded(self.seed, epoch, 7)
-        return sde_window_at(s.sde_window_schedule, epoch, s.num_steps, window=s.sde_window, size=s.window_size,
-                             every=s.window_every, stride=s.window_stride, span=s.window_span,
-                             generator=generator)  # fmt: skip
+        return sde_window_at(
+            s.sde_window_schedule,
+            epoch,
+            s.num_steps,
+            window=s.sde_window,
+            size=s.window_size,
+            every=s.window_every,
+            stride=s.window_stride,
+            span=s.window_span,
+            generator=generator,
+        )
 
     def group_noise(self, rows, epoch: int, per_group: int = 1) -> torch.Tensor:
         """Initial latents `[len(rows), ...]` shared within each group of the epoch's prompt list (MixGRPO's and

@@ -23,8 +23,9 @@ from flowrl.sections import KLConfig
 STEP_KL_FORMS = ("gaussian", "gaussian_dt", "eps_mse")
 
 
-def step_kl(form: str, out: StepOutput, ref: StepOutput, *, prediction=None, ref_prediction=None, dt=None,
-            reduce: str = "mean") -> torch.Tensor:  # fmt: skip
+def step_kl(
+    form: str, out: StepOutput, ref: StepOutput, *, prediction=None, ref_prediction=None, dt=None, reduce: str = "mean"
+) -> torch.Tensor:
     """`[n]` KL regulariser between the current and the reference kernels of `n` denoising steps.
 
     - `gaussian`: `KL(N(mu, s^2) || N(mu_ref, s^2)) = red_d (mu - mu_ref)^2 / (2 s^2)` (both share the std `s`;
@@ -113,8 +114,9 @@ class StepTerms:
         states, next_states = batch.latents[r, s], batch.latents[r, s + 1]
         cond = batch.sample_cond(rows)  # the prompts' text conditioning (editing: and their source images')
         old_means = batch.means[r, s] if self.store_means else None
-        terms = self.transition_terms(batch, states, next_states, steps, cond, batch.log_probs[rows, steps], epoch,
-                                      old_means)  # fmt: skip
+        terms = self.transition_terms(
+            batch, states, next_states, steps, cond, batch.log_probs[rows, steps], epoch, old_means
+        )
         return Terms.from_tensors({k: v.reshape(c, b).t() for k, v in terms.tensors().items()})
 
     def transition_terms(
@@ -137,8 +139,9 @@ class StepTerms:
         kl = self.kl
         with_kl = kl is not None and kl.beta > 0
         predictions = with_kl and kl.form == "eps_mse"
-        scored = self.policy.score_transitions(settings, states, next_states, steps, cond,
-                                               return_prediction=predictions)  # fmt: skip
+        scored = self.policy.score_transitions(
+            settings, states, next_states, steps, cond, return_prediction=predictions
+        )
         out, prediction = scored if predictions else (scored, None)
         device = out.log_prob.device
         terms = Terms(logp=out.log_prob, old_logp=old_logp.to(device).float())
@@ -149,13 +152,15 @@ class StepTerms:
         if weight is not None:
             terms.weight = weight.to(device, non_blocking=True)
         if with_kl:
-            scored = self.policy.score_transitions(settings, states, next_states, steps, cond, reference=True,
-                                                   return_prediction=predictions)  # fmt: skip
+            scored = self.policy.score_transitions(
+                settings, states, next_states, steps, cond, reference=True, return_prediction=predictions
+            )
             ref, ref_prediction = scored if predictions else (scored, None)
             sigmas, host = settings.sigmas.cpu(), steps.cpu()  # the schedule is host data
             dt = (sigmas[host + 1] - sigmas[host]).to(device, non_blocking=True)
-            value = step_kl(kl.form, out, ref, prediction=prediction, ref_prediction=ref_prediction, dt=dt,
-                            reduce=settings.reduce)  # fmt: skip
+            value = step_kl(
+                kl.form, out, ref, prediction=prediction, ref_prediction=ref_prediction, dt=dt, reduce=settings.reduce
+            )
             terms.logs["kl"] = value.detach()
             coef = kl.coef(epoch)
             if coef:

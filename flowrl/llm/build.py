@@ -78,8 +78,15 @@ def make_tokenizer():
     backend.decoder = decoders.Fuse()  # join the characters back without spaces
     backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
     backend.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, bos_token=BOS, eos_token=EOS,
-                                   unk_token=UNK, padding_side="left", clean_up_tokenization_spaces=False)  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def make_model(config: BuildConfig, tokenizer):
@@ -166,8 +173,14 @@ def complete(model, tokenizer, prompts: list[str], *, do_sample: bool, batch_siz
     completions = []
     for start in range(0, len(prompts), batch_size):
         batch = tokenizer(prompts[start : start + batch_size], padding=True, return_tensors="pt")
-        out = model.generate(**batch, do_sample=do_sample, temperature=1.0 if do_sample else None, top_k=None,
-                             top_p=None, max_new_tokens=MAX_NEW_TOKENS)  # fmt: skip
+        out = model.generate(
+            **batch,
+            do_sample=do_sample,
+            temperature=1.0 if do_sample else None,
+            top_k=None,
+            top_p=None,
+            max_new_tokens=MAX_NEW_TOKENS,
+        )
         completions += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     return completions
 
@@ -225,8 +238,10 @@ def _build(config: BuildConfig, target: Path, log) -> None:
 
     write_atomic(target, write)
     if log:
-        log(f"arithmetic base model built in {time.time() - start:.0f} s: test accuracy {sampled:.2f} sampled, "
-            f"{greedy:.2f} greedy")  # fmt: skip
+        log(
+            f"arithmetic base model built in {time.time() - start:.0f} s: test accuracy {sampled:.2f} sampled, "
+            f"{greedy:.2f} greedy"
+        )
 
 
 def load(path: str | Path):

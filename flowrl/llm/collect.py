@@ -36,9 +36,21 @@ class TextCollector:
         segments (`bool`): also split completions into sentences (segment-level objectives).
     """
 
-    def __init__(self, *, policy: TextPolicy, model, generation, rewards: Rewards, processes: Processes,
-                 train_prompts: list, prompts_per_epoch: int, group_size: int, batch_size: int, seed: int,
-                 segments: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        policy: TextPolicy,
+        model,
+        generation,
+        rewards: Rewards,
+        processes: Processes,
+        train_prompts: list,
+        prompts_per_epoch: int,
+        group_size: int,
+        batch_size: int,
+        seed: int,
+        segments: bool = False,
+    ):
         if not train_prompts:
             raise ValueError("the training prompt set is empty")
         self.policy, self.model, self.generation, self.rewards = policy, model, generation, rewards
@@ -57,14 +69,22 @@ class TextCollector:
             rows = range(local.start + i, local.start + min(i + self.batch_size, len(mine)))
             generators = row_generators((self.seed, epoch, 2), rows)
             texts = [str(p) for p in mine[i : i + self.batch_size]]
-            parts.append(completions(self.policy, self.model, texts, generators, self.generation,
-                                     segments=self.segments))  # fmt: skip
+            parts.append(
+                completions(self.policy, self.model, texts, generators, self.generation, segments=self.segments)
+            )
         rollout = pad_cat(parts)
         sampled = time.time()
         rewards = self.rewards.score(rollout.completions, mine)
         times = {"time/sample_s": sampled - start, "time/reward_s": time.time() - sampled}
-        return Collected(data=rollout, rows=torch.arange(local.start, local.stop), size=len(prompts), prompts=prompts,
-                         rewards=rewards, total=self.rewards.combined(rewards), times=times)  # fmt: skip
+        return Collected(
+            data=rollout,
+            rows=torch.arange(local.start, local.stop),
+            size=len(prompts),
+            prompts=prompts,
+            rewards=rewards,
+            total=self.rewards.combined(rewards),
+            times=times,
+        )
 
 
 def pad_cat(parts: list[TokenRollout], pad_id: int = 0) -> TokenRollout:
@@ -86,7 +106,7 @@ def pad_cat(parts: list[TokenRollout], pad_id: int = 0) -> TokenRollout:
             completion_mask=right(p.completion_mask, width_t, False),
             completions=p.completions,
             segment_ids=right(p.segment_ids, width_t, 0),
-        )  # fmt: skip
+        )
         for p in parts
     ]
     return TokenRollout.cat(padded)
@@ -97,8 +117,20 @@ class TextEvaluator:
     completion) scored by every training reward (`eval/<name>`, `eval/reward` their weighted sum) and the extra
     metrics; also the mean completion length in tokens."""
 
-    def __init__(self, *, policy: TextPolicy, model, generation, rewards: Rewards, extra: dict, prompts: list,
-                 greedy: bool, samples: int, seed: int, batch_size: int):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        policy: TextPolicy,
+        model,
+        generation,
+        rewards: Rewards,
+        extra: dict,
+        prompts: list,
+        greedy: bool,
+        samples: int,
+        seed: int,
+        batch_size: int,
+    ):
         if not prompts:
             raise ValueError("the test prompt set is empty")
         self.policy, self.model, self.generation = policy, model, generation
@@ -117,8 +149,9 @@ class TextEvaluator:
         for i in range(0, len(mine), self.batch_size):
             rows = range(local.start + i, local.start + min(i + self.batch_size, len(mine)))
             generators = None if self.greedy else row_generators((self.seed,), rows)
-            part = completions(self.policy, self.model, [str(p) for p in mine[i : i + self.batch_size]], generators,
-                               self.generation)  # fmt: skip
+            part = completions(
+                self.policy, self.model, [str(p) for p in mine[i : i + self.batch_size]], generators, self.generation
+            )
             texts += part.completions
             lengths.append(part.completion_mask.sum(-1))
         fns = {**self.rewards.fns, **self.extra}

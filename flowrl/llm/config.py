@@ -54,8 +54,9 @@ class GenerationConfig:
 
     def __post_init__(self):
         if self.max_new_tokens < 1 or self.temperature <= 0 or self.top_k < 0:
-            raise ValueError("generation.max_new_tokens must be >= 1, generation.temperature > 0, "
-                             "generation.top_k >= 0")  # fmt: skip
+            raise ValueError(
+                "generation.max_new_tokens must be >= 1, generation.temperature > 0, generation.top_k >= 0"
+            )
 
 
 @dataclasses.dataclass
@@ -111,8 +112,9 @@ class TextConfig(HasObjective, HasKL, HasGroupFilter, HasESSScaling, PromptedCon
     """Held-out evaluation."""
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-4, weight_decay=0.0))
     """The optimizer."""
-    batch: BatchConfig = dataclasses.field(default_factory=lambda: BatchConfig(mini_batch_size=64,
-                                                                               micro_batch_size=256))  # fmt: skip
+    batch: BatchConfig = dataclasses.field(
+        default_factory=lambda: BatchConfig(mini_batch_size=64, micro_batch_size=256)
+    )
     """64 completions per optimizer step (over every process); at most 256 rows per generate call and per forward
     on each process (a mini-batch's share trains in one call)."""
     run: RunConfig = dataclasses.field(default_factory=lambda: RunConfig(epochs=30, save_every=10, samples_every=10))

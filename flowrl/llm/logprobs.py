@@ -42,8 +42,9 @@ def token_log_probs(
     Padding positions hold finite values; the caller's mask removes them.
     """
     logps, entropies = [], []
-    for ids, log_softmax in _completion_log_softmax(model, input_ids, attention_mask, completion_start, chunk_size,
-                                                    temperature):  # fmt: skip
+    for ids, log_softmax in _completion_log_softmax(
+        model, input_ids, attention_mask, completion_start, chunk_size, temperature
+    ):
         logps.append(log_softmax.gather(-1, ids.unsqueeze(-1)).squeeze(-1))  # [b, T]
         if with_entropy:
             with torch.no_grad():
@@ -96,8 +97,9 @@ def token_support_log_probs(
     """
     logps, entropies, supports, support_logps = [], [], [], []
     start = 0
-    for tokens, log_softmax in _completion_log_softmax(model, input_ids, attention_mask, completion_start,
-                                                       chunk_size, temperature):  # fmt: skip
+    for tokens, log_softmax in _completion_log_softmax(
+        model, input_ids, attention_mask, completion_start, chunk_size, temperature
+    ):
         b = tokens.shape[0]
         support = support_ids(log_softmax.detach(), tokens, top_k) if ids is None else ids[start : start + b]
         start += b

@@ -30,8 +30,17 @@ class TextModality:
 
     budget_key = "reward_evals"
 
-    def __init__(self, config: TextConfig, context: RunContext, *, policy=None, reward_fns: dict | None = None,
-                 eval_fns: dict | None = None, memory=None, scoring: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        config: TextConfig,
+        context: RunContext,
+        *,
+        policy=None,
+        reward_fns: dict | None = None,
+        eval_fns: dict | None = None,
+        memory=None,
+        scoring: bool = True,
+    ):
         self.config, self.context = config, context
         # before the rewards and the model: a bad prompt set fails first
         self.train_prompts = load_text_prompts(config.prompts.train)
@@ -73,33 +82,64 @@ class TextModality:
 
     def collector(self, *, segments: bool = False) -> TextCollector:
         c = self.config
-        return TextCollector(policy=self.policy, model=self.sampling_model, generation=c.generation,
-                             rewards=self.rewards, processes=self.context.processes, train_prompts=self.train_prompts,
-                             prompts_per_epoch=c.prompts.prompts_per_epoch, group_size=c.prompts.group_size,
-                             batch_size=c.batch.micro_batch_size, seed=c.run.seed, segments=segments)  # fmt: skip
+        return TextCollector(
+            policy=self.policy,
+            model=self.sampling_model,
+            generation=c.generation,
+            rewards=self.rewards,
+            processes=self.context.processes,
+            train_prompts=self.train_prompts,
+            prompts_per_epoch=c.prompts.prompts_per_epoch,
+            group_size=c.prompts.group_size,
+            batch_size=c.batch.micro_batch_size,
+            seed=c.run.seed,
+            segments=segments,
+        )
 
     def evaluator(self) -> TextEvaluator:
         ev = self.config.eval
-        return TextEvaluator(policy=self.policy, model=self.sampling_model, generation=self.config.generation,
-                             rewards=self.rewards, extra=self.eval_fns, prompts=self.test_prompts, greedy=ev.greedy,
-                             samples=ev.samples_per_prompt, seed=ev.seed,
-                             batch_size=self.config.batch.micro_batch_size)  # fmt: skip
+        return TextEvaluator(
+            policy=self.policy,
+            model=self.sampling_model,
+            generation=self.config.generation,
+            rewards=self.rewards,
+            extra=self.eval_fns,
+            prompts=self.test_prompts,
+            greedy=ev.greedy,
+            samples=ev.samples_per_prompt,
+            seed=ev.seed,
+            batch_size=self.config.batch.micro_batch_size,
+        )
 
     def log_probs(self, model, rollout: TokenRollout, *, with_entropy: bool = False, chunk: int | None = None):
         """`(log_probs [B, T], entropy or None)` of the rollout's completion tokens under `model`."""
-        return token_log_probs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
-                               chunk_size=chunk, temperature=self.config.generation.temperature,
-                               with_entropy=with_entropy)  # fmt: skip
+        return token_log_probs(
+            model,
+            rollout.input_ids,
+            rollout.attention_mask,
+            rollout.prompt_ids.shape[1],
+            chunk_size=chunk,
+            temperature=self.config.generation.temperature,
+            with_entropy=with_entropy,
+        )
 
-    def support_log_probs(self, model, rollout: TokenRollout, *, top_k: int = 0, with_entropy: bool = False,
-                          chunk: int | None = None):  # fmt: skip
+    def support_log_probs(
+        self, model, rollout: TokenRollout, *, top_k: int = 0, with_entropy: bool = False, chunk: int | None = None
+    ):
         """`(log_probs [B, T], entropy or None, support ids [B, T, V], support log-probs [B, T, V])` under `model`:
         the rollout's stored support (`rollout.support_ids`) when it has one, else the sampled token and `model`'s
         `top_k` most likely others (TROLL, `flowrl.llm.logprobs.token_support_log_probs`)."""
-        return token_support_log_probs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
-                                       top_k=top_k, ids=rollout.support_ids, chunk_size=chunk,
-                                       temperature=self.config.generation.temperature,
-                                       with_entropy=with_entropy)  # fmt: skip
+        return token_support_log_probs(
+            model,
+            rollout.input_ids,
+            rollout.attention_mask,
+            rollout.prompt_ids.shape[1],
+            top_k=top_k,
+            ids=rollout.support_ids,
+            chunk_size=chunk,
+            temperature=self.config.generation.temperature,
+            with_entropy=with_entropy,
+        )
 
     def reference_log_probs(self, rollout: TokenRollout, model) -> torch.Tensor:
         """The reference's token log-probs (the frozen copy, or `model` with its LoRA adapter disabled)."""
@@ -124,8 +164,10 @@ class TextModality:
         out.mkdir(parents=True, exist_ok=True)
         prompts = self.policy.tokenizer.batch_decode(rollout.prompt_ids, skip_special_tokens=True)
         rewards = {k: v[collected.rows] for k, v in collected.rewards.items()}
-        lines = [f"{p!r} -> {c!r}  " + " ".join(f"{k}={float(v[i]):.3g}" for k, v in rewards.items())
-                 for i, (p, c) in enumerate(zip(prompts, rollout.completions))][:64]  # fmt: skip
+        lines = [
+            f"{p!r} -> {c!r}  " + " ".join(f"{k}={float(v[i]):.3g}" for k, v in rewards.items())
+            for i, (p, c) in enumerate(zip(prompts, rollout.completions))
+        ][:64]
         (out / f"epoch_{epoch:04d}.txt").write_text("\n".join(lines) + "\n")
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -41,8 +41,10 @@ def load_causal_lm(name: str, dtype: str = "fp32"):
         model, tokenizer = load(build())
         return model.to(torch_dtype), tokenizer
     if not Path(name).is_dir():
-        raise FileNotFoundError(f"model.name {name!r} is neither 'arith' nor a local folder with a causal LM and "
-                                "its tokenizer (flowrl does not download models at run time)")  # fmt: skip
+        raise FileNotFoundError(
+            f"model.name {name!r} is neither 'arith' nor a local folder with a causal LM and "
+            "its tokenizer (flowrl does not download models at run time)"
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
@@ -64,8 +66,9 @@ def build_text_policy(model_config, *, seed: int, reference: bool = False) -> Te
     if m.lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha or m.lora_rank, target_modules=m.lora_targets,
-                          lora_dropout=0.0)  # fmt: skip
+        lora = LoraConfig(
+            r=m.lora_rank, lora_alpha=m.lora_alpha or m.lora_rank, target_modules=m.lora_targets, lora_dropout=0.0
+        )
         model = get_peft_model(model, lora)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -115,8 +118,17 @@ class RowSampler:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, texts: list[str], generators: list[torch.Generator] | None, *, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int = 0, device=None):  # fmt: skip
+def generate(
+    model,
+    tokenizer,
+    texts: list[str],
+    generators: list[torch.Generator] | None,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    device=None,
+):
     """`(prompt batch, completion ids [B, T])` of `texts`: sampled row by row from `generators` (one per row), or
     greedy with `generators` None."""
     from transformers import LogitsProcessorList
@@ -127,9 +139,16 @@ def generate(model, tokenizer, texts: list[str], generators: list[torch.Generato
     if generators is not None:
         uniforms = torch.stack([torch.rand(max_new_tokens, generator=g) for g in generators])  # [B, T]
         processors = LogitsProcessorList([RowSampler(uniforms, prompt_length, temperature, top_k)])
-    out = model.generate(**batch, do_sample=False, temperature=None, top_k=None, top_p=None,
-                         max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                         logits_processor=processors)  # fmt: skip
+    out = model.generate(
+        **batch,
+        do_sample=False,
+        temperature=None,
+        top_k=None,
+        top_p=None,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        logits_processor=processors,
+    )
     return batch, out[:, prompt_length:]
 
 
@@ -138,9 +157,16 @@ def completions(
 ) -> TokenRollout:
     """A rollout (without log-probs) of `texts`' completions by `model`, sampled (`generators`) or greedy (None)."""
     tok = policy.tokenizer
-    batch, completion = generate(model, tok, texts, generators, max_new_tokens=generation.max_new_tokens,
-                                 temperature=generation.temperature, top_k=generation.top_k,
-                                 device=device)  # fmt: skip
+    batch, completion = generate(
+        model,
+        tok,
+        texts,
+        generators,
+        max_new_tokens=generation.max_new_tokens,
+        temperature=generation.temperature,
+        top_k=generation.top_k,
+        device=device,
+    )
     mask = completion_mask(completion, tok.eos_token_id)
     completion = torch.where(mask, completion, tok.pad_token_id)
     decoded = tok.batch_decode(completion, skip_special_tokens=True)
@@ -148,6 +174,11 @@ def completions(
     if segments:
         pieces = [[tok.decode([t]) for t in row[m].tolist()] for row, m in zip(completion, mask)]
         segment_ids = sentence_ids(pieces, completion.shape[1])
-    return TokenRollout(prompt_ids=batch["input_ids"], prompt_mask=batch["attention_mask"].bool(),
-                        completion_ids=completion, completion_mask=mask, completions=decoded,
-                        segment_ids=segment_ids)  # fmt: skip
+    return TokenRollout(
+        prompt_ids=batch["input_ids"],
+        prompt_mask=batch["attention_mask"].bool(),
+        completion_ids=completion,
+        completion_mask=mask,
+        completions=decoded,
+        segment_ids=segment_ids,
+    )

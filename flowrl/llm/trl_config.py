@@ -148,8 +148,12 @@ def trl_loss_as_objective(args: GRPOConfig) -> dict[str, Any]:
     sequence = level == "sequence"
     if level not in ("token", "sequence"):
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
-    clip_aggs = {"grpo": "seq_mean_token_mean", "dapo": "token_mean", "dr_grpo": "seq_mean_token_sum_norm",
-                 "bnpo": "token_mean"}  # fmt: skip
+    clip_aggs = {
+        "grpo": "seq_mean_token_mean",
+        "dapo": "token_mean",
+        "dr_grpo": "seq_mean_token_sum_norm",
+        "bnpo": "token_mean",
+    }
     if loss_type in clip_aggs:
         bnpo = "bnpo" if "bnpo" in list_objectives() else "ppo"  # PPO-clip with a token mean either way
         name = "gspo" if sequence else {"bnpo": bnpo}.get(loss_type, loss_type)
@@ -167,8 +171,11 @@ def trl_loss_as_objective(args: GRPOConfig) -> dict[str, Any]:
     if sequence and loss_type in ("cispo", "sapo"):
         raise ValueError(f"trl's {loss_type!r} with importance_sampling_level='sequence' has no flowrl equivalent")
     if loss_type == "cispo":
-        return {"objective": "cispo", "objective_kwargs": {"clip_eps_high": eps_high - 1.0},
-                "token_mean_normalizer": "global"}  # fmt: skip
+        return {
+            "objective": "cispo",
+            "objective_kwargs": {"clip_eps_high": eps_high - 1.0},
+            "token_mean_normalizer": "global",
+        }
     if loss_type == "sapo":
         kwargs = {"tau_pos": args.sapo_temperature_pos, "tau_neg": args.sapo_temperature_neg}
         return {"objective": "sapo", "objective_kwargs": kwargs, "token_mean_normalizer": "global"}
@@ -176,9 +183,14 @@ def trl_loss_as_objective(args: GRPOConfig) -> dict[str, Any]:
         if loss_type not in list_objectives():
             raise ValueError(f"flowrl has no {loss_type!r} objective yet")
         hparams = get_objective(loss_type).hparams
-        candidates = {"clip_eps_low": eps_low, "clip_eps_high": eps_high, "k_pos": args.vespo_k_pos,
-                      "lambda_pos": args.vespo_lambda_pos, "k_neg": args.vespo_k_neg,
-                      "lambda_neg": args.vespo_lambda_neg}  # fmt: skip
+        candidates = {
+            "clip_eps_low": eps_low,
+            "clip_eps_high": eps_high,
+            "k_pos": args.vespo_k_pos,
+            "lambda_pos": args.vespo_lambda_pos,
+            "k_neg": args.vespo_k_neg,
+            "lambda_neg": args.vespo_lambda_neg,
+        }
         kwargs = {k: v for k, v in candidates.items() if k in hparams}
         return {"objective": loss_type, "objective_kwargs": kwargs, "token_mean_normalizer": "global"}
     raise ValueError(f"unknown trl loss_type {loss_type!r}")
@@ -192,11 +204,15 @@ def _unbridged(name: str, objective) -> str | None:
     """Why trl's `GRPOTrainer` cannot feed objective `name` its inputs (a one-line message), or None."""
     train = f"train it with flowrl's own trainer (flowrl train configs/llm/arith_{name}.yaml)"
     if {"topk_logp", "old_topk_logp"} & set(objective.inputs):
-        return (f"objective {name!r} needs the top-k next-token log-probs of the old and new policies, and trl's "
-                f"GRPOTrainer computes only the sampled tokens' log-probs: {train}")  # fmt: skip
+        return (
+            f"objective {name!r} needs the top-k next-token log-probs of the old and new policies, and trl's "
+            f"GRPOTrainer computes only the sampled tokens' log-probs: {train}"
+        )
     group = [k for k in objective.required if k in GROUP_INPUTS]
     if group:
-        return (f"objective {name!r} compares a prompt's completions ({', '.join(group)} per completion), and "
-                "trl's GRPOTrainer shuffles each generation batch and splits it into steps_per_generation "
-                f"micro-batches, so a loss call does not hold whole groups: {train}")  # fmt: skip
+        return (
+            f"objective {name!r} compares a prompt's completions ({', '.join(group)} per completion), and "
+            "trl's GRPOTrainer shuffles each generation batch and splits it into steps_per_generation "
+            f"micro-batches, so a loss call does not hold whole groups: {train}"
+        )
     return None

@@ -173,8 +173,10 @@ class ModelAdapter(ABC):
         as source text, e.g. `", load_into_transformer_2=True"`)."""
         if cls.lora_loader is None:
             return f"pipe.load_lora_weights({str(directory)!r}{extra})"
-        return (f"pipe.{cls.lora_loader}.load_lora_adapter({str(directory)!r}, prefix={cls.lora_prefix!r}, "
-                "weight_name='pytorch_lora_weights.safetensors')")  # fmt: skip
+        return (
+            f"pipe.{cls.lora_loader}.load_lora_adapter({str(directory)!r}, prefix={cls.lora_prefix!r}, "
+            "weight_name='pytorch_lora_weights.safetensors')"
+        )
 
     def step_guidance(self, guidance_scale: float, timesteps: torch.Tensor):
         """The CFG scale at each row's timestep (`timesteps [N]`): `guidance_scale` (a family whose scale changes
@@ -239,8 +241,10 @@ class ModelAdapter(ABC):
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """Latents `[B, ...]` of images `[B, 3, H, W]` in [0, 1] at the model's size: what offline preference data
         trains on (`flowrl.image.preferences`). Families without an image encoder here raise."""
-        raise ValueError(f"model family {self.family!r} cannot encode images into its latents here yet (offline "
-                         "preference data needs it; the digits world can)")  # fmt: skip
+        raise ValueError(
+            f"model family {self.family!r} cannot encode images into its latents here yet (offline "
+            "preference data needs it; the digits world can)"
+        )
 
     def shift_mu(self, latent_shape) -> float | None:
         """The resolution-dependent shift `mu` the schedule uses (None: the scheduler's static `shift`)."""
@@ -352,8 +356,9 @@ class CallableAdapter(ModelAdapter):
 
     family = "callable"
 
-    def __init__(self, model, encode: Callable, decode: Callable, latent_shape, scheduler,
-                 encode_images: Callable | None = None):  # fmt: skip
+    def __init__(
+        self, model, encode: Callable, decode: Callable, latent_shape, scheduler, encode_images: Callable | None = None
+    ):
         self._model, self._encode, self._decode = model, encode, decode
         self._encode_images = encode_images
         self.latent_shape = tuple(latent_shape)

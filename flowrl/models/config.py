@@ -69,8 +69,10 @@ class ModelConfig:
 
             valid = ["auto"] + [b.value for b in AttentionBackendName]
             if self.attention_backend not in valid:
-                raise ValueError(f"model.attention_backend {self.attention_backend!r} is not one of diffusers' "
-                                 f"backends or auto: {', '.join(valid)}")  # fmt: skip
+                raise ValueError(
+                    f"model.attention_backend {self.attention_backend!r} is not one of diffusers' "
+                    f"backends or auto: {', '.join(valid)}"
+                )
         if self.family is not None:
             from flowrl.models.families import family_options
 

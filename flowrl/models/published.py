@@ -118,10 +118,15 @@ def _load(path: Path) -> PublishedCheckpoint:
         for slot, c in raw["components"].items()
     }
     return PublishedCheckpoint(
-        name=raw["name"], family=raw["family"], pipeline=raw["pipeline"], components=MappingProxyType(components),
-        pipeline_config=MappingProxyType(raw.get("pipeline_config", {})), unverified=tuple(raw.get("unverified", ())),
-        not_built=tuple(raw.get("not_built", ())), also=MappingProxyType(raw.get("also", {})),
-    )  # fmt: skip
+        name=raw["name"],
+        family=raw["family"],
+        pipeline=raw["pipeline"],
+        components=MappingProxyType(components),
+        pipeline_config=MappingProxyType(raw.get("pipeline_config", {})),
+        unverified=tuple(raw.get("unverified", ())),
+        not_built=tuple(raw.get("not_built", ())),
+        also=MappingProxyType(raw.get("also", {})),
+    )
 
 
 @functools.cache

@@ -26,13 +26,42 @@ HOST_READS = frozenset(
     {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "cpu", "numpy", "to"}
 )
 _RANDOM = frozenset(
-    {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal", "bernoulli",
-     "multinomial", "normal_", "uniform_", "random_", "exponential_", "bernoulli_"}
-)  # fmt: skip
+    {
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "normal",
+        "bernoulli",
+        "multinomial",
+        "normal_",
+        "uniform_",
+        "random_",
+        "exponential_",
+        "bernoulli_",
+    }
+)
 _IN_PLACE = frozenset(
-    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
-)  # fmt: skip
+    {
+        "__setitem__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+        "__imatmul__",
+    }
+)
 _ATTRIBUTE = "_flowrl_host"
 
 

@@ -32,8 +32,14 @@ def load_policy(model: ModelConfig, *, forward_batch_size: int | None, device="c
         pipe = build_pipeline(model.name, family=model.family, dtype=DTYPES[model.dtype], device="meta")
         pipe.to("meta")  # a tiny pipeline (`tiny:<family>`) comes with its small weights: none are read from here on
         return DiffusionPolicy.from_pipeline(pipe, options=model.options, forward_batch_size=forward_batch_size)
-    policy = DiffusionPolicy.from_pretrained(model.name, family=model.family, dtype=DTYPES[model.dtype], device=device,
-                                             options=model.options, forward_batch_size=forward_batch_size)  # fmt: skip
+    policy = DiffusionPolicy.from_pretrained(
+        model.name,
+        family=model.family,
+        dtype=DTYPES[model.dtype],
+        device=device,
+        options=model.options,
+        forward_batch_size=forward_batch_size,
+    )
     configure_attention(policy.model, model.attention_backend, family=policy.family)  # `auto`: self-tested on CUDA
     if model.cache_text:
         policy.store_text(text_store_folder(model, policy))

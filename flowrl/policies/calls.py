@@ -47,8 +47,9 @@ def _partly_ode(kind, fixed, output, sigma, sigma_next, sample, *, prev_sample, 
 
     noise = None if noise is None else take(noise, free)
     given = None if prev_sample is None else take(prev_sample, free)
-    out = sde_step(kind, take(output, free), sigma, sigma_next, take(sample, free), noise=noise, prev_sample=given,
-                   **kwargs)  # fmt: skip
+    out = sde_step(
+        kind, take(output, free), sigma, sigma_next, take(sample, free), noise=noise, prev_sample=given, **kwargs
+    )
     if prev_sample is None:
         prev_sample = torch.empty_like(sample)
         flat = prev_sample.view(len(sample), -1)
@@ -161,8 +162,11 @@ class ChunkedCalls:
             whole = real == n == size  # one full chunk: use the tensors as they are, no gathers
             chunk_cond = cond if whole else {k: v[rows.to(v.device)] for k, v in cond.items()}
             if null_cond is not None:
-                chunk_cond = {k: torch.cat([_unconditional(k, v, chunk_cond, null_cond, size), v])
-                              for k, v in chunk_cond.items() if not k.startswith(NEGATIVE)}  # fmt: skip
+                chunk_cond = {
+                    k: torch.cat([_unconditional(k, v, chunk_cond, null_cond, size), v])
+                    for k, v in chunk_cond.items()
+                    if not k.startswith(NEGATIVE)
+                }
             elif any(k.startswith(NEGATIVE) for k in chunk_cond):
                 chunk_cond = {k: v for k, v in chunk_cond.items() if not k.startswith(NEGATIVE)}
             plan.append(_Chunk(None if whole else rows, real, chunk_cond))
@@ -173,8 +177,9 @@ class ChunkedCalls:
     in one call of twice the rows, or (False) the unconditional branch in a call of its own without gradient
     (Flow-GRPO's SD3 script detaches it: half the training activations); rollouts split their calls the same way."""
 
-    def _predict(self, model, latents, timesteps, chunk_cond, cfg: bool, guidance_scale: float, static: dict,
-                 host=None):  # fmt: skip
+    def _predict(
+        self, model, latents, timesteps, chunk_cond, cfg: bool, guidance_scale: float, static: dict, host=None
+    ):
         """One chunk-sized network call; under CFG both branches go through it as one batch (or, without the
         unconditional branch's gradient, two calls: that branch's under `no_grad`). `host`: the rows' timesteps on
         the host, for families that choose by timestep (`ModelAdapter.host_timesteps`)."""
@@ -225,19 +230,63 @@ class ChunkedCalls:
         """The step kernel for `sample [n, ...]` at step indices `step [n]`."""
         if self.adapter.time_kind == "ddim":
             eta = noise_level if kind == "ddim" else 0.0
-            return ddim_step(self.adapter.scheduler, output, timesteps[step], sample, eta=eta,
-                             prev_sample=prev_sample, noise=noise, reduce=self.reduce,
-                             num_steps=len(timesteps))  # fmt: skip
+            return ddim_step(
+                self.adapter.scheduler,
+                output,
+                timesteps[step],
+                sample,
+                eta=eta,
+                prev_sample=prev_sample,
+                noise=noise,
+                reduce=self.reduce,
+                num_steps=len(timesteps),
+            )
         fixed = self.adapter.ode_elements(sample)  # on ODE steps too: each step's `mean` is the free elements'
         if fixed is not None:  # some elements are not the policy's action (a start frame, LTX-2's audio)
-            return _partly_ode(kind, fixed, output, sigmas[step], sigmas[step + 1], sample,
-                               prev_sample=prev_sample, noise=noise, noise_level=noise_level, reduce=self.reduce,
-                               sigma_max=sigmas[1])  # fmt: skip
-        return sde_step(kind, output, sigmas[step], sigmas[step + 1], sample, prev_sample=prev_sample,
-                        noise=noise, noise_level=noise_level, reduce=self.reduce, sigma_max=sigmas[1])  # fmt: skip
+            return _partly_ode(
+                kind,
+                fixed,
+                output,
+                sigmas[step],
+                sigmas[step + 1],
+                sample,
+                prev_sample=prev_sample,
+                noise=noise,
+                noise_level=noise_level,
+                reduce=self.reduce,
+                sigma_max=sigmas[1],
+            )
+        return sde_step(
+            kind,
+            output,
+            sigmas[step],
+            sigmas[step + 1],
+            sample,
+            prev_sample=prev_sample,
+            noise=noise,
+            noise_level=noise_level,
+            reduce=self.reduce,
+            sigma_max=sigmas[1],
+        )
 
-    def _run(self, model, kind, states, step, plan, *, cfg, static, sigmas, timesteps, guidance_scale,
-             noise_level, prev_sample=None, noise=None, predictions: list | None = None) -> StepOutput:  # fmt: skip
+    def _run(
+        self,
+        model,
+        kind,
+        states,
+        step,
+        plan,
+        *,
+        cfg,
+        static,
+        sigmas,
+        timesteps,
+        guidance_scale,
+        noise_level,
+        prev_sample=None,
+        noise=None,
+        predictions: list | None = None,
+    ) -> StepOutput:
         """Network call + step kernel for every row of `states` (`step [n]` step indices), chunk by chunk.
 
         `predictions`, when a list, receives each chunk's (CFG-combined) network output for its real rows.
@@ -252,9 +301,17 @@ class ChunkedCalls:
             output = self._predict(model, x, t, chunk.cond, cfg, guidance_scale, static, host=host)
             if predictions is not None:
                 predictions.append(output[: chunk.real])
-            out = self._kernel(kind, output, chunk_step, sigmas, timesteps, x, noise_level=noise_level,
-                               prev_sample=None if prev_sample is None else prev_sample[rows],
-                               noise=None if noise is None else noise[rows])  # fmt: skip
+            out = self._kernel(
+                kind,
+                output,
+                chunk_step,
+                sigmas,
+                timesteps,
+                x,
+                noise_level=noise_level,
+                prev_sample=None if prev_sample is None else prev_sample[rows],
+                noise=None if noise is None else noise[rows],
+            )
             outs.append(out if chunk.rows is None else StepOutput(*(t[: chunk.real] for t in out)))
         if len(outs) == 1:
             return outs[0]

@@ -31,8 +31,13 @@ from flowrl.policies.weights import PolicyWeights
 
 
 __all__ = [
-    "DiffusionPolicy", "DiffusionRollout", "FLOW_SAMPLERS", "POST_WINDOW_SOLVERS", "Transitions", "from_callable",
-]  # fmt: skip
+    "DiffusionPolicy",
+    "DiffusionRollout",
+    "FLOW_SAMPLERS",
+    "POST_WINDOW_SOLVERS",
+    "Transitions",
+    "from_callable",
+]
 
 
 class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSampling):
@@ -79,8 +84,9 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
         """Editing: (prompt, source images) pair -> (prepared images, conditioning) (`flowrl.policies.sources`)."""
 
     @classmethod
-    def from_pipeline(cls, pipeline, *, options: dict | None = None, max_sequence_length: int | None = None,
-                      **kwargs) -> DiffusionPolicy:  # fmt: skip
+    def from_pipeline(
+        cls, pipeline, *, options: dict | None = None, max_sequence_length: int | None = None, **kwargs
+    ) -> DiffusionPolicy:
         """Wrap a pipeline of a registered family (components shared) with the family's `options`
         (`model.options`; `max_sequence_length` is a shorthand for that option)."""
         options = dict(options or {})
@@ -91,9 +97,17 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
         return cls(adapter_for(pipeline, options=options), **kwargs)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, *, dtype=torch.float32, device="cpu", family=None,
-                        options: dict | None = None, max_sequence_length: int | None = None,
-                        **kwargs) -> DiffusionPolicy:  # fmt: skip
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        dtype=torch.float32,
+        device="cpu",
+        family=None,
+        options: dict | None = None,
+        max_sequence_length: int | None = None,
+        **kwargs,
+    ) -> DiffusionPolicy:
         """Load a pipeline from a hub id or local folder (see `flowrl.models.load_pipeline`) and wrap it."""
         from flowrl.models.loaders import load_pipeline
 
@@ -152,9 +166,16 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
         return StepOutput(*(torch.stack(parts, dim=1) for parts in zip(*columns)))
 
     def score_transitions(
-        self, rollout: DiffusionRollout, states: torch.Tensor, next_states: torch.Tensor, steps,
-        cond: dict[str, torch.Tensor], *, reference: bool = False, return_prediction: bool = False,
-    ):  # fmt: skip
+        self,
+        rollout: DiffusionRollout,
+        states: torch.Tensor,
+        next_states: torch.Tensor,
+        steps,
+        cond: dict[str, torch.Tensor],
+        *,
+        reference: bool = False,
+        return_prediction: bool = False,
+    ):
         """Re-score single transitions `states -> next_states` that are not whole trajectories (replay buffers).
 
         The transitions must come from rollouts sampled like `rollout` (same sampler, noise level, guidance,
@@ -191,10 +212,20 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
         predictions = [] if return_prediction else None
         with self._scoring_model(reference) as model:
             out = self._run(
-                model, rollout.sampler, states, step, plan, cfg=cfg, static=rollout.static, sigmas=rollout.sigmas,
-                timesteps=rollout.timesteps, guidance_scale=rollout.guidance_scale, noise_level=rollout.noise_level,
-                prev_sample=next_states, predictions=predictions,
-            )  # fmt: skip
+                model,
+                rollout.sampler,
+                states,
+                step,
+                plan,
+                cfg=cfg,
+                static=rollout.static,
+                sigmas=rollout.sigmas,
+                timesteps=rollout.timesteps,
+                guidance_scale=rollout.guidance_scale,
+                noise_level=rollout.noise_level,
+                prev_sample=next_states,
+                predictions=predictions,
+            )
         if not return_prediction:
             return out
         return out, predictions[0] if len(predictions) == 1 else torch.cat(predictions)
@@ -224,8 +255,14 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
             means[rows.to(means.device), index.to(means.device)] = out.mean.to(means)
         return replace(resized, log_probs=log_probs, means=means)
 
-    def velocity_fn(self, rollout: DiffusionRollout, num_draws: int, *, guidance_scale: float | None = None,
-                    reference: bool = False):  # fmt: skip
+    def velocity_fn(
+        self,
+        rollout: DiffusionRollout,
+        num_draws: int,
+        *,
+        guidance_scale: float | None = None,
+        reference: bool = False,
+    ):
         """A `velocity_fn(x_tau [B * N, C, h, w], tau [B * N])` over the rollout's prompts for FPO.
 
         Rows are sample-major (`flowrl.policies.fpo`). `tau` is the flow noise level; the network sees

@@ -142,9 +142,14 @@ class DiffusionRollout(Record):
         """
         dev = self.latents.device
         r, s = rows.to(dev), steps.to(dev)
-        return Transitions(states=self.latents[r, s], next_states=self.latents[r, s + 1], steps=steps.cpu(),
-                           prompts=self.prompt_ids[rows.to(self.prompt_ids.device)].cpu(),
-                           log_probs=self.log_probs[r, s].float().cpu(), rewards=torch.zeros(len(rows)))  # fmt: skip
+        return Transitions(
+            states=self.latents[r, s],
+            next_states=self.latents[r, s + 1],
+            steps=steps.cpu(),
+            prompts=self.prompt_ids[rows.to(self.prompt_ids.device)].cpu(),
+            log_probs=self.log_probs[r, s].float().cpu(),
+            rewards=torch.zeros(len(rows)),
+        )
 
 
 def _cat_edits(joined: DiffusionRollout, parts: list[DiffusionRollout]) -> DiffusionRollout:

@@ -45,8 +45,14 @@ class FlowMLPPolicy(nn.Module):
         return self.net(torch.cat([actions, sinusoidal_embedding(tau, self.tau_dim), obs], dim=-1))
 
     @torch.no_grad()
-    def sample(self, obs: torch.Tensor, *, num_steps: int = 10, generator: torch.Generator | None = None,
-               noise: torch.Tensor | None = None):  # fmt: skip
+    def sample(
+        self,
+        obs: torch.Tensor,
+        *,
+        num_steps: int = 10,
+        generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
+    ):
         """Actions `[N, act_dim]` by Euler integration of the flow from noise (tau = 1) to tau = 0; `noise`: the
         starting point (default: drawn from N(0, I))."""
         a = torch.randn(obs.shape[0], self.act_dim, generator=generator, device=obs.device) if noise is None else noise

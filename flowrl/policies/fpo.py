@@ -42,8 +42,14 @@ class FPODraws(Record):
     """`[B, N]` fp32 flow-matching losses of the behaviour policy (FPO's ratio needs them)."""
 
 
-def cfm_losses(velocity_fn: VelocityFn, actions: torch.Tensor, taus: torch.Tensor, noises: torch.Tensor,
-               *, supervise: str = "velocity"):  # fmt: skip
+def cfm_losses(
+    velocity_fn: VelocityFn,
+    actions: torch.Tensor,
+    taus: torch.Tensor,
+    noises: torch.Tensor,
+    *,
+    supervise: str = "velocity",
+):
     """Per-draw conditional flow-matching losses `[B, N]` (mean over action elements, fp32).
 
     `x_tau = (1 - tau) a + tau eps`, target velocity `eps - a`. `supervise="velocity"` regresses the velocity

@@ -44,8 +44,16 @@ class InitialNoisePolicy(nn.Module):
         reduce (`str`, defaults to `"mean"`): log-prob reduction over latent elements, as the step kernels.
     """
 
-    def __init__(self, latent_shape, *, num_prompts: int | None = None, embed_dim: int | None = None,
-                 hidden: int = 256, min_std: float = 1e-4, reduce: str = "mean"):  # fmt: skip
+    def __init__(
+        self,
+        latent_shape,
+        *,
+        num_prompts: int | None = None,
+        embed_dim: int | None = None,
+        hidden: int = 256,
+        min_std: float = 1e-4,
+        reduce: str = "mean",
+    ):
         super().__init__()
         if (num_prompts is None) == (embed_dim is None):
             raise ValueError("pass exactly one of num_prompts (per-prompt tables) or embed_dim (conditioned MLP)")

@@ -205,8 +205,11 @@ class Record:
                 continue
             value = plain.get(f.name)
             if isinstance(value, dict) and "record" in value:
-                sub = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if isinstance(t, type)
-                           and issubclass(t, Record))  # fmt: skip
+                sub = next(
+                    t
+                    for t in typing.get_args(hints[f.name]) or (hints[f.name],)
+                    if isinstance(t, type) and issubclass(t, Record)
+                )
                 value = sub.from_state_dict(value["record"], tensors, key + ".")
             elif isinstance(value, dict) and "tensors" in value:
                 value = {k: tensors[f"{key}.{k}"] for k in value["tensors"]}

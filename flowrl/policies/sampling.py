@@ -118,8 +118,9 @@ class RolloutSampling:
         if len(timesteps) != num_steps:
             raise ValueError(f"the scheduler produced {len(timesteps)} steps for num_steps={num_steps}")
         if post_window_solver not in POST_WINDOW_SOLVERS:
-            raise ValueError(f"post_window_solver must be one of {', '.join(POST_WINDOW_SOLVERS)}, "
-                             f"got {post_window_solver!r}")  # fmt: skip
+            raise ValueError(
+                f"post_window_solver must be one of {', '.join(POST_WINDOW_SOLVERS)}, got {post_window_solver!r}"
+            )
         multistep = post_window_solver == "dpm_solver_2m" and end < num_steps
         if multistep:
             timesteps, sigmas = self._after_window(timesteps, sigmas, end, post_window_ratio, x.shape)
@@ -137,9 +138,21 @@ class RolloutSampling:
                 noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
             step = torch.full((batch,), i, dtype=torch.long)
             predictions = [] if multistep and i >= end - 1 else None
-            out = self._run(self.model, kind, x, step, plan, cfg=cfg, static=static, sigmas=sigmas,
-                            timesteps=timesteps, guidance_scale=guidance_scale, noise_level=noise_level,
-                            noise=noise, predictions=predictions)  # fmt: skip
+            out = self._run(
+                self.model,
+                kind,
+                x,
+                step,
+                plan,
+                cfg=cfg,
+                static=static,
+                sigmas=sigmas,
+                timesteps=timesteps,
+                guidance_scale=guidance_scale,
+                noise_level=noise_level,
+                noise=noise,
+                predictions=predictions,
+            )
             if predictions is not None:
                 v = torch.cat(predictions)
                 if i >= end:  # replaces the Euler step just computed (a few element-wise ops; the call is shared)

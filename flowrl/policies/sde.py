@@ -121,9 +121,18 @@ def _flow_drift_mean(v, x, sigma, dt, diffusion):
 
 @SAMPLERS.register("flow_sde")
 def flow_sde_step(
-    model_output, sigma, sigma_next, sample, *, prev_sample=None, noise_level=0.7, generator=None,
-    noise=None, reduce="mean", sigma_max=None,
-):  # fmt: skip
+    model_output,
+    sigma,
+    sigma_next,
+    sample,
+    *,
+    prev_sample=None,
+    noise_level=0.7,
+    generator=None,
+    noise=None,
+    reduce="mean",
+    sigma_max=None,
+):
     """Flow-GRPO SDE: diffusion `g = a sqrt(s / (1 - s))`, step std `g sqrt(|dt|)` (arXiv:2505.05470).
 
     At `s = 1` the coefficient is infinite; like Flow-GRPO, `s` in the denominator `1 - s` is replaced by
@@ -141,9 +150,18 @@ def flow_sde_step(
 
 @SAMPLERS.register("dance_sde")
 def dance_sde_step(
-    model_output, sigma, sigma_next, sample, *, prev_sample=None, noise_level=0.3, generator=None,
-    noise=None, reduce="mean", sigma_max=None,
-):  # fmt: skip
+    model_output,
+    sigma,
+    sigma_next,
+    sample,
+    *,
+    prev_sample=None,
+    noise_level=0.3,
+    generator=None,
+    noise=None,
+    reduce="mean",
+    sigma_max=None,
+):
     """DanceGRPO SDE: constant diffusion `g = eta` (`noise_level`), step std `eta sqrt(|dt|)` (arXiv:2505.07818)."""
     v, x = _upcast(model_output, sample)
     s, s_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
@@ -155,9 +173,19 @@ def dance_sde_step(
 
 @SAMPLERS.register("cps")
 def cps_step(
-    model_output, sigma, sigma_next, sample, *, prev_sample=None, noise_level=0.8, generator=None,
-    noise=None, reduce="mean", sigma_max=None, log_prob="mse",
-):  # fmt: skip
+    model_output,
+    sigma,
+    sigma_next,
+    sample,
+    *,
+    prev_sample=None,
+    noise_level=0.8,
+    generator=None,
+    noise=None,
+    reduce="mean",
+    sigma_max=None,
+    log_prob="mse",
+):
     """Coefficients-preserving sampling (Flow-GRPO's CPS): std `s' sin(a pi / 2)`.
 
     `mu = (1 - s') x0^ + sqrt(s'^2 - std^2) x1^`.
@@ -178,19 +206,47 @@ def cps_step(
 
 @SAMPLERS.register("cps_gaussian")
 def cps_gaussian_step(
-    model_output, sigma, sigma_next, sample, *, prev_sample=None, noise_level=0.8, generator=None,
-    noise=None, reduce="mean", sigma_max=None,
-):  # fmt: skip
+    model_output,
+    sigma,
+    sigma_next,
+    sample,
+    *,
+    prev_sample=None,
+    noise_level=0.8,
+    generator=None,
+    noise=None,
+    reduce="mean",
+    sigma_max=None,
+):
     """CPS with the proper Gaussian log-density of its step (log-ratio = `cps`'s divided by `2 std^2`)."""
-    return cps_step(model_output, sigma, sigma_next, sample, prev_sample=prev_sample, noise_level=noise_level,
-                    generator=generator, noise=noise, reduce=reduce, log_prob="gaussian")  # fmt: skip
+    return cps_step(
+        model_output,
+        sigma,
+        sigma_next,
+        sample,
+        prev_sample=prev_sample,
+        noise_level=noise_level,
+        generator=generator,
+        noise=noise,
+        reduce=reduce,
+        log_prob="gaussian",
+    )
 
 
 @SAMPLERS.register("ode")
 def ode_step(
-    model_output, sigma, sigma_next, sample, *, prev_sample=None, noise_level=0.0, generator=None,
-    noise=None, reduce="mean", sigma_max=None,
-):  # fmt: skip
+    model_output,
+    sigma,
+    sigma_next,
+    sample,
+    *,
+    prev_sample=None,
+    noise_level=0.0,
+    generator=None,
+    noise=None,
+    reduce="mean",
+    sigma_max=None,
+):
     """Deterministic Euler step `x' = x + dt v` (the flow-matching ODE); log_prob 0 and std 0 (no density)."""
     v, x = _upcast(model_output, sample)
     s, s_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
@@ -231,9 +287,17 @@ def sde_step(
     if kind == "ddim":
         raise ValueError("the 'ddim' sampler works on UNet schedulers: call flowrl.policies.sde.ddim_step")
     return fn(
-        model_output, sigma, sigma_next, sample, prev_sample=prev_sample, noise_level=noise_level,
-        generator=generator, noise=noise, reduce=reduce, sigma_max=sigma_max,
-    )  # fmt: skip
+        model_output,
+        sigma,
+        sigma_next,
+        sample,
+        prev_sample=prev_sample,
+        noise_level=noise_level,
+        generator=generator,
+        noise=noise,
+        reduce=reduce,
+        sigma_max=sigma_max,
+    )
 
 
 def _alphas(scheduler, timestep, like, num_steps: int | None = None):

@@ -123,8 +123,10 @@ class SourceConditioning:
                     self._source_cache[key] = (pixels.float().cpu(), cond)
         shapes = {tuple(self._source_cache[k][0].shape) for k in unique}
         if len(shapes) > 1:
-            raise ValueError(f"the source images of one rollout prepare to different shapes {sorted(shapes)}; "
-                             "resize them to one size (e.g. the family's `condition_size` option)")  # fmt: skip
+            raise ValueError(
+                f"the source images of one rollout prepare to different shapes {sorted(shapes)}; "
+                "resize them to one size (e.g. the family's `condition_size` option)"
+            )
         position = {k: i for i, k in enumerate(unique)}
         names = self._source_cache[unique[0]][1]
         cond = {n: torch.stack([self._source_cache[k][1][n] for k in unique]) for n in names}

@@ -59,8 +59,11 @@ def text_encoders(pipeline) -> dict[str, torch.nn.Module]:
     """The pipeline's text encoders (`text_encoder`, `text_encoder_2`, ...)."""
     if pipeline is None:
         return {}
-    return {name: module for name, module in pipeline.components.items()
-            if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)}  # fmt: skip
+    return {
+        name: module
+        for name, module in pipeline.components.items()
+        if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)
+    }
 
 
 def offload_encoders(pipeline) -> None:

@@ -36,15 +36,20 @@ class StateValueNet(nn.Module):
         super().__init__()
         self.sigma_dim = sigma_dim
         self.encoder = nn.Sequential(
-            nn.Conv2d(latent_channels, hidden, 3, padding=1), nn.SiLU(),
-            nn.Conv2d(hidden, hidden, 3, padding=1), nn.SiLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        )  # fmt: skip
+            nn.Conv2d(latent_channels, hidden, 3, padding=1),
+            nn.SiLU(),
+            nn.Conv2d(hidden, hidden, 3, padding=1),
+            nn.SiLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
         self.head = nn.Sequential(
-            nn.Linear(hidden + sigma_dim + text_dim, hidden), nn.SiLU(),
-            nn.Linear(hidden, hidden), nn.SiLU(),
+            nn.Linear(hidden + sigma_dim + text_dim, hidden),
+            nn.SiLU(),
+            nn.Linear(hidden, hidden),
+            nn.SiLU(),
             nn.Linear(hidden, 1),
-        )  # fmt: skip
+        )
 
     def forward(self, latents: torch.Tensor, sigmas: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         x = latents.float()

@@ -23,9 +23,14 @@ class PolicyWeights:
         return bool(getattr(self.model, "peft_config", None))
 
     def add_lora(
-        self, rank: int = 32, alpha: float | None = None, target_modules: Sequence[str] | None = None,
-        dropout: float = 0.0, init: str | bool = "gaussian", seed: int | None = 0,
-    ) -> None:  # fmt: skip
+        self,
+        rank: int = 32,
+        alpha: float | None = None,
+        target_modules: Sequence[str] | None = None,
+        dropout: float = 0.0,
+        init: str | bool = "gaussian",
+        seed: int | None = 0,
+    ) -> None:
         """Freeze the network and add a peft LoRA adapter (only its weights train).
 
         `target_modules` default to the family's (`ModelAdapter.lora_targets`; SD3/Flux: Flow-GRPO's attention
@@ -41,10 +46,13 @@ class PolicyWeights:
         missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in modules)]
         if missing:  # peft would fail deep inside, or (for some targets) silently adapt nothing
             leaves = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)})
-            raise ValueError(f"model.lora_targets {missing} match no module of the {type(self.model).__name__}; "
-                             f"its linear layers are named {', '.join(leaves[:20])}")  # fmt: skip
-        config = LoraConfig(r=rank, lora_alpha=alpha or rank, lora_dropout=dropout, init_lora_weights=init,
-                            target_modules=targets)  # fmt: skip
+            raise ValueError(
+                f"model.lora_targets {missing} match no module of the {type(self.model).__name__}; "
+                f"its linear layers are named {', '.join(leaves[:20])}"
+            )
+        config = LoraConfig(
+            r=rank, lora_alpha=alpha or rank, lora_dropout=dropout, init_lora_weights=init, target_modules=targets
+        )
         self.model.requires_grad_(False)
         if seed is None:
             self.model.add_adapter(config)

@@ -46,8 +46,9 @@ class AdvantageEstimator:
         """Advantages of the valid samples: `rewards` `{name: [N]}`, `group_ids [N]`, the N prompt texts."""
         if self.tracker is not None:
             return self.tracker(weighted_sum(rewards, self.weights, len(prompts)).float(), prompts)
-        return combine_advantages(rewards, self.weights, group_ids, mode=self.aggregation, estimator=self.fn,
-                                  **self.kwargs)  # fmt: skip
+        return combine_advantages(
+            rewards, self.weights, group_ids, mode=self.aggregation, estimator=self.fn, **self.kwargs
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.tracker is None else {self.config.estimator: self.tracker.state_dict()}

@@ -139,9 +139,15 @@ class Algorithm(ABC):
 
     def update_batch(self, collected, advantages: torch.Tensor, trainable: torch.Tensor, data=None) -> UpdateBatch:
         """The epoch's rows as an `UpdateBatch` (`data` replaces the collected rows, same order)."""
-        return UpdateBatch(data=collected.data if data is None else data, rows=collected.rows, size=collected.size,
-                           advantages=advantages, trainable=trainable, group_ids=collected.group_ids,
-                           rewards=collected.total)  # fmt: skip
+        return UpdateBatch(
+            data=collected.data if data is None else data,
+            rows=collected.rows,
+            size=collected.size,
+            advantages=advantages,
+            trainable=trainable,
+            group_ids=collected.group_ids,
+            rewards=collected.total,
+        )
 
     def mini_batch_advantages(self, advantages: torch.Tensor) -> torch.Tensor:
         """A mini-batch's advantages (every process's rows of it) as its loss uses them (control: whitened)."""

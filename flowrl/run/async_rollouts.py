@@ -64,8 +64,13 @@ def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def async_metrics(staleness: int, wait_s: float, dropped: int, restarts: int, worker: int) -> dict[str, float]:
     """The `async/*` metrics of an epoch's batch: its staleness (versions), the learner's wait for it, the run's
     dropped batches and replaced workers so far, and the worker that sampled it."""
-    return {"async/staleness": float(staleness), "async/wait_s": wait_s, "async/dropped": float(dropped),
-            "async/restarts": float(restarts), "async/worker": float(worker)}  # fmt: skip
+    return {
+        "async/staleness": float(staleness),
+        "async/wait_s": wait_s,
+        "async/dropped": float(dropped),
+        "async/restarts": float(restarts),
+        "async/worker": float(worker),
+    }
 
 
 def publication(trainer) -> bytes | None:
@@ -84,9 +89,14 @@ def publication(trainer) -> bytes | None:
     }
     if not engine.is_main:
         return None
-    return wire.encode({"weights": weights, "lagged": lagged,
-                        "modality": trainer.modality.state_dict(),
-                        "optimizer_steps": trainer.engine.optimizer_steps})  # fmt: skip
+    return wire.encode(
+        {
+            "weights": weights,
+            "lagged": lagged,
+            "modality": trainer.modality.state_dict(),
+            "optimizer_steps": trainer.engine.optimizer_steps,
+        }
+    )
 
 
 class RolloutWorker:
@@ -110,9 +120,15 @@ class RolloutWorker:
         self.index = index
         self.folder = Path(tempfile.mkdtemp(prefix=f"flowrl-rollout-{index}-"))
         # one process: nothing to shard or offload (the learner group's `run.shard` is the learners')
-        overrides = [f"run.output_dir={self.folder}", "run.log_with=[]", "run.mode=sync", "run.shard=none",
-                     "run.offload=false", f"run.threads={'torch' if threads is None else threads}",
-                     *(["run.cpu=true"] if cpu else [])]  # fmt: skip
+        overrides = [
+            f"run.output_dir={self.folder}",
+            "run.log_with=[]",
+            "run.mode=sync",
+            "run.shard=none",
+            "run.offload=false",
+            f"run.threads={'torch' if threads is None else threads}",
+            *(["run.cpu=true"] if cpu else []),
+        ]
         self.trainer = Trainer(load_config(config, overrides, config_class))
         self.module = self.trainer.algorithm.trained_module()
         self.version = -1
@@ -126,8 +142,9 @@ class RolloutWorker:
         weights = value["weights"]
         missing = set(weights) - set(trainable_state(self.module))
         if missing:
-            raise wire.WireError(f"rollout worker {self.index}: the learner sent weights it has no place for: "
-                                 f"{sorted(missing)[:3]}")  # fmt: skip
+            raise wire.WireError(
+                f"rollout worker {self.index}: the learner sent weights it has no place for: {sorted(missing)[:3]}"
+            )
         with torch.no_grad():
             self.module.load_state_dict(weights, strict=False)
         for copy in self.trainer.algorithm.sampling_copies():
@@ -147,8 +164,9 @@ class RolloutWorker:
         trainer.algorithm.epoch = epoch
         trainer.engine.model.eval()
         collected = trainer.collector.collect(epoch)
-        return wire.encode(collected, epoch=epoch, version=self.version, worker=self.index,
-                           modality=trainer.modality.state_dict())  # fmt: skip
+        return wire.encode(
+            collected, epoch=epoch, version=self.version, worker=self.index, modality=trainer.modality.state_dict()
+        )
 
 
 class RayRolloutWorker(RolloutWorker):
@@ -246,9 +264,14 @@ class AsyncCollector:
             # a cluster of its own: on this machine's loopback interface, its processes gone with the run
             start = ray.init if self.cfg.address is not None else lambda **kw: start_local_cluster(ray, **kw)
             try:
-                start(address=self.cfg.address, include_dashboard=False, log_to_driver=False,
-                      configure_logging=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}},
-                      **local)  # fmt: skip
+                start(
+                    address=self.cfg.address,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}},
+                    **local,
+                )
             except (ConnectionError, RuntimeError, ValueError) as err:
                 raise AsyncError(f"cannot reach the Ray cluster at {self.cfg.address!r}: {err}") from None
             finally:
@@ -301,8 +324,10 @@ class AsyncCollector:
         if self.restarts >= self.cfg.max_restarts:
             self.workers[index] = None
             if all(w is None for w in self.workers):
-                raise AsyncError(f"every rollout worker died ({self.restarts} replaced before); the last: "
-                                 f"{str(err).splitlines()[0] if str(err) else type(err).__name__}")  # fmt: skip
+                raise AsyncError(
+                    f"every rollout worker died ({self.restarts} replaced before); the last: "
+                    f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                )
         else:
             self.restarts += 1
             self.workers[index] = self._spawn(index)

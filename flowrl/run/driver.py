@@ -40,22 +40,31 @@ class Trainer:
         output_dir (*optional*): the run folder (default: `run.output_dir`).
     """
 
-    def __init__(self, config, *, policy=None, reward_fns: dict | None = None, eval_fns: dict | None = None,
-                 output_dir=None):  # fmt: skip
+    def __init__(
+        self, config, *, policy=None, reward_fns: dict | None = None, eval_fns: dict | None = None, output_dir=None
+    ):
         algorithm_class = TRAINERS.get(config.trainer)
         if not isinstance(config, algorithm_class.config_class):
-            raise TypeError(f"trainer {config.trainer!r} needs a {algorithm_class.config_class.__name__}, got "
-                            f"{type(config).__name__}")  # fmt: skip
+            raise TypeError(
+                f"trainer {config.trainer!r} needs a {algorithm_class.config_class.__name__}, got "
+                f"{type(config).__name__}"
+            )
         self.config = config
         run = config.run
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.output_dir = Path(output_dir or run.output_dir.format(trainer=config.trainer, time=stamp))
-        self.engine = Engine(run, config.optim, self.output_dir, ema_decay=config.ema_decay,
-                             ema_every=config.ema_every)  # fmt: skip
+        self.engine = Engine(
+            run, config.optim, self.output_dir, ema_decay=config.ema_decay, ema_every=config.ema_every
+        )
         self.state = RunState(trainer=config.trainer)
-        self.modality = algorithm_class.modality_class(config, self.engine.context(), policy=policy,
-                                                       reward_fns=reward_fns, eval_fns=eval_fns,
-                                                       memory=self.engine.memory)  # fmt: skip
+        self.modality = algorithm_class.modality_class(
+            config,
+            self.engine.context(),
+            policy=policy,
+            reward_fns=reward_fns,
+            eval_fns=eval_fns,
+            memory=self.engine.memory,
+        )
         self.algorithm = algorithm_class(config, self.modality, self.engine)
         if self.algorithm.needs_reference():
             self.modality.ensure_reference(offload=isinstance(config, HasKL) and config.kl.reference_offload)
@@ -63,16 +72,21 @@ class Trainer:
         self.algorithm.build()
         module = self.algorithm.trained_module()
         refusals = [self.algorithm.shard_refusal] if self.algorithm.shard_refusal else []
-        model = self.engine.prepare(module, aux=self.algorithm.auxiliary_modules(), refusals=refusals,
-                                    optimizer_options=self.algorithm.optimizer_options)  # fmt: skip
+        model = self.engine.prepare(
+            module,
+            aux=self.algorithm.auxiliary_modules(),
+            refusals=refusals,
+            optimizer_options=self.algorithm.optimizer_options,
+        )
         if module is getattr(self.policy, "model", None):
             self.policy.forward_module = model  # training forwards go through the (DDP-)prepared module
         self.collector = self.algorithm.collector()
         if run.mode == "async":
             self.collector = self._async_collector()
         self.evaluator = self.algorithm.evaluator()
-        self.scheduler = UpdateScheduler(config.batch, self.engine, self.algorithm, run.seed,
-                                         grad_norms_every=config.optim.step_grad_norms_every)  # fmt: skip
+        self.scheduler = UpdateScheduler(
+            config.batch, self.engine, self.algorithm, run.seed, grad_norms_every=config.optim.step_grad_norms_every
+        )
         self.watch = run_folder.Watch(config.eval, self.state)
         self.log: MetricsLog | None = None
         self.last_batch = None  # the latest epoch's collected batch (main process), for its samples
@@ -131,8 +145,12 @@ class Trainer:
         if isinstance(self.config, HasGroupFilter) and self.config.drop_zero_std_groups:
             trainable &= informative_groups(collected.group_ids, advantages, valid)
         batch, prepared = algorithm.prepare(collected, advantages, trainable, epoch)
-        record = {**record, **{f"adv/{k}": v for k, v in adv_stats.items()}, "trained_samples": int(trainable.sum()),
-                  **prepared}  # fmt: skip
+        record = {
+            **record,
+            **{f"adv/{k}": v for k, v in adv_stats.items()},
+            "trained_samples": int(trainable.sum()),
+            **prepared,
+        }
         return batch, collected, record
 
     def train_epoch(self, epoch: int) -> dict:
@@ -260,8 +278,14 @@ class Trainer:
         self.state.wall_s = wall_s
         state, tensors = self.state_dict()
         folder = self.output_dir / "checkpoints" / f"epoch_{self.epoch}"
-        return checkpoint.save(folder, self.engine.accelerator, state, tensors, keep=self.config.run.keep_checkpoints,
-                               files=self.engine.state_files())  # fmt: skip
+        return checkpoint.save(
+            folder,
+            self.engine.accelerator,
+            state,
+            tensors,
+            keep=self.config.run.keep_checkpoints,
+            files=self.engine.state_files(),
+        )
 
     def load_checkpoint(self, path: str | Path) -> float:
         """Restore a checkpoint (weights, optimizer, the run's and the algorithm's state); returns its wall time."""
@@ -286,9 +310,11 @@ def check_world(config, algorithm_class, world: int, shard: str = "none") -> Non
         )
     prompts = config.prompts if isinstance(config, PromptedConfig) else None
     if algorithm_class.updates_groups and prompts is not None and prompts.prompts_per_epoch % world:
-        raise ValueError(f"{config.trainer} updates whole groups, each sampled by one process: "
-                         f"prompts.prompts_per_epoch ({prompts.prompts_per_epoch}) must split over the {world} "
-                         "processes")  # fmt: skip
+        raise ValueError(
+            f"{config.trainer} updates whole groups, each sampled by one process: "
+            f"prompts.prompts_per_epoch ({prompts.prompts_per_epoch}) must split over the {world} "
+            "processes"
+        )
 
 
 def informative_groups(group_ids: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,9 @@ class Engine:
         ema_decay (`float`, *optional*), ema_every (`int`): the EMA of the trained weights.
     """
 
-    def __init__(self, run: RunConfig, optim: OptimConfig, project_dir, *, ema_decay: float | None = None,
-                 ema_every: int = 8):  # fmt: skip
+    def __init__(
+        self, run: RunConfig, optim: OptimConfig, project_dir, *, ema_decay: float | None = None, ema_every: int = 8
+    ):
         from accelerate import Accelerator
 
         check_launch()
@@ -54,8 +55,9 @@ class Engine:
         # without a GPU, the CPU explicitly: accelerate then forms a gloo group of the processes `torchrun`
         # starts (asked for the default device, it would leave each one a separate single-process run)
         cpu = run.cpu or not torch.cuda.is_available()
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision=run.mixed_precision,
-                                       log_with=run.log_with or None, project_dir=str(project_dir))  # fmt: skip
+        self.accelerator = Accelerator(
+            cpu=cpu, mixed_precision=run.mixed_precision, log_with=run.log_with or None, project_dir=str(project_dir)
+        )
         self.processes = Processes(self.accelerator)
         self.threads = ThreadGovernor(run.threads)  # measures from here: model loading is the first interval
         self.memory = PeakMemory(self.accelerator.device)
@@ -113,20 +115,32 @@ class Engine:
         step or keeps copies of the full parameters; `refusals` are the algorithm's own reasons."""
         check_shardable(self.shard, self.run, self.optim, self.ema_decay, refusals)
 
-    def prepare(self, module: torch.nn.Module, *, aux: dict[str, tuple[torch.nn.Module, float]] | None = None,
-                optimizer_options: dict[str, dict] | None = None,
-                refusals: list[str] = ()) -> torch.nn.Module:  # fmt: skip
+    def prepare(
+        self,
+        module: torch.nn.Module,
+        *,
+        aux: dict[str, tuple[torch.nn.Module, float]] | None = None,
+        optimizer_options: dict[str, dict] | None = None,
+        refusals: list[str] = (),
+    ) -> torch.nn.Module:
         """Shard or prepare `module`, build its optimizer (AdamW or RMSprop from `optim`), the EMA and each auxiliary
         network's AdamW (`aux`: `{name: (module, learning rate)}`); returns what training forwards call."""
         opt = self.optim
         if self.run.offload and not self.sharded:
-            raise ValueError("run.offload moves the shards of a sharded model: it needs run.shard fsdp2, zero2 or "
-                             "zero3 (or an FSDP / DeepSpeed launcher config) and several processes")  # fmt: skip
+            raise ValueError(
+                "run.offload moves the shards of a sharded model: it needs run.shard fsdp2, zero2 or "
+                "zero3 (or an FSDP / DeepSpeed launcher config) and several processes"
+            )
         if self.sharded:
             self.check_shardable(list(refusals))
         if self.shard == "fsdp2":
-            sharding.shard(module, self.processes.world, self.device, bf16=self.run.mixed_precision == "bf16",
-                           offload=self.run.offload)  # fmt: skip
+            sharding.shard(
+                module,
+                self.processes.world,
+                self.device,
+                bf16=self.run.mixed_precision == "bf16",
+                offload=self.run.offload,
+            )
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"the trained {type(module).__name__} has no trainable parameters")
@@ -137,11 +151,13 @@ class Engine:
         if opt.optimizer == "rmsprop":
             optimizer = torch.optim.RMSprop(params, lr=opt.lr, alpha=0.99, eps=opt.eps, weight_decay=0.0, **options)
         else:
-            optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay,
-                                          eps=opt.eps, **options)  # fmt: skip
+            optimizer = torch.optim.AdamW(
+                params, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay, eps=opt.eps, **options
+            )
         if self.shard in sharding.ZERO_STAGES:  # DeepSpeed's engine wraps both; its optimizer steps the partitions
-            engine = sharding.zero_engine(module, optimizer, sharding.ZERO_STAGES[self.shard], opt.max_grad_norm,
-                                          offload=self.run.offload)  # fmt: skip
+            engine = sharding.zero_engine(
+                module, optimizer, sharding.ZERO_STAGES[self.shard], opt.max_grad_norm, offload=self.run.offload
+            )
             self.model, self.optimizer = engine, engine.optimizer
             self.zero_backward = sharding.ZeroBackward(engine, self.processes.world)
         elif self.sharded:  # FSDP2: the module is sharded in place, not wrapped; flowrl steps the raw optimizer
@@ -227,9 +243,11 @@ class Engine:
         self.nonfinite_steps += 1
         limit = self.optim.max_nonfinite_steps
         if self.nonfinite_steps > limit:
-            raise NonFiniteError(f"{self.nonfinite_steps} optimizer steps had a non-finite gradient (norm {norm}) by "
-                                 f"epoch {self.epoch}, more than optim.max_nonfinite_steps={limit}: lower optim.lr or "
-                                 "check the rewards; the last checkpoint is kept")  # fmt: skip
+            raise NonFiniteError(
+                f"{self.nonfinite_steps} optimizer steps had a non-finite gradient (norm {norm}) by "
+                f"epoch {self.epoch}, more than optim.max_nonfinite_steps={limit}: lower optim.lr or "
+                "check the rewards; the last checkpoint is kept"
+            )
 
     def aux_module(self, name: str) -> torch.nn.Module:
         """The auxiliary network `name` itself (its forwards bypass DDP: `aux_step` reduces its gradients)."""
@@ -277,8 +295,10 @@ class Engine:
             return
         model_file, optim_file = folder / sharding.MODEL_FILE, folder / sharding.OPTIMIZER_FILE
         if not model_file.is_file() or not optim_file.is_file():
-            raise checkpoint.CheckpointMismatch(f"checkpoint {folder} was not written by a sharded run (no "
-                                                f"{sharding.MODEL_FILE}); resume it with run.shard: none")  # fmt: skip
+            raise checkpoint.CheckpointMismatch(
+                f"checkpoint {folder} was not written by a sharded run (no "
+                f"{sharding.MODEL_FILE}); resume it with run.shard: none"
+            )
         with safe_open(str(optim_file), "pt") as f:
             metadata = f.metadata() or {}
         try:
@@ -289,8 +309,9 @@ class Engine:
                 sharding.load_full_state(self.model, self.optimizer, model, optim, metadata)
         except (RuntimeError, ValueError, KeyError) as err:
             detail = " ".join(str(err).split())[:300]
-            raise checkpoint.CheckpointMismatch(f"checkpoint {folder} does not fit this run's model or optimizer: "
-                                                f"{detail}") from None  # fmt: skip
+            raise checkpoint.CheckpointMismatch(
+                f"checkpoint {folder} does not fit this run's model or optimizer: {detail}"
+            ) from None
 
 
 def check_shardable(
@@ -341,8 +362,10 @@ def launch_shard(shard: str, environ=None) -> str:
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
         if stage not in ("2", "3"):
-            raise LaunchError(f"the accelerate config asks for DeepSpeed ZeRO stage {stage}; flowrl runs stages 2 "
-                              "and 3 (configs/accelerate/zero2.yaml, zero3.yaml)")  # fmt: skip
+            raise LaunchError(
+                f"the accelerate config asks for DeepSpeed ZeRO stage {stage}; flowrl runs stages 2 "
+                "and 3 (configs/accelerate/zero2.yaml, zero3.yaml)"
+            )
         asked = f"zero{stage}"
     elif env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         asked = "fsdp2"
@@ -365,8 +388,10 @@ def launch_precision(precision: str, environ=None) -> str:
     if asked not in ("bf16", "fp16"):
         raise LaunchError(f"the accelerate config asks for mixed_precision {asked!r}; flowrl runs no, bf16, fp16")
     if precision != "no":
-        raise LaunchError(f"the accelerate config asks for mixed_precision {asked} but run.mixed_precision is "
-                          f"{precision}: drop one of them")  # fmt: skip
+        raise LaunchError(
+            f"the accelerate config asks for mixed_precision {asked} but run.mixed_precision is "
+            f"{precision}: drop one of them"
+        )
     return asked
 
 
@@ -389,5 +414,7 @@ def check_trackers(log_with: list[str]) -> None:
     for name in log_with or []:
         package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(name, name)
         if importlib.util.find_spec(package) is None:
-            raise ValueError(f"run.log_with lists {name}, which is not installed: pip install "
-                             f"'flowrl-toolkit[{name}]' (or remove it from run.log_with)")  # fmt: skip
+            raise ValueError(
+                f"run.log_with lists {name}, which is not installed: pip install "
+                f"'flowrl-toolkit[{name}]' (or remove it from run.log_with)"
+            )

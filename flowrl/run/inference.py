@@ -60,8 +60,9 @@ def resolve(target: str | Path, which: str | None = "latest") -> tuple[Path, Pat
     if (target / "trainer_state.json").is_file() and target.parent.name == "checkpoints":
         return target.parent.parent, target
     if not (target / "config.yaml").is_file():
-        raise FileNotFoundError(f"{target} is neither a run folder (no config.yaml) nor a checkpoint folder "
-                                "(no trainer_state.json)")  # fmt: skip
+        raise FileNotFoundError(
+            f"{target} is neither a run folder (no config.yaml) nor a checkpoint folder (no trainer_state.json)"
+        )
     if which in (None, "latest"):
         try:
             return target, checkpoints.latest(target)
@@ -76,8 +77,15 @@ def resolve(target: str | Path, which: str | None = "latest") -> tuple[Path, Pat
     return target, Path(which)
 
 
-def load_run(target: str | Path, which: str | None = "latest", *, ema: bool | None = None, rewards: bool = False,
-             device: str | None = None, overrides: list[str] = ()) -> LoadedRun:  # fmt: skip
+def load_run(
+    target: str | Path,
+    which: str | None = "latest",
+    *,
+    ema: bool | None = None,
+    rewards: bool = False,
+    device: str | None = None,
+    overrides: list[str] = (),
+) -> LoadedRun:
     """The policy of a run's checkpoint (see the module docstring).
 
     Args:
@@ -98,8 +106,9 @@ def load_run(target: str | Path, which: str | None = "latest", *, ema: bool | No
     module = algorithm.trained_module()
     state = json.loads((path / "trainer_state.json").read_text())
     if state.get("trainer") != config.trainer:
-        raise checkpoints.CheckpointMismatch(f"checkpoint {path} is from trainer {state.get('trainer')!r}, not "
-                                             f"{config.trainer!r}")  # fmt: skip
+        raise checkpoints.CheckpointMismatch(
+            f"checkpoint {path} is from trainer {state.get('trainer')!r}, not {config.trainer!r}"
+        )
     load_weights(module, path)
     extra = load_file(path / "extra.safetensors")
     modality.load_state_dict({k.removeprefix("modality."): v for k, v in extra.items() if k.startswith("modality.")})
@@ -139,5 +148,6 @@ def load_weights(module: torch.nn.Module, folder: Path) -> None:
         module.load_state_dict(weights, strict=True)
     except RuntimeError as err:
         detail = " ".join(str(err).split())[:300]
-        raise checkpoints.CheckpointMismatch(f"checkpoint {folder} does not fit this run's model (another model or "
-                                             f"LoRA config?): {detail}") from None  # fmt: skip
+        raise checkpoints.CheckpointMismatch(
+            f"checkpoint {folder} does not fit this run's model (another model or LoRA config?): {detail}"
+        ) from None

@@ -23,8 +23,10 @@ def register(name: str, *, description: str | None = None):
         config = cls.config_class
         taken = config.__dict__.get("registered_name")
         if taken and taken != name:
-            raise ValueError(f"{config.__name__} already belongs to trainer {taken!r}; give {name!r} a config class "
-                             "of its own (a subclass)")  # fmt: skip
+            raise ValueError(
+                f"{config.__name__} already belongs to trainer {taken!r}; give {name!r} a config class "
+                "of its own (a subclass)"
+            )
         TRAINERS.register(name, cls, description=description)
         cls.name = name
         config.registered_name = name

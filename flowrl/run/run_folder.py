@@ -46,8 +46,10 @@ def check_folder(out: Path, resume, overwrite: bool) -> None:
                 "(nothing to resume from): pass --overwrite to start it again, or another "
                 "--output-dir"
             )
-        raise RunFolderError(f"run folder {out} already holds a run (checkpoints or metrics.jsonl): pass --resume "
-                             "to continue it, --overwrite to replace it, or another --output-dir")  # fmt: skip
+        raise RunFolderError(
+            f"run folder {out} already holds a run (checkpoints or metrics.jsonl): pass --resume "
+            "to continue it, --overwrite to replace it, or another --output-dir"
+        )
     if resume is True and holds_run(out) and not checkpoint.list_checkpoints(out):
         raise RunFolderError(
             f"run folder {out} holds no checkpoint to resume from (the run stopped before its first "
@@ -56,11 +58,14 @@ def check_folder(out: Path, resume, overwrite: bool) -> None:
         )
     if resume and resume is not True and Path(resume).resolve().parent == (out / "checkpoints").resolve():
         # only sound later checkpoints are a later state of the run (a corrupt one is garbage to replace)
-        newer = [p.name for p in checkpoint.list_checkpoints(out) if epoch_of(p) > epoch_of(Path(resume)) and
-                 _sound(p)]  # fmt: skip
+        newer = [
+            p.name for p in checkpoint.list_checkpoints(out) if epoch_of(p) > epoch_of(Path(resume)) and _sound(p)
+        ]
         if newer and not overwrite:
-            raise RunFolderError(f"the run went on past {Path(resume).name} ({', '.join(newer)}): resuming there "
-                                 "would fork it; pass --overwrite to delete the later checkpoints")  # fmt: skip
+            raise RunFolderError(
+                f"the run went on past {Path(resume).name} ({', '.join(newer)}): resuming there "
+                "would fork it; pass --overwrite to delete the later checkpoints"
+            )
     writable(out)
 
 
@@ -189,8 +194,10 @@ class Watch:
         name, sign = key
         if name not in evaluation:
             names = [k.removeprefix("eval/") for k in evaluation if k.startswith("eval/")]
-            raise ValueError(f"eval.best_metric {self.config.best_metric!r} is not an evaluation metric; "
-                             f"choose from {', '.join(names)}")  # fmt: skip
+            raise ValueError(
+                f"eval.best_metric {self.config.best_metric!r} is not an evaluation metric; "
+                f"choose from {', '.join(names)}"
+            )
         value = scalar(evaluation[name])
         best = self.state.best
         if best is None or sign * value > sign * best["value"]:
@@ -208,8 +215,10 @@ class Watch:
         if gold not in history[-1] or "eval/reward" not in history[-1]:
             return {}
         best = max(history, key=lambda e: sign * e[gold])  # the first of equal values: the earliest peak
-        return {"overopt/gold_drop": sign * (best[gold] - history[-1][gold]),
-                "overopt/proxy_gain": history[-1]["eval/reward"] - best["eval/reward"]}  # fmt: skip
+        return {
+            "overopt/gold_drop": sign * (best[gold] - history[-1][gold]),
+            "overopt/proxy_gain": history[-1]["eval/reward"] - best["eval/reward"],
+        }
 
     def dropped(self) -> str | None:
         """`eval.stop_on_drop`: why the run stops (the watched metric fell that far below its best), or None."""
@@ -222,8 +231,10 @@ class Watch:
             return None
         best = self.state.best
         self.state.stopped = {"epoch": self.state.epoch, "metric": name, "best": best["value"], "value": value}
-        return (f"stopping at epoch {self.state.epoch}: {name} fell to {value:.4f}, {amount} below its best "
-                f"{best['value']:.4f} (epoch {best['epoch']}; eval.stop_on_drop)")  # fmt: skip
+        return (
+            f"stopping at epoch {self.state.epoch}: {name} fell to {value:.4f}, {amount} below its best "
+            f"{best['value']:.4f} (epoch {best['epoch']}; eval.stop_on_drop)"
+        )
 
 
 def summary(config, state, *, processes: int, shard: str, wall_s: float, train_reward_end) -> dict:

@@ -103,8 +103,10 @@ class RunLoop:
             every = cfg.run.samples_every
             if every and (trainer.epoch % every == 0 or trainer.epoch == 1):
                 trainer.log_samples()
-            bar.set_postfix(reward=f"{scalar(record.get('reward/mean', float('nan'))):.3f}",
-                            eval=f"{trainer.state.eval_history[-1].get('eval/reward', float('nan')):.3f}")  # fmt: skip
+            bar.set_postfix(
+                reward=f"{scalar(record.get('reward/mean', float('nan'))):.3f}",
+                eval=f"{trainer.state.eval_history[-1].get('eval/reward', float('nan')):.3f}",
+            )
             if last:
                 self._restore_best()
             if last or (cfg.run.save_every and trainer.epoch % cfg.run.save_every == 0):
@@ -183,8 +185,10 @@ class RunLoop:
         if trainer.log is not None:
             trainer.log.history = trainer.state.metrics
         if engine.is_main:
-            print(f"restored the best evaluation's weights (epoch {best['epoch']}, {best['metric']} "
-                  f"{best['value']:.4f}) from {path}")  # fmt: skip
+            print(
+                f"restored the best evaluation's weights (epoch {best['epoch']}, {best['metric']} "
+                f"{best['value']:.4f}) from {path}"
+            )
 
     def _log(self, record: dict) -> None:
         record = {k: scalar(v) for k, v in record.items()}

@@ -186,8 +186,14 @@ class UpdateScheduler:
             lookup = torch.full((batch.size,), -1, dtype=torch.long)
             lookup[batch.rows] = torch.arange(len(batch.rows))
         every = self.grad_norms_every
-        return _Plan(batch, index, valid, lookup, self.algorithm.num_elements(batch.data),
-                     probe=bool(every) and epoch % every == 0)  # fmt: skip
+        return _Plan(
+            batch,
+            index,
+            valid,
+            lookup,
+            self.algorithm.num_elements(batch.data),
+            probe=bool(every) and epoch % every == 0,
+        )
 
     def accumulate(self, plan: _Plan, rows: torch.Tensor, stats: EpochStats) -> float | None:
         """Forward and backward of this process's share of the mini-batch `rows` (global rows of the batch), its
@@ -212,8 +218,13 @@ class UpdateScheduler:
         """`(loss with its graph, metrics)` of one micro-batch on its own (its loss plus its per-row loss), without
         a backward pass: the loss a test or a debugger inspects."""
         num_elements = num_elements or self.algorithm.num_elements(mb.data)
-        loss, row_loss, metrics = terms_loss(self._terms(mb), self._layout(mb, num_elements), mb.advantages,
-                                             self.algorithm.objective, self.algorithm.objective_hparams)  # fmt: skip
+        loss, row_loss, metrics = terms_loss(
+            self._terms(mb),
+            self._layout(mb, num_elements),
+            mb.advantages,
+            self.algorithm.objective,
+            self.algorithm.objective_hparams,
+        )
         return loss + row_loss, _detached(loss, row_loss, metrics)
 
     def _own(self, rows: torch.Tensor, lookup: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,8 +295,9 @@ class UpdateScheduler:
 
     def _layout(self, mb: MicroBatch, num_elements: int) -> ElementLayout:
         hp = self.algorithm.objective_hparams
-        return ElementLayout(mb.index, num_elements, mb.valid, self.algorithm.agg, hp.get("norm_len"),
-                             row_valid=mb.row_valid)  # fmt: skip
+        return ElementLayout(
+            mb.index, num_elements, mb.valid, self.algorithm.agg, hp.get("norm_len"), row_valid=mb.row_valid
+        )
 
     def _terms(self, mb: MicroBatch, cols: slice | None = None) -> Terms:
         index = mb.index if cols is None else mb.index[:, cols]
@@ -318,8 +330,9 @@ class UpdateScheduler:
             probe.reset()
         for j in range(k):
             terms = self._terms(mb, slice(j, j + 1))
-            part, row_loss, column_metrics = terms_loss(terms, layout.columns(slice(j, j + 1)), mb.advantages,
-                                                        objective, {**hp, "agg": "sum"}, weighted=True)  # fmt: skip
+            part, row_loss, column_metrics = terms_loss(
+                terms, layout.columns(slice(j, j + 1)), mb.advantages, objective, {**hp, "agg": "sum"}, weighted=True
+            )
             self.engine.backward(part * scale + row_loss * row_scale)
             parts.append(terms.detached())
             # the column's graph goes before the next column's forward: a checkpointed block's recomputed activations
@@ -348,8 +361,9 @@ class UpdateScheduler:
         whole = _cat_micro(micro)
         layout = self._layout(whole, num_elements)
         self._observe(Terms.from_tensors(values), layout)
-        loss, row_loss, metrics = terms_loss(Terms.from_tensors({**values, **leaves}), layout, whole.advantages,
-                                             algo.objective, algo.objective_hparams)  # fmt: skip
+        loss, row_loss, metrics = terms_loss(
+            Terms.from_tensors({**values, **leaves}), layout, whole.advantages, algo.objective, algo.objective_hparams
+        )
         local = normaliser(algo.agg, *map(sum, zip(*sizes))) if sizes else 0.0
         scale = 1.0 if algo.agg == "sum" else local / max(total, 1e-12)
         rows = int(whole.row_valid.sum())
@@ -414,16 +428,28 @@ class _Own:
             valid = torch.cat([valid, torch.zeros_like(self.valid[first])])
             row_valid = torch.cat([row_valid, torch.zeros(pad, dtype=torch.bool)])
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
-        return MicroBatch(data=batch.data.select(local), rows=rows, index=self.index[local], valid=valid,
-                          advantages=adv, rewards=pick(batch.rewards), group_ids=pick(batch.group_ids),
-                          row_valid=row_valid)  # fmt: skip
+        return MicroBatch(
+            data=batch.data.select(local),
+            rows=rows,
+            index=self.index[local],
+            valid=valid,
+            advantages=adv,
+            rewards=pick(batch.rewards),
+            group_ids=pick(batch.group_ids),
+            row_valid=row_valid,
+        )
 
 
 def _cat_micro(micro: list[MicroBatch]) -> MicroBatch:
     """The rows of several micro-batches as one (index, masks, advantages; no data)."""
-    return MicroBatch(data=None, rows=torch.cat([m.rows for m in micro]), index=torch.cat([m.index for m in micro]),
-                      valid=torch.cat([m.valid for m in micro]), advantages=torch.cat([m.advantages for m in micro]),
-                      row_valid=torch.cat([m.row_valid for m in micro]))  # fmt: skip
+    return MicroBatch(
+        data=None,
+        rows=torch.cat([m.rows for m in micro]),
+        index=torch.cat([m.index for m in micro]),
+        valid=torch.cat([m.valid for m in micro]),
+        advantages=torch.cat([m.advantages for m in micro]),
+        row_valid=torch.cat([m.row_valid for m in micro]),
+    )
 
 
 def _detached(loss, row_loss, metrics) -> dict:

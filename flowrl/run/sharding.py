@@ -112,8 +112,9 @@ def full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     return model, tensors, metadata
 
 
-def load_full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, model: dict, tensors: dict,
-                    metadata: dict) -> None:  # fmt: skip
+def load_full_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, model: dict, tensors: dict, metadata: dict
+) -> None:
     """Scatter full states (as `full_state` wrote them) into the sharded `module` and `optimizer` (a collective)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

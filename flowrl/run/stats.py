@@ -64,8 +64,11 @@ class EpochStats:
         """A micro-batch's metrics: scalars weighted by `weight` (its elements) and the aggregated losses by
         `loss_weight` (the aggregation's normaliser: rows for the `seq_mean_*` modes; default `weight`), and the
         core's per-step rows when it returned them."""
-        keys = [k for k, v in metrics.items() if not k.endswith("_per_step")
-                and not (isinstance(v, torch.Tensor) and v.numel() > 1)]  # fmt: skip
+        keys = [
+            k
+            for k, v in metrics.items()
+            if not k.endswith("_per_step") and not (isinstance(v, torch.Tensor) and v.numel() > 1)
+        ]
         for key in keys:
             losses = key in LOSSES and loss_weight is not None
             self.add_scalar(key, metrics[key], loss_weight if losses else weight)

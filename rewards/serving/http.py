@@ -91,13 +91,17 @@ def encode_images(images: torch.Tensor, format: str = "png", dtype: str = "float
     if format in IMAGE_FORMATS:
         from PIL import Image
 
-        options = {"png": {"compress_level": 1}, "jpeg": {"quality": quality, "subsampling": 0},
-                   "webp": {"quality": quality, "method": 0}}[format]  # fmt: skip
+        options = {
+            "png": {"compress_level": 1},
+            "jpeg": {"quality": quality, "subsampling": 0},
+            "webp": {"quality": quality, "method": 0},
+        }[format]
         data = []
         for array in to_uint8(images).transpose(0, 2, 3, 1):  # NCHW -> NHWC for PIL
             buffer = io.BytesIO()
-            Image.fromarray(np.ascontiguousarray(array), mode="RGB").save(buffer, format=IMAGE_FORMATS[format],
-                                                                          **options)  # fmt: skip
+            Image.fromarray(np.ascontiguousarray(array), mode="RGB").save(
+                buffer, format=IMAGE_FORMATS[format], **options
+            )
             data.append(_b64(buffer.getvalue()))
         return {"format": format, "data": data}
     if format == "raw":
@@ -113,8 +117,14 @@ def _raw_array(images: torch.Tensor, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=RAW_DTYPES[dtype])
 
 
-def request_body(images: torch.Tensor, prompts: list[str], metadata: dict[str, list] | None = None,
-                 format: str = "raw", dtype: str = "uint8", quality: int = 90) -> bytes:  # fmt: skip
+def request_body(
+    images: torch.Tensor,
+    prompts: list[str],
+    metadata: dict[str, list] | None = None,
+    format: str = "raw",
+    dtype: str = "uint8",
+    quality: int = 90,
+) -> bytes:
     """The JSON body of a `/score` request (the protocol's `images` object in `format`), built without passing the
     image data through a JSON encoder: base64 needs no escaping, and `json.dumps` of the 16 MB string of 16 raw
     512 px images costs 3x the concatenation."""
@@ -196,8 +206,10 @@ def decode_images(
             except (OSError, Image.DecompressionBombError) as err:  # PIL raises UnidentifiedImageError (an OSError)
                 raise ValueError(f"images.data[{i}] is not a {kind} image: {err}") from None
             if opened and image.size != opened[0].size:
-                raise ValueError(f"all images must have one size: image 0 is {opened[0].size[0]}x{opened[0].size[1]}, "
-                                 f"image {i} is {image.size[0]}x{image.size[1]} (width x height)")  # fmt: skip
+                raise ValueError(
+                    f"all images must have one size: image 0 is {opened[0].size[0]}x{opened[0].size[1]}, "
+                    f"image {i} is {image.size[0]}x{image.size[1]} (width x height)"
+                )
             _check_image_size(i, *image.size, max_image_pixels)
             total += image.size[0] * image.size[1]
             if max_pixels is not None and total > max_pixels:
@@ -222,8 +234,12 @@ def decode_images(
         dtype, shape = spec.get("dtype"), spec.get("shape")
         if dtype not in RAW_DTYPES:
             raise ValueError(f"'images.dtype' must be one of {', '.join(RAW_DTYPES)} for format 'raw', got {dtype!r}")
-        if (not isinstance(shape, list) or len(shape) != 4 or shape[1] != 3
-                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):  # fmt: skip
+        if (
+            not isinstance(shape, list)
+            or len(shape) != 4
+            or shape[1] != 3
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+        ):
             raise ValueError(f"'images.shape' must be [B, 3, H, W] (non-negative integers), got {shape!r}")
         _check_image_size(0, shape[3], shape[2], max_image_pixels)
         if max_pixels is not None and shape[0] * shape[2] * shape[3] > max_pixels:
@@ -321,10 +337,21 @@ class HttpReward(Reward):
         timeout (`float`, *optional*): the former name of `timeout_s` (deprecated).
     """
 
-    def __init__(self, url: str, timeout_s: float = 60.0, deadline_s: float = 600.0, retries: int = 3,
-                 backoff: float = 0.5, max_backoff: float = 10.0, token: str | None = None, format: str = "raw",
-                 raw_dtype: str = "uint8", lossy_quality: int = 90, batch_size: int = 64,
-                 timeout: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 60.0,
+        deadline_s: float = 600.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+        token: str | None = None,
+        format: str = "raw",
+        raw_dtype: str = "uint8",
+        lossy_quality: int = 90,
+        batch_size: int = 64,
+        timeout: float | None = None,
+    ):
         super().__init__(device="cpu", batch_size=batch_size)
         if timeout is not None:
             warnings.warn("http reward: `timeout` is now `timeout_s`", DeprecationWarning, stacklevel=2)
@@ -334,9 +361,11 @@ class HttpReward(Reward):
         if raw_dtype not in RAW_DTYPES:
             raise ValueError(f"http reward: raw_dtype must be one of {', '.join(RAW_DTYPES)}, got {raw_dtype!r}")
         if timeout_s <= 0 or deadline_s < 0 or retries < 0 or backoff < 0 or max_backoff < backoff:
-            raise ValueError(f"http reward: need timeout_s > 0, deadline_s >= 0, retries >= 0 and 0 <= backoff <= "
-                             f"max_backoff; got {timeout_s}, {deadline_s}, {retries}, {backoff}, "
-                             f"{max_backoff}")  # fmt: skip
+            raise ValueError(
+                f"http reward: need timeout_s > 0, deadline_s >= 0, retries >= 0 and 0 <= backoff <= "
+                f"max_backoff; got {timeout_s}, {deadline_s}, {retries}, {backoff}, "
+                f"{max_backoff}"
+            )
         if not 1 <= lossy_quality <= 100:
             raise ValueError(f"http reward: lossy_quality must be in 1..100, got {lossy_quality}")
         self.url = _score_url(url)
@@ -391,8 +420,11 @@ class HttpReward(Reward):
         parts = urlsplit(self.url)
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            response = self._http().get(urlunsplit((parts.scheme, parts.netloc, "/health", "", "")), headers=headers,
-                                        timeout=min(self.timeout_s, 10.0))  # fmt: skip
+            response = self._http().get(
+                urlunsplit((parts.scheme, parts.netloc, "/health", "", "")),
+                headers=headers,
+                timeout=min(self.timeout_s, 10.0),
+            )
             answer = response.json() if response.status_code == 200 else None
         except Exception:  # noqa: BLE001  (down, or not JSON: no health to report)
             return None
@@ -406,12 +438,22 @@ class HttpReward(Reward):
                 raise
         # the server's body limit is below this chunk: score it in halves
         half = len(prompts) // 2
-        parts = [{k: v[:half] if isinstance(v, (list, tuple, torch.Tensor, np.ndarray)) else v
-                  for k, v in metadata.items()},
-                 {k: v[half:] if isinstance(v, (list, tuple, torch.Tensor, np.ndarray)) else v
-                  for k, v in metadata.items()}]  # fmt: skip
-        return torch.cat([self.score(images[:half], prompts[:half], **parts[0]),
-                          self.score(images[half:], prompts[half:], **parts[1])])  # fmt: skip
+        parts = [
+            {
+                k: v[:half] if isinstance(v, (list, tuple, torch.Tensor, np.ndarray)) else v
+                for k, v in metadata.items()
+            },
+            {
+                k: v[half:] if isinstance(v, (list, tuple, torch.Tensor, np.ndarray)) else v
+                for k, v in metadata.items()
+            },
+        ]
+        return torch.cat(
+            [
+                self.score(images[:half], prompts[:half], **parts[0]),
+                self.score(images[half:], prompts[half:], **parts[1]),
+            ]
+        )
 
     def _request(self, images: torch.Tensor, prompts: list[str], metadata: dict[str, Any]) -> torch.Tensor:
         meta = metadata_to_json(metadata, len(prompts)) if metadata else None
@@ -419,15 +461,18 @@ class HttpReward(Reward):
         answer = self._post(body)
         scores = answer.get("scores") if isinstance(answer, dict) else None
         if not isinstance(scores, list):
-            raise RewardServerError(f"reward server at {self.url} answered without a 'scores' list: "
-                                    f"{str(answer)[:200]}")  # fmt: skip
+            raise RewardServerError(
+                f"reward server at {self.url} answered without a 'scores' list: {str(answer)[:200]}"
+            )
         if len(scores) != len(prompts):
-            raise RewardServerError(f"reward server at {self.url} returned {len(scores)} scores for {len(prompts)} "
-                                    "images")  # fmt: skip
+            raise RewardServerError(
+                f"reward server at {self.url} returned {len(scores)} scores for {len(prompts)} images"
+            )
         bad = [s for s in scores if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)))]
         if bad:
-            raise RewardServerError(f"reward server at {self.url} returned a score that is not a number or null: "
-                                    f"{bad[0]!r}")  # fmt: skip
+            raise RewardServerError(
+                f"reward server at {self.url} returned a score that is not a number or null: {bad[0]!r}"
+            )
         return torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float32)
 
     def _delay(self, attempt: int) -> float:
@@ -481,8 +526,9 @@ class HttpReward(Reward):
             now = time.monotonic()
             if down_since is None:
                 down_since = now
-                logger.warning("reward server %s unreachable, retrying for up to %g s (%s)", self.url,
-                               self.deadline_s, reason)  # fmt: skip
+                logger.warning(
+                    "reward server %s unreachable, retrying for up to %g s (%s)", self.url, self.deadline_s, reason
+                )
             waited = now - down_since
             if waited >= self.deadline_s:
                 port = urlsplit(self.url).port or (443 if self.url.startswith("https") else 80)
@@ -497,13 +543,15 @@ class HttpReward(Reward):
     def _answer(self, response, request_id: str) -> Any:
         echoed = response.headers.get(REQUEST_ID_HEADER)
         if echoed is not None and echoed != request_id:
-            raise RewardServerError(f"reward server at {self.url} answered request {echoed}, not {request_id} (a "
-                                    "proxy mixing up answers?)")  # fmt: skip
+            raise RewardServerError(
+                f"reward server at {self.url} answered request {echoed}, not {request_id} (a proxy mixing up answers?)"
+            )
         try:
             return json.loads(response.content)
         except ValueError:
-            raise RewardServerError(f"reward server at {self.url} answered with something that is not JSON: "
-                                    f"{response.content[:200]!r}") from None  # fmt: skip
+            raise RewardServerError(
+                f"reward server at {self.url} answered with something that is not JSON: {response.content[:200]!r}"
+            ) from None
 
     def _unreachable(self, err: Exception, size: int) -> str:
         """Why a request got no answer, in a few words, from an `httpx.TransportError`."""
@@ -519,22 +567,29 @@ class HttpReward(Reward):
         reason = f"is unreachable ({type(inner).__name__}: {text})"
         broken = isinstance(inner, (BrokenPipeError, ConnectionResetError)) or isinstance(err, httpx.WriteError)
         if broken and size > 1 << 20:
-            reason += (f"; the {size}-byte request may exceed the server's body limit: lower batch_size or start the "
-                       "server with a larger --max-body-mb")  # fmt: skip
+            reason += (
+                f"; the {size}-byte request may exceed the server's body limit: lower batch_size or start the "
+                "server with a larger --max-body-mb"
+            )
         return reason
 
     def _client_error(self, code: int, message: str, size: int) -> str:
         where = f"reward server at {self.url}"
         if code == 401:
-            hint = (f"the server was started with --token: pass the same token=... or set ${TOKEN_ENV}"
-                    if not self.token else "the token differs from the server's --token")  # fmt: skip
+            hint = (
+                f"the server was started with --token: pass the same token=... or set ${TOKEN_ENV}"
+                if not self.token
+                else "the token differs from the server's --token"
+            )
             return f"{where} refused the request (401: {message}); {hint}"
         if code == 413 and "this server takes at most" not in message:  # its pixels: an image too large to score
             return f"{where} refused a request for one image (413: {message})"
         if code == 413:
             smaller = "use format='png' or 'jpeg' or " if self.format == "raw" else ""
-            return (f"{where} refused a {size}-byte request for one image (413: {message}); {smaller}start the server "
-                    "with a larger --max-body-mb")  # fmt: skip
+            return (
+                f"{where} refused a {size}-byte request for one image (413: {message}); {smaller}start the server "
+                "with a larger --max-body-mb"
+            )
         return f"{where} refused the request ({code}: {message})"
 
 

@@ -62,8 +62,9 @@ def require_serve_stack() -> None:
         import uvicorn  # noqa: F401
     except ImportError as err:
         missing = err.name or "fastapi or uvicorn"
-        raise RuntimeError(f"the reward server needs FastAPI and uvicorn ({missing} is not installed): "
-                           f"{SERVE_EXTRA}") from None  # fmt: skip
+        raise RuntimeError(
+            f"the reward server needs FastAPI and uvicorn ({missing} is not installed): {SERVE_EXTRA}"
+        ) from None
 
 
 @dataclass
@@ -122,15 +123,28 @@ class RewardServer:
     `serve_forever()` from this one.
     """
 
-    def __init__(self, reward: Callable[..., Any], name: str = "reward", host: str = "127.0.0.1", port: int = 8000,
-                 token: str | None = None, max_batch: int = 64, max_body_bytes: int = MAX_BODY_BYTES,
-                 max_pixels: int = MAX_PIXELS, batch_wait_s: float = 0.01, max_image_pixels: int = MAX_IMAGE_PIXELS,
-                 max_inflight_bytes: int = MAX_INFLIGHT_BYTES, insecure: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        reward: Callable[..., Any],
+        name: str = "reward",
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        token: str | None = None,
+        max_batch: int = 64,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_pixels: int = MAX_PIXELS,
+        batch_wait_s: float = 0.01,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+        insecure: bool = False,
+    ):
         limits = (max_batch, max_body_bytes, max_pixels, max_image_pixels, max_inflight_bytes)
         if min(limits) < 1 or batch_wait_s < 0:
-            raise ValueError("reward server: need max_batch, max_body_bytes, max_pixels, max_image_pixels, "
-                             f"max_inflight_bytes >= 1 and batch_wait_s >= 0; got {', '.join(map(str, limits))}, "
-                             f"{batch_wait_s}")  # fmt: skip
+            raise ValueError(
+                "reward server: need max_batch, max_body_bytes, max_pixels, max_image_pixels, "
+                f"max_inflight_bytes >= 1 and batch_wait_s >= 0; got {', '.join(map(str, limits))}, "
+                f"{batch_wait_s}"
+            )
         check_address(host, port, token, insecure)
         require_serve_stack()
         import uvicorn
@@ -152,9 +166,17 @@ class RewardServer:
         self._socket = bind(host, port, name)
         self.address: tuple[str, int] = self._socket.getsockname()[:2]
         """`(host, port)` of the bound socket (the real port when `port=0`)."""
-        config = uvicorn.Config(make_app(self), log_config=None, log_level="warning", access_log=False,
-                                lifespan="off", timeout_keep_alive=int(KEEP_ALIVE_S), timeout_graceful_shutdown=5,
-                                server_header=False, headers=[("server", "flowrl-reward")])  # fmt: skip
+        config = uvicorn.Config(
+            make_app(self),
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=int(KEEP_ALIVE_S),
+            timeout_graceful_shutdown=5,
+            server_header=False,
+            headers=[("server", "flowrl-reward")],
+        )
         self._uvicorn = uvicorn.Server(config)
         self._serving = False
         self._worker = threading.Thread(target=self._work, name="flowrl-reward-server", daemon=True)
@@ -184,8 +206,9 @@ class RewardServer:
     def start(self, timeout: float = 30.0) -> RewardServer:
         """Answer requests in a background thread (for tests and notebooks); `close()` stops it."""
         self._serving = True
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]},
-                                        name="flowrl-reward-http", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._uvicorn.run, kwargs={"sockets": [self._socket]}, name="flowrl-reward-http", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._uvicorn.started:
@@ -379,10 +402,19 @@ class RewardServer:
         self.stats["images"] += len(prompts)
 
 
-def serve_reward(name: str, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
-                 max_batch: int = 64, max_body_bytes: int = MAX_BODY_BYTES, max_pixels: int = MAX_PIXELS,
-                 batch_wait_s: float = 0.01, reward_kwargs: dict[str, Any] | None = None,
-                 ready: Callable[[RewardServer], None] | None = None, **limits: Any) -> None:  # fmt: skip
+def serve_reward(
+    name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    token: str | None = None,
+    max_batch: int = 64,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_pixels: int = MAX_PIXELS,
+    batch_wait_s: float = 0.01,
+    reward_kwargs: dict[str, Any] | None = None,
+    ready: Callable[[RewardServer], None] | None = None,
+    **limits: Any,
+) -> None:
     """Build the reward `name` once and serve it until Ctrl-C (or `RewardServer.close()` from another thread).
 
     Args:
@@ -398,9 +430,18 @@ def serve_reward(name: str, host: str = "127.0.0.1", port: int = 8000, token: st
     require_serve_stack()
     map_large_allocations()  # this process only serves: request buffers go back to the system when freed
     reward = rewards.get(name, **(reward_kwargs or {}))
-    server = RewardServer(reward, name=name, host=host, port=port, token=token, max_batch=max_batch,
-                          max_body_bytes=max_body_bytes, max_pixels=max_pixels, batch_wait_s=batch_wait_s,
-                          **limits)  # fmt: skip
+    server = RewardServer(
+        reward,
+        name=name,
+        host=host,
+        port=port,
+        token=token,
+        max_batch=max_batch,
+        max_body_bytes=max_body_bytes,
+        max_pixels=max_pixels,
+        batch_wait_s=batch_wait_s,
+        **limits,
+    )
     if ready is not None:
         ready(server)
     server.serve_forever()

@@ -46,8 +46,12 @@ def make_app(server):
 
         def __init__(self, request: Request, status: int, message: str):
             headers = {"Connection": "close", **({"WWW-Authenticate": "Bearer"} if status == 401 else {})}
-            super().__init__(json.dumps({"error": one_line(message)}).encode(), status_code=status,
-                             headers=headers, media_type="application/json")  # fmt: skip
+            super().__init__(
+                json.dumps({"error": one_line(message)}).encode(),
+                status_code=status,
+                headers=headers,
+                media_type="application/json",
+            )
             try:
                 unread = int(request.headers.get("content-length", "0"))
             except ValueError:
@@ -115,8 +119,9 @@ def make_app(server):
                 reason = "missing" if not given else "wrong"
                 return Refusal(request, 401, f"{reason} token: send Authorization: Bearer TOKEN")
         if length > server.max_body_bytes:
-            return Refusal(request, 413, f"the body has {length} bytes; this server takes at most "
-                                         f"{server.max_body_bytes}")  # fmt: skip
+            return Refusal(
+                request, 413, f"the body has {length} bytes; this server takes at most {server.max_body_bytes}"
+            )
         if server.closed:
             return Refusal(request, 503, "the reward server is shutting down")
         try:  # the body's memory is charged before it is read: bodies in flight together stay within the budget

@@ -39,8 +39,11 @@ def test_bc_learns_the_expert_s_actions(tmp_path):
     """The flow-matching loss falls and the deterministic action (integration from zero noise) approaches the
     expert's on held-out observations."""
     demos = write_demos(tmp_path / "demos.npz")
-    config = bc_config(tmp_path / "run", demos, **{"run.epochs": 40, "batch.mini_batch_size": 128,
-                                                   "batch.micro_batch_size": 128, "optim.lr": 3e-3})  # fmt: skip
+    config = bc_config(
+        tmp_path / "run",
+        demos,
+        **{"run.epochs": 40, "batch.mini_batch_size": 128, "batch.micro_batch_size": 128, "optim.lr": 3e-3},
+    )
     trainer = build_trainer(config)
     held_out = load_demonstrations(write_demos(tmp_path / "held.npz", n=256, seed=1))
 
@@ -65,8 +68,9 @@ def test_init_from_starts_fine_tuning_from_the_clone_and_the_critic_warms_up_alo
 
     cloned = load_run(tmp_path / "bc").algorithm.policy.actor.state_dict()
     for trainer_name in ("fpo", "dppo"):
-        config = tiny_config(trainer_name, tmp_path / trainer_name,
-                             overrides=[f"init_from={tmp_path / 'bc'}", "critic.warmup_epochs=1"])  # fmt: skip
+        config = tiny_config(
+            trainer_name, tmp_path / trainer_name, overrides=[f"init_from={tmp_path / 'bc'}", "critic.warmup_epochs=1"]
+        )
         trainer = build_trainer(config)
         actor = trainer.policy.actor
         assert all(torch.equal(v, cloned[k]) for k, v in actor.state_dict().items())
@@ -94,12 +98,34 @@ def test_demos_cli_records_a_run_and_bad_inputs_fail_in_one_line(tmp_path, capsy
     (tmp_path / "text.npz").write_text("not a zip")
     with pytest.raises(ValueError, match="is not a demonstrations file"):
         load_demonstrations(tmp_path / "text.npz")
-    assert main(["train", "configs/control/pendulum_bc.yaml", "--set", f"demonstrations={tmp_path / 'missing.npz'}",
-                 "--output-dir", str(tmp_path / "bc")]) != 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "configs/control/pendulum_bc.yaml",
+                "--set",
+                f"demonstrations={tmp_path / 'missing.npz'}",
+                "--output-dir",
+                str(tmp_path / "bc"),
+            ]
+        )
+        != 0
+    )
     assert capsys.readouterr().err.strip().endswith("(write one with `flowrl demos RUN`)")
     # a Gaussian PPO run cannot start a flow policy
-    assert main(["train", "configs/control/pendulum_fpo.yaml", "--set", f"init_from={run}", "--output-dir",
-                 str(tmp_path / "ft")]) != 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "configs/control/pendulum_fpo.yaml",
+                "--set",
+                f"init_from={run}",
+                "--output-dir",
+                str(tmp_path / "ft"),
+            ]
+        )
+        != 0
+    )
     assert "is not this run's network (FlowPolicy)" in capsys.readouterr().err
 
 

@@ -33,8 +33,16 @@ def prepared(trainer, epoch=0):
     return batch
 
 
-@pytest.mark.parametrize("name,extra", [("ppo", {}), ("fpo", {}), ("fpo", {"ratio": "per_draw"}), ("dppo", {}),
-                                        ("fpo", {"t_sampling": "grid", "supervise": "eps"})])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,extra",
+    [
+        ("ppo", {}),
+        ("fpo", {}),
+        ("fpo", {"ratio": "per_draw"}),
+        ("dppo", {}),
+        ("fpo", {"t_sampling": "grid", "supervise": "eps"}),
+    ],
+)
 def test_ratio_is_exactly_one_at_the_behaviour_weights(tmp_path, name, extra):
     trainer = build_trainer(tiny(name, **extra), output_dir=tmp_path)
     batch = prepared(trainer)
@@ -138,10 +146,20 @@ def test_fpo_playground_draws_take_flow_times_on_the_sampler_grid(tmp_path):
 def test_a2c_is_a_special_case_of_ppo(tmp_path):
     """Huang et al. 2022 (arXiv:2205.09123): one epoch, one minibatch of the whole rollout, lambda 1, no
     advantage whitening, RMSprop: flowrl's PPO update is SB3's A2C update."""
-    config = tiny("ppo", vf_coef=0.5, **{"batch.inner_epochs": 1, "batch.mini_batch_size": None,
-                                         "advantage.lam": 1.0, "advantage.normalize": False,
-                                         "optim.optimizer": "rmsprop", "optim.lr": 7e-4, "optim.eps": 1e-5,
-                                         "optim.max_grad_norm": 0.5})  # fmt: skip
+    config = tiny(
+        "ppo",
+        vf_coef=0.5,
+        **{
+            "batch.inner_epochs": 1,
+            "batch.mini_batch_size": None,
+            "advantage.lam": 1.0,
+            "advantage.normalize": False,
+            "optim.optimizer": "rmsprop",
+            "optim.lr": 7e-4,
+            "optim.eps": 1e-5,
+            "optim.max_grad_norm": 0.5,
+        },
+    )
     trainer = build_trainer(config, output_dir=tmp_path)
     batch = prepared(trainer)
     rollout = batch.data
@@ -184,12 +202,19 @@ def test_ppo_update_matches_stable_baselines3_on_its_own_rollout(tmp_path, monke
     buf, sb = model.rollout_buffer, model.policy
     assert buf.episode_starts.sum() >= E
 
-    trainer = build_trainer(tiny("ppo", **{"batch.mini_batch_size": 64, "batch.micro_batch_size": 64}),
-                            output_dir=tmp_path)  # fmt: skip
+    trainer = build_trainer(
+        tiny("ppo", **{"batch.mini_batch_size": 64, "batch.micro_batch_size": 64}), output_dir=tmp_path
+    )
     actor, critic = trainer.policy.actor, trainer.policy.critic
     pi, vf = sb.mlp_extractor.policy_net, sb.mlp_extractor.value_net
-    pairs = [(actor.mean[0], pi[0]), (actor.mean[2], pi[2]), (actor.mean[4], sb.action_net),
-             (critic[0], vf[0]), (critic[2], vf[2]), (critic[4], sb.value_net)]  # fmt: skip
+    pairs = [
+        (actor.mean[0], pi[0]),
+        (actor.mean[2], pi[2]),
+        (actor.mean[4], sb.action_net),
+        (critic[0], vf[0]),
+        (critic[2], vf[2]),
+        (critic[4], sb.value_net),
+    ]
     with torch.no_grad():
         for ours, theirs in pairs:
             ours.weight.copy_(theirs.weight)
@@ -203,8 +228,9 @@ def test_ppo_update_matches_stable_baselines3_on_its_own_rollout(tmp_path, monke
     dones = torch.as_tensor(np.concatenate([buf.episode_starts[1:], model._last_episode_starts[None]])).T.bool()
     with torch.no_grad():
         last = trainer.policy.value(torch.as_tensor(model._last_obs, dtype=torch.float32))
-    advantages, returns = gae(torch.as_tensor(buf.rewards).T, torch.as_tensor(buf.values).T, dones, last,
-                              gamma=0.99, lam=0.95)  # fmt: skip
+    advantages, returns = gae(
+        torch.as_tensor(buf.rewards).T, torch.as_tensor(buf.values).T, dones, last, gamma=0.99, lam=0.95
+    )
     torch.testing.assert_close(advantages.T, torch.as_tensor(buf.advantages), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(returns.T, torch.as_tensor(buf.returns), rtol=1e-5, atol=1e-5)
 
@@ -240,8 +266,13 @@ def test_ppo_update_matches_stable_baselines3_on_its_own_rollout(tmp_path, monke
 
     import flowrl.run.scheduler as scheduler
 
-    batch = UpdateBatch(data=rollout, rows=torch.arange(T * E), size=T * E, advantages=rollout.advantages,
-                        trainable=torch.ones(T * E, dtype=torch.bool))  # fmt: skip
+    batch = UpdateBatch(
+        data=rollout,
+        rows=torch.arange(T * E),
+        size=T * E,
+        advantages=rollout.advantages,
+        trainable=torch.ones(T * E, dtype=torch.bool),
+    )
     monkeypatch.setattr(scheduler.torch, "randperm", sb3_order)
     trainer.scheduler.run(batch, 0)
     monkeypatch.undo()
@@ -253,8 +284,9 @@ def test_ppo_update_matches_stable_baselines3_on_its_own_rollout(tmp_path, monke
 
 
 def test_short_pendulum_run_beats_the_untrained_policy(tmp_path):
-    config = load_config("configs/control/pendulum_ppo.yaml",
-                         ["total_env_steps=40960", "eval.every=0", "run.log_with=[]"])  # fmt: skip
+    config = load_config(
+        "configs/control/pendulum_ppo.yaml", ["total_env_steps=40960", "eval.every=0", "run.log_with=[]"]
+    )
     summary = build_trainer(config, output_dir=tmp_path).train()
     assert summary["reward_end"] > summary["reward_start"] + 300, summary["eval_history"]
 
@@ -383,8 +415,18 @@ def test_every_control_config_trains_one_short_epoch(path, tmp_path):
         file = tmp_path / "demos.npz"
         written = scripted_demonstrations(4).save(file) if "Obstacle" in shipped.env.id else write_demos(file)
         demos = [f"demonstrations={written}"]
-    config = load_config(path, ["env.steps_per_env=16", "total_env_steps=null", "run.epochs=1", "eval.episodes=1",
-                                "run.log_with=[]", "run.samples_every=0", *demos])  # fmt: skip
+    config = load_config(
+        path,
+        [
+            "env.steps_per_env=16",
+            "total_env_steps=null",
+            "run.epochs=1",
+            "eval.episodes=1",
+            "run.log_with=[]",
+            "run.samples_every=0",
+            *demos,
+        ],
+    )
     assert config.env == dataclasses.replace(shipped.env, steps_per_env=16)
     summary = build_trainer(config, output_dir=tmp_path).train()
     assert summary["epochs"] == 1 and np.isfinite(summary["reward_end"])
@@ -394,8 +436,20 @@ def test_control_cli_trains_the_bimodal_task(tmp_path, capsys):
     from flowrl.cli import main
 
     out = tmp_path / "run"
-    code = main(["train", "configs/control/bimodal_fpo.yaml", "--output-dir", str(out), "--set",
-                 "total_env_steps=4096", "--set", "run.log_with=[]", "--set", "eval.every=1"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "configs/control/bimodal_fpo.yaml",
+            "--output-dir",
+            str(out),
+            "--set",
+            "total_env_steps=4096",
+            "--set",
+            "run.log_with=[]",
+            "--set",
+            "eval.every=1",
+        ]
+    )
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert {"eval/saddle_up", "eval/top_fraction", "eval/reward"} <= set(summary["eval_end"])

@@ -60,8 +60,14 @@ def test_at_the_old_weights_the_ratio_is_one_and_nothing_is_masked():
     old = torch.randn(6, 3, generator=g, dtype=torch.float64)
     logp = old.clone().requires_grad_()
     adv = torch.randn(6, generator=g, dtype=torch.float64)
-    loss, metrics = _loss(logp, old, adv, std=torch.rand(6, 3, generator=g, dtype=torch.float64) + 0.1,
-                          mean_diff_sq=torch.zeros(6, 3, dtype=torch.float64), delta=1e-12)  # fmt: skip
+    loss, metrics = _loss(
+        logp,
+        old,
+        adv,
+        std=torch.rand(6, 3, generator=g, dtype=torch.float64) + 0.1,
+        mean_diff_sq=torch.zeros(6, 3, dtype=torch.float64),
+        delta=1e-12,
+    )
     (grad,) = torch.autograd.grad(loss, logp)
     assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["clipfrac"]) == 0.0
     assert float(metrics["kl_new_old_max"]) == 0.0 and float(metrics["kl_mask_fraction"]) == 0.0
@@ -102,8 +108,14 @@ def test_untrained_steps_do_not_poison_the_loss():
     logp = torch.tensor([[-1.0, float("nan")]], requires_grad=True)
     old = torch.tensor([[-1.1, float("nan")]])
     mask = torch.tensor([[True, False]])
-    loss, metrics = _loss(logp, old, torch.tensor([1.0]), mask, std=torch.tensor([[0.5, 0.0]]),
-                          mean_diff_sq=torch.tensor([[1.0, float("nan")]]))  # fmt: skip
+    loss, metrics = _loss(
+        logp,
+        old,
+        torch.tensor([1.0]),
+        mask,
+        std=torch.tensor([[0.5, 0.0]]),
+        mean_diff_sq=torch.tensor([[1.0, float("nan")]]),
+    )
     (grad,) = torch.autograd.grad(loss, logp)
     assert loss.item() == 0.0 and torch.equal(grad, torch.zeros(1, 2))  # step 0 is dropped (D = 2, r > 1, A > 0)
     assert float(metrics["clipfrac_high"]) == 1.0 and float(metrics["kl_new_old_max"]) == 2.0

@@ -258,8 +258,7 @@ def test_gtpo_hand_computed():
     # seq_mean_token_mean: L = (1/3) [(1/4) sum_t -0.95 delta_t / 3 + 0 + 0] = -(0.95 * 7) / 36 = -0.18472222
     # gradient per token of row 0: -0.95 delta_t / 3 / (3 rows * 4 tokens) = [-0.0527778, -0.0527778, -0.0263889, ...]
     old = torch.full((3, 4), -1.0, dtype=torch.float64)
-    loss, grad, metrics = grad_of("gtpo", old, old, adv, mask, entropy=entropy, group=torch.zeros(3, 4),
-                                  token_ids=ids)  # fmt: skip
+    loss, grad, metrics = grad_of("gtpo", old, old, adv, mask, entropy=entropy, group=torch.zeros(3, 4), token_ids=ids)
     assert float(loss) == pytest.approx(-0.95 * 7 / 36, rel=1e-12)
     row0 = -0.95 / 3 / 12 * torch.tensor([2.0, 2.0, 1.0, 2.0], dtype=torch.float64)
     torch.testing.assert_close(grad[0], row0, rtol=1e-12, atol=1e-14)

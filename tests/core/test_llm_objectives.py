@@ -154,8 +154,9 @@ def test_aspo_flips_positive_weights():
     entropy = torch.zeros(4, 1, dtype=torch.float64)  # one token per row: at the quantile, eps = 0.2
     grads = []
     for i in range(4):
-        _, grad, _ = grad_of("aspo", logp[i : i + 1], old[i : i + 1], adv[i : i + 1], agg="sum",
-                             entropy=entropy[i : i + 1])  # fmt: skip
+        _, grad, _ = grad_of(
+            "aspo", logp[i : i + 1], old[i : i + 1], adv[i : i + 1], agg="sum", entropy=entropy[i : i + 1]
+        )
         grads.append(float(grad))
     assert grads == pytest.approx([-2.0, -3.0, -1 / 1.1, 0.0])  # PPO at r = 0.5 would give -0.5
 
@@ -176,8 +177,7 @@ def test_dispo_masks_outside_its_four_bounds():
 def test_minpro_prefix_minimum_weights():
     # r = [1, 0.5, 2, 1] -> exclusive prefix minimum [1, 1, 0.5, 0.5]; A > 0 inside the clip: grad = -A w r / 4
     logp, old, _ = tokens([1.0, 0.5, 2.0, 1.0], [1.0] * 4)
-    loss, grad, metrics = grad_of("minpro", logp.T, old.T, torch.ones(1, dtype=torch.float64),
-                                  clip_eps_low=10.0)  # fmt: skip
+    loss, grad, metrics = grad_of("minpro", logp.T, old.T, torch.ones(1, dtype=torch.float64), clip_eps_low=10.0)
     torch.testing.assert_close(grad[0], torch.tensor([1.0, 0.5, 1.0, 0.5], dtype=torch.float64) * -1 / 4)
     assert float(metrics["prefix_weight_mean"]) == pytest.approx(0.75)
 
@@ -192,8 +192,9 @@ def test_top_entropy_quantile_keeps_the_forking_tokens():
     torch.testing.assert_close(grad[0], expected)
     assert float(metrics["entropy_kept_frac"]) == pytest.approx(0.2)
     for rho, kept in [(1.0, 10), (0.0, 1)]:
-        _, grad, _ = grad_of("dapo", logp.T, old.T, torch.ones(1, dtype=torch.float64), entropy=entropy,
-                             top_entropy_quantile=rho)  # fmt: skip
+        _, grad, _ = grad_of(
+            "dapo", logp.T, old.T, torch.ones(1, dtype=torch.float64), entropy=entropy, top_entropy_quantile=rho
+        )
         assert int((grad != 0).sum()) == kept
 
 
@@ -263,15 +264,17 @@ def test_clip_cov_zeroes_the_requested_number_of_unclipped_tokens():
     logp, old, adv, mask, _ = random_batch(3, b=8, k=32)
     adv = adv * 5  # covariances of order one
     state = get_objective("clip_cov").init_state()
-    loss, grad, metrics = grad_of("clip_cov", logp, old, adv, mask, state=state, cov_fraction=0.05, cov_low=0.0,
-                                  cov_high=100.0)  # fmt: skip
+    loss, grad, metrics = grad_of(
+        "clip_cov", logp, old, adv, mask, state=state, cov_fraction=0.05, cov_low=0.0, cov_high=100.0
+    )
     _, plain, _ = grad_of("ppo", logp, old, adv, mask)
     dropped = (plain != 0) & (grad == 0)
     assert int(dropped.sum()) == int(0.05 * int(mask.sum()))
     assert state["calls"] == 1
     # the draw depends on the call count: a resumed state draws the same tokens
-    _, again, _ = grad_of("clip_cov", logp, old, adv, mask, state={"calls": 0}, cov_fraction=0.05, cov_low=0.0,
-                          cov_high=100.0)  # fmt: skip
+    _, again, _ = grad_of(
+        "clip_cov", logp, old, adv, mask, state={"calls": 0}, cov_fraction=0.05, cov_low=0.0, cov_high=100.0
+    )
     torch.testing.assert_close(again, grad)
 
 
@@ -320,11 +323,32 @@ def test_extra_inputs_are_required_with_a_clear_message():
 
 @pytest.mark.parametrize(
     "name,inputs",
-    [("bnpo", {}), ("gmpo", {}), ("bapo", {}), ("dcpo", {}), ("ce_gppo", {}), ("pspo", {}), ("aspo", {"e": 1}),
-     ("dispo", {}), ("turn_ppo", {"s": 1}), ("sspo", {"e": 1, "s": 1}), ("espo", {"e": 1}), ("dhpo", {}),
-     ("minpro", {}), ("high_entropy", {"e": 1}), ("clip_cov", {}), ("kl_cov", {}), ("r2vpo", {}), ("dro", {}),
-     ("gpg", {}), ("dppo_tv", {}), ("dppo_kl", {}), ("vespo", {}), ("luspo", {})],
-)  # fmt: skip
+    [
+        ("bnpo", {}),
+        ("gmpo", {}),
+        ("bapo", {}),
+        ("dcpo", {}),
+        ("ce_gppo", {}),
+        ("pspo", {}),
+        ("aspo", {"e": 1}),
+        ("dispo", {}),
+        ("turn_ppo", {"s": 1}),
+        ("sspo", {"e": 1, "s": 1}),
+        ("espo", {"e": 1}),
+        ("dhpo", {}),
+        ("minpro", {}),
+        ("high_entropy", {"e": 1}),
+        ("clip_cov", {}),
+        ("kl_cov", {}),
+        ("r2vpo", {}),
+        ("dro", {}),
+        ("gpg", {}),
+        ("dppo_tv", {}),
+        ("dppo_kl", {}),
+        ("vespo", {}),
+        ("luspo", {}),
+    ],
+)
 def test_gradient_at_the_old_weights_is_the_policy_gradient(name, inputs):
     """At logp = old_logp every objective's gradient is the (aggregated) policy gradient -A grad(log pi), up to
     its token selection and regulariser terms that vanish at r = 1 (the reference notes' invariant)."""
@@ -408,8 +432,9 @@ def test_ce_gppo_parity():
     def ref(lp, lq, a, m, h):
         r, ad = (lp - lq).exp(), a[:, None].expand_as(lp)
         g = r / r.detach()
-        loss = torch.where((ad < 0) & (r < 0.8), -0.5 * 0.8 * g * ad, torch.where((ad > 0) & (r > 1.2), -1.2 * g * ad,
-                                                                                  -r * ad))  # fmt: skip
+        loss = torch.where(
+            (ad < 0) & (r < 0.8), -0.5 * 0.8 * g * ad, torch.where((ad > 0) & (r > 1.2), -1.2 * g * ad, -r * ad)
+        )
         return token_mean(torch.where(ad < 0, torch.minimum(loss, -ad * 10.0), loss), m)
 
     assert_parity("ce_gppo", ref)

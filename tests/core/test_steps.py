@@ -83,8 +83,10 @@ def test_progressive_sde_window_moves_every_n_epochs_and_wraps():
 def test_random_sde_window_is_uniform_in_its_span_and_seeded():
     from flowrl.core import sde_window_at
 
-    draws = [sde_window_at("random", 0, 10, size=3, span=(0, 5), generator=torch.Generator().manual_seed(s))
-             for s in range(200)]  # fmt: skip
+    draws = [
+        sde_window_at("random", 0, 10, size=3, span=(0, 5), generator=torch.Generator().manual_seed(s))
+        for s in range(200)
+    ]
     assert {start for start, _ in draws} == {0, 1, 2} and all(end - start == 3 for start, end in draws)
     again = sde_window_at("random", 0, 10, size=3, span=(0, 5), generator=torch.Generator().manual_seed(7))
     assert again == draws[7]

@@ -15,8 +15,15 @@ def troll(p, q, adv=1.0, dtype=torch.float32, **hp):
     """Loss, metrics and d loss / d log p of one token whose support probabilities are `p` (new) and `q` (old)."""
     log_p = torch.tensor([[p]], dtype=dtype).log().requires_grad_(True)  # [1, 1, V]
     log_q = torch.tensor([[q]], dtype=dtype).log()
-    loss, metrics = compute_policy_loss("troll", log_p[..., 0], log_q[..., 0], torch.tensor([adv], dtype=dtype),
-                                        topk_logp=log_p, old_topk_logp=log_q, **hp)  # fmt: skip
+    loss, metrics = compute_policy_loss(
+        "troll",
+        log_p[..., 0],
+        log_q[..., 0],
+        torch.tensor([adv], dtype=dtype),
+        topk_logp=log_p,
+        old_topk_logp=log_q,
+        **hp,
+    )
     loss.backward()
     return loss.item(), metrics, log_p.grad[0, 0]
 
@@ -79,8 +86,9 @@ def test_at_the_old_weights_the_gradient_is_the_plain_policy_gradient():
     z = torch.tensor([[[1.0, 0.5, -0.3, 0.2]]], dtype=torch.float64, requires_grad=True)  # [1, 1, V]: full vocab
     log_p = torch.log_softmax(z, -1)
     adv = torch.tensor([1.7], dtype=torch.float64)
-    loss, metrics = compute_policy_loss("troll", log_p[..., 0], log_p[..., 0].detach(), adv, topk_logp=log_p,
-                                        old_topk_logp=log_p.detach())  # fmt: skip
+    loss, metrics = compute_policy_loss(
+        "troll", log_p[..., 0], log_p[..., 0].detach(), adv, topk_logp=log_p, old_topk_logp=log_p.detach()
+    )
     loss.backward()
     p = log_p.exp().detach()[0, 0]
     expected = -1.7 * (torch.tensor([1.0, 0, 0, 0], dtype=torch.float64) - p)
@@ -97,8 +105,9 @@ def test_gradient_through_the_projection_matches_finite_differences():
 
     def loss_of(logits):
         log_p = torch.log_softmax(torch.cat([logits, torch.zeros(2, 3, 1, dtype=logits.dtype)], -1), -1)[..., :5]
-        return compute_policy_loss("troll", log_p[..., 0], log_q[..., 0], adv, mask, topk_logp=log_p,
-                                   old_topk_logp=log_q, kl_bound=0.02)  # fmt: skip
+        return compute_policy_loss(
+            "troll", log_p[..., 0], log_q[..., 0], adv, mask, topk_logp=log_p, old_topk_logp=log_q, kl_bound=0.02
+        )
 
     leaf = z.clone().requires_grad_(True)
     loss, metrics = loss_of(leaf)
@@ -117,17 +126,32 @@ def test_gradient_through_the_projection_matches_finite_differences():
 def test_padding_and_missing_inputs():
     log_p = torch.full((1, 2, 3), float("nan"))
     log_p[0, 0] = torch.tensor([0.5, 0.3, 0.1]).log()
-    loss, _ = compute_policy_loss("troll", log_p[..., 0], log_p[..., 0], torch.tensor([1.0]),
-                                  torch.tensor([[True, False]]), topk_logp=log_p, old_topk_logp=log_p)  # fmt: skip
+    loss, _ = compute_policy_loss(
+        "troll",
+        log_p[..., 0],
+        log_p[..., 0],
+        torch.tensor([1.0]),
+        torch.tensor([[True, False]]),
+        topk_logp=log_p,
+        old_topk_logp=log_p,
+    )
     assert loss.item() == pytest.approx(-1.0)  # the valid token at the old weights: -A, NaN padding ignored
     with pytest.raises(ValueError, match="needs topk_logp="):
         compute_policy_loss("troll", log_p[..., 0], log_p[..., 0], torch.tensor([1.0]))
     with pytest.raises(ValueError, match=r"old_topk_logp must be \[B, K, V\]"):
-        compute_policy_loss("troll", log_p[..., 0], log_p[..., 0], torch.tensor([1.0]), topk_logp=log_p,
-                            old_topk_logp=log_p[0])  # fmt: skip
+        compute_policy_loss(
+            "troll", log_p[..., 0], log_p[..., 0], torch.tensor([1.0]), topk_logp=log_p, old_topk_logp=log_p[0]
+        )
     with pytest.raises(ValueError, match="kl_bound > 0"):
-        compute_policy_loss("troll", log_p[..., 0], log_p[..., 0], torch.tensor([1.0]), topk_logp=log_p,
-                            old_topk_logp=log_p, kl_bound=0.0)  # fmt: skip
+        compute_policy_loss(
+            "troll",
+            log_p[..., 0],
+            log_p[..., 0],
+            torch.tensor([1.0]),
+            topk_logp=log_p,
+            old_topk_logp=log_p,
+            kl_bound=0.0,
+        )
 
 
 def test_support_puts_the_sampled_token_first_then_the_top_k_others():

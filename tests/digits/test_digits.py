@@ -84,8 +84,12 @@ def test_the_hackable_proxy_pays_the_logit_margin_and_ink(tiny_world):
     prompts = [f"the number {d}" for d in labels[:12].tolist()]
     hackable = rewards.get("digits_hackable", classifiers=tiny_world.classifiers, logit_weight=0.5, ink_weight=2.0)
     logits = tiny_world.classifiers.reward(to_pixels(rgb))
-    margins = torch.stack([logits[i, d] - torch.cat([logits[i, :d], logits[i, d + 1 :]]).logsumexp(0)
-                           for i, d in enumerate(labels[:12].tolist())])  # fmt: skip
+    margins = torch.stack(
+        [
+            logits[i, d] - torch.cat([logits[i, :d], logits[i, d + 1 :]]).logsumexp(0)
+            for i, d in enumerate(labels[:12].tolist())
+        ]
+    )
     ink = to_pixels(rgb).flatten(1).mean(1)
     torch.testing.assert_close(hackable(rgb, prompts), 0.5 * margins + 2.0 * ink)
     # it keeps paying where the alignment probability has saturated: more ink always scores more

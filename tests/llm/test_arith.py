@@ -114,8 +114,12 @@ def test_tiny_build_loads_generates_and_caches(tmp_path, monkeypatch):
     new = out.sequences[:, batch["input_ids"].shape[1] :]  # [3, <= MAX_NEW_TOKENS]
     assert len(tokenizer.batch_decode(new, skip_special_tokens=True)) == 3
     for row, prompt in enumerate(prompts):  # left padding changes nothing: each row as if alone
-        alone = model.generate(**tokenizer([prompt], return_tensors="pt"), do_sample=False, output_logits=True,
-                               return_dict_in_generate=True)  # fmt: skip
+        alone = model.generate(
+            **tokenizer([prompt], return_tensors="pt"),
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         torch.testing.assert_close(out.logits[0][row], alone.logits[0][0], atol=1e-5, rtol=1e-5)
 
     monkeypatch.setattr(llm_build, "_build", lambda *args: pytest.fail("rebuilt a cached model"))

@@ -15,8 +15,7 @@ from tests.llm.helpers import full_and_resumed, tiny
 def one(x, a, **hp):
     """Humanline's loss and d loss / d logp for one token with log-ratio x and advantage a (fp64)."""
     lp = torch.tensor([[0.0]], dtype=torch.float64, requires_grad=True)
-    loss, metrics = compute_policy_loss("humanline", lp, lp.detach() - x, torch.tensor([a], dtype=torch.float64),
-                                        **hp)  # fmt: skip
+    loss, metrics = compute_policy_loss("humanline", lp, lp.detach() - x, torch.tensor([a], dtype=torch.float64), **hp)
     loss.backward()
     return loss.item(), lp.grad.item(), metrics
 
@@ -26,8 +25,13 @@ def one(x, a, **hp):
 
 def test_humanline_defaults_are_halos():
     objective = get_objective("humanline")  # config/config.yaml, config/loss/grpo.yaml
-    assert objective.hparams == {"log_epsilon_p": -1.0, "log_epsilon_r": 1.5, "clip_eps_low": 0.01,
-                                 "clip_eps_high": None, "beta": 0.01}  # fmt: skip
+    assert objective.hparams == {
+        "log_epsilon_p": -1.0,
+        "log_epsilon_r": 1.5,
+        "clip_eps_low": 0.01,
+        "clip_eps_high": None,
+        "beta": 0.01,
+    }
     assert objective.agg == "token_mean"
 
 
@@ -78,8 +82,10 @@ def test_humanline_matches_the_halos_formula_in_value_and_gradient():
 
 
 def test_sync_reference_gives_ratio_one_at_first_and_lags_one_step(tmp_path):
-    trainer = build_trainer(tiny(**{"objective.name": "humanline", "sync_reference": True, "run.epochs": 1,
-                                    "batch.inner_epochs": 2}), output_dir=tmp_path)  # fmt: skip
+    trainer = build_trainer(
+        tiny(**{"objective.name": "humanline", "sync_reference": True, "run.epochs": 1, "batch.inner_epochs": 2}),
+        output_dir=tmp_path,
+    )
     algo = trainer.algorithm
     batch, _, _ = trainer.prepare_epoch(0)
     batch.advantages = torch.randn(len(batch.data))
@@ -157,8 +163,9 @@ def test_ess_hook_scales_the_step_and_restores_the_lr():
 
 
 def test_ess_scaling_in_the_text_trainer(tmp_path):
-    trainer = build_trainer(tiny(**{"ess_scaling.rule": "linear", "run.epochs": 2, "batch.inner_epochs": 2}),
-                            output_dir=tmp_path)  # fmt: skip
+    trainer = build_trainer(
+        tiny(**{"ess_scaling.rule": "linear", "run.epochs": 2, "batch.inner_epochs": 2}), output_dir=tmp_path
+    )
     trainer.train()
     records = [r for r in trainer.log.history if r.get("optimizer_steps")]  # the first row is the baseline eval
     assert records and all(
@@ -173,8 +180,16 @@ def test_ess_scaling_in_the_text_trainer(tmp_path):
 
 @pytest.mark.parametrize("name", ["troll", "humanline", "vcpo"])
 def test_arith_config_trains_a_few_epochs(name, tmp_path):
-    overrides = ["run.epochs=3", "run.log_with=[]", "eval.every=0", "eval.max_prompts=16", "run.save_every=0",
-                 "run.samples_every=0", "prompts.prompts_per_epoch=8", "batch.mini_batch_size=32"]  # fmt: skip
+    overrides = [
+        "run.epochs=3",
+        "run.log_with=[]",
+        "eval.every=0",
+        "eval.max_prompts=16",
+        "run.save_every=0",
+        "run.samples_every=0",
+        "prompts.prompts_per_epoch=8",
+        "batch.mini_batch_size=32",
+    ]
     trainer = build_trainer(load_config(f"configs/llm/arith_{name}.yaml", overrides), output_dir=tmp_path)
     before = [p.detach().clone() for p in trainer.params]
     summary = trainer.train()

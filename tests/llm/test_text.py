@@ -51,8 +51,9 @@ def test_token_log_probs_ignore_padding():
 
 @pytest.mark.parametrize("name", [n for n in list_objectives() if n not in IMAGE_ONLY])
 def test_every_objective_trains_one_epoch(name, tmp_path):
-    trainer = build_trainer(tiny(**{"objective.name": name, "run.epochs": 1, "batch.inner_epochs": 2}),
-                            output_dir=tmp_path)  # fmt: skip
+    trainer = build_trainer(
+        tiny(**{"objective.name": name, "run.epochs": 1, "batch.inner_epochs": 2}), output_dir=tmp_path
+    )
     before = [p.detach().clone() for p in trainer.params]
     summary = trainer.train()
     assert summary["epochs"] == 1
@@ -64,8 +65,15 @@ def test_every_objective_trains_one_epoch(name, tmp_path):
 
 @pytest.mark.parametrize("path", sorted(Path("configs/llm").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_llm_config_trains_one_short_epoch(path, tmp_path):
-    overrides = ["run.epochs=1", "run.log_with=[]", "eval.every=0", "eval.max_prompts=8",
-                 "prompts.prompts_per_epoch=4", "run.save_every=0", "run.samples_every=0"]  # fmt: skip
+    overrides = [
+        "run.epochs=1",
+        "run.log_with=[]",
+        "eval.every=0",
+        "eval.max_prompts=8",
+        "prompts.prompts_per_epoch=4",
+        "run.save_every=0",
+        "run.samples_every=0",
+    ]
     summary = build_trainer(load_config(path, overrides), output_dir=tmp_path).train()
     assert summary["epochs"] == 1
 
@@ -99,8 +107,14 @@ def test_exact_resume_with_dcpo_smooth_advantage_state(tmp_path):
     train = tmp_path / "four.jsonl"  # 4 prompts, all drawn every epoch: each visit adds to its pool
     problems = make_problems(4, seed=0, split="train")
     train.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in problems))
-    overrides = {"objective.name": "dcpo", "advantage.estimator": "sas", "run.epochs": 4, "run.save_every": 2,
-                 "prompts.prompts_per_epoch": 4, "prompts.train": str(train)}  # fmt: skip
+    overrides = {
+        "objective.name": "dcpo",
+        "advantage.estimator": "sas",
+        "run.epochs": 4,
+        "run.save_every": 2,
+        "prompts.prompts_per_epoch": 4,
+        "prompts.train": str(train),
+    }
     full, resumed = full_and_resumed(tmp_path, overrides, stop=2)
     pools = full.algorithm.estimator.tracker.prompts
     assert [visits for visits, _, _ in pools.values()] == [4] * 4  # every prompt revisited: the history mattered
@@ -111,8 +125,9 @@ def test_exact_resume_with_dcpo_smooth_advantage_state(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_raises_test_accuracy(tmp_path):
-    config = load_config("configs/llm/arith_grpo.yaml", ["run.log_with=[]", "eval.every=0", "run.save_every=0",
-                                                         "run.samples_every=0"])  # fmt: skip
+    config = load_config(
+        "configs/llm/arith_grpo.yaml", ["run.log_with=[]", "eval.every=0", "run.save_every=0", "run.samples_every=0"]
+    )
     summary = build_trainer(config, output_dir=tmp_path).train()
     assert summary["reward_end"] > summary["reward_start"] + 0.05, summary["eval_history"]
 
@@ -133,7 +148,6 @@ def test_config_errors_name_the_problem():
 
 
 def test_kl_penalty_against_the_initial_model(tmp_path):
-    trainer = build_trainer(tiny(**{"kl.beta": 0.05, "batch.inner_epochs": 2, "run.epochs": 1}),
-                            output_dir=tmp_path)  # fmt: skip
+    trainer = build_trainer(tiny(**{"kl.beta": 0.05, "batch.inner_epochs": 2, "run.epochs": 1}), output_dir=tmp_path)
     trainer.train()
     assert "kl" in trainer.log.history[-1] and trainer.log.history[-1]["kl"] >= 0

@@ -141,8 +141,19 @@ def _configure(trainer, trainer_attrs=(), args_attrs=(), mode="train"):
     trainer.model.train(mode == "train")
 
 
-def _inputs(trainer, *, seed=0, noise=0.5, gspo=False, ref=False, tool_mask=False, empty_row=False,
-            is_ratio=False, adv_2d=False, advantages=ADVANTAGES):  # fmt: skip
+def _inputs(
+    trainer,
+    *,
+    seed=0,
+    noise=0.5,
+    gspo=False,
+    ref=False,
+    tool_mask=False,
+    empty_row=False,
+    is_ratio=False,
+    adv_2d=False,
+    advantages=ADVANTAGES,
+):
     """A crafted micro-batch in trl's format, behaviour log-probs perturbed around the current ones."""
     g = torch.Generator().manual_seed(seed)
     vocab = trainer.model.config.vocab_size
@@ -352,9 +363,11 @@ def _extra_case(trainers, loss_type, trl_attrs, args_attrs, inputs):
         delta=None,
         importance_sampling_level=attrs["importance_sampling_level"],
         max_completion_length=T,
-        **{k: attrs.get(k, ref.args.__dict__[k]) for k in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                                                           "vespo_lambda_neg")},
-    )  # fmt: skip
+        **{
+            k: attrs.get(k, ref.args.__dict__[k])
+            for k in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+        },
+    )
     mapped = trl_loss_as_objective(config)
     assert mapped["objective"] == loss_type
     for key, value in mapped.items():
@@ -405,8 +418,14 @@ def test_trl_loss_as_objective(case):
 
 
 def test_trl_loss_as_objective_rejects_what_flowrl_cannot_express():
-    config = SimpleNamespace(loss_type="grpo", epsilon=0.2, epsilon_high=None, delta=1.1,
-                             importance_sampling_level="token", max_completion_length=T)  # fmt: skip
+    config = SimpleNamespace(
+        loss_type="grpo",
+        epsilon=0.2,
+        epsilon_high=None,
+        delta=1.1,
+        importance_sampling_level="token",
+        max_completion_length=T,
+    )
     with pytest.raises(ValueError, match="delta"):
         trl_loss_as_objective(config)
     config = SimpleNamespace(loss_type="cispo", epsilon=0.2, epsilon_high=5.0, importance_sampling_level="sequence")
@@ -419,8 +438,13 @@ def test_config_validation(tmp_path):
         FlowrlGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, objective="gspoo")
     with pytest.raises(ValueError, match="unknown hyper-parameter 'clip_high'"):
         FlowrlGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, objective_kwargs={"clip_high": 1})
-    args = FlowrlGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, objective="gspo",
-                            objective_kwargs='{"clip_eps_high": 5e-4, "agg": "token_mean"}')  # fmt: skip
+    args = FlowrlGRPOConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        objective="gspo",
+        objective_kwargs='{"clip_eps_high": 5e-4, "agg": "token_mean"}',
+    )
     assert args.objective_kwargs == {"clip_eps_high": 5e-4, "agg": "token_mean"}
     assert FlowrlGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True).token_mean_normalizer == "global"
     bnpo = FlowrlGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, objective=BNPO)
@@ -429,8 +453,10 @@ def test_config_validation(tmp_path):
         FlowrlGRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, loss_type="grpo")
 
 
-@pytest.mark.parametrize(("objective", "reason"), [("troll", "top-k next-token log-probs"), ("trpa", "group"),
-                                                    ("reg_grpo", "group"), ("gtpo", "group")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("objective", "reason"),
+    [("troll", "top-k next-token log-probs"), ("trpa", "group"), ("reg_grpo", "group"), ("gtpo", "group")],
+)
 def test_objectives_trl_cannot_feed_are_refused_in_one_line(tmp_path, objective, reason):
     """TROLL needs top-k supports trl never computes; the group objectives need whole groups in one loss call,
     which trl's shuffled micro-batches do not give: refused with the reason and where they do train."""
@@ -441,8 +467,9 @@ def test_objectives_trl_cannot_feed_are_refused_in_one_line(tmp_path, objective,
 def test_plain_grpo_config_is_rejected(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, num_generations=2)
     with pytest.raises(TypeError, match="FlowrlGRPOConfig"):
-        FlowrlGRPOTrainer(_model(), reward_funcs=_reward, args=args, train_dataset=_dataset(),
-                          processing_class=_tokenizer())  # fmt: skip
+        FlowrlGRPOTrainer(
+            _model(), reward_funcs=_reward, args=args, train_dataset=_dataset(), processing_class=_tokenizer()
+        )
 
 
 def test_missing_trl_gives_a_one_line_error(monkeypatch):
@@ -488,8 +515,9 @@ def test_trainer_trains_one_step(tmp_path, diagnostics):
         learning_rate=1e-2,
         disable_tqdm=True,
     )
-    trainer = FlowrlGRPOTrainer(model, reward_funcs=_reward, args=args, train_dataset=_dataset(),
-                                processing_class=_tokenizer())  # fmt: skip
+    trainer = FlowrlGRPOTrainer(
+        model, reward_funcs=_reward, args=args, train_dataset=_dataset(), processing_class=_tokenizer()
+    )
     trainer.train()
     changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert changed

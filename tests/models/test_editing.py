@@ -45,15 +45,34 @@ def _policy(pipe, **kwargs):
 
 def test_ode_rollout_with_a_source_image_reproduces_the_kontext_pipeline(pipe, sources):
     policy = _policy(pipe)
-    rollout = policy.rollout(PROMPTS[:2], num_steps=4, guidance_scale=2.5, sampler="ode", generator=_gen(),
-                             height=64, width=64, source_images=[sources[0]] * 2)  # fmt: skip
-    images = pipe(image=sources[0], prompt=PROMPTS[:2], height=64, width=64, num_inference_steps=4, guidance_scale=2.5,
-                  output_type="pt", generator=_gen(), max_sequence_length=16, max_area=64 * 64,
-                  _auto_resize=False).images  # fmt: skip
+    rollout = policy.rollout(
+        PROMPTS[:2],
+        num_steps=4,
+        guidance_scale=2.5,
+        sampler="ode",
+        generator=_gen(),
+        height=64,
+        width=64,
+        source_images=[sources[0]] * 2,
+    )
+    images = pipe(
+        image=sources[0],
+        prompt=PROMPTS[:2],
+        height=64,
+        width=64,
+        num_inference_steps=4,
+        guidance_scale=2.5,
+        output_type="pt",
+        generator=_gen(),
+        max_sequence_length=16,
+        max_area=64 * 64,
+        _auto_resize=False,
+    ).images
     torch.testing.assert_close(rollout.images, images, rtol=0, atol=1e-5)
     # the source image changed the result, and the rollout keeps it as the model saw it
-    plain = policy.rollout(PROMPTS[:2], num_steps=4, guidance_scale=2.5, sampler="ode", generator=_gen(), height=64,
-                           width=64).images  # fmt: skip
+    plain = policy.rollout(
+        PROMPTS[:2], num_steps=4, guidance_scale=2.5, sampler="ode", generator=_gen(), height=64, width=64
+    ).images
     assert (plain - rollout.images).abs().max() > 1e-3
     assert rollout.source_images.shape == (2, 1, 3, 64, 64)
     expected = torch.from_numpy(__import__("numpy").array(sources[0])).permute(2, 0, 1).float() / 255
@@ -64,9 +83,20 @@ def test_the_sde_sampler_rescores_a_source_conditioned_rollout_exactly(pipe, sou
     """Ratio exactly 1 at the old weights: in chunks, after `select` and after `cat` of two parts."""
     policy = _policy(pipe, forward_batch_size=2)
     entries = [sources[0], sources[1], sources[0], [sources[1]]]  # one image, or a list of one
-    parts = [policy.rollout(PROMPTS[i : i + 2], num_steps=4, guidance_scale=2.5, sampler="flow_sde", noise_level=0.8,
-                            generator=_gen(i), height=64, width=64, source_images=entries[i : i + 2])
-             for i in (0, 2)]  # fmt: skip
+    parts = [
+        policy.rollout(
+            PROMPTS[i : i + 2],
+            num_steps=4,
+            guidance_scale=2.5,
+            sampler="flow_sde",
+            noise_level=0.8,
+            generator=_gen(i),
+            height=64,
+            width=64,
+            source_images=entries[i : i + 2],
+        )
+        for i in (0, 2)
+    ]
     rollout = DiffusionRollout.cat(parts)
     steps = rollout.sde_steps
     assert len(steps) >= 3
@@ -84,8 +114,14 @@ def test_the_trainer_s_loss_sees_the_source_images_ratio_exactly_one(tmp_path, m
     from flowrl.trainers import build_trainer, load_config
 
     monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache"))
-    overrides = ["prompts.prompts_per_epoch=2", "prompts.group_size=2", "batch.mini_batch_size=4",
-                 "batch.micro_batch_size=2", "sampling.num_steps=3", f"run.output_dir={tmp_path}"]  # fmt: skip
+    overrides = [
+        "prompts.prompts_per_epoch=2",
+        "prompts.group_size=2",
+        "batch.mini_batch_size=4",
+        "batch.micro_batch_size=2",
+        "sampling.num_steps=3",
+        f"run.output_dir={tmp_path}",
+    ]
     config = load_config("configs/flux_kontext/tiny.yaml", overrides)
     trainer = build_trainer(config)
     batch, collected, _ = trainer.prepare_epoch(0)
@@ -141,8 +177,9 @@ def test_editing_prompt_sets_carry_their_source_images(tmp_path, sources):
     train = prompt_sets.load("edit_shapes/train")
     assert "edit_shapes/train" in prompt_sets.list_sets() and len(train) == 32
     assert all(len(p.images) == 1 and {"region", "color"} <= set(p.metadata) for p in train)
-    assert [p.images[0].tobytes() for p in prompt_sets.load("edit_shapes/train")] == [p.images[0].tobytes()
-                                                                                       for p in train]  # fmt: skip
+    assert [p.images[0].tobytes() for p in prompt_sets.load("edit_shapes/train")] == [
+        p.images[0].tobytes() for p in train
+    ]
     sources[0].save(tmp_path / "a.png")
     (tmp_path / "set.jsonl").write_text('{"prompt": "make it red", "image": "a.png"}\n{"prompt": "a cat"}\n')
     rows = prompt_sets.load(tmp_path / "set.jsonl")
@@ -155,9 +192,16 @@ def test_editing_prompt_sets_carry_their_source_images(tmp_path, sources):
 def test_grpo_guard_trains_on_source_images_and_flowrl_sample_edits_an_image(tmp_path, monkeypatch, sources):
     monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache"))
     run = tmp_path / "run"
-    overrides = ["run.epochs=1", "prompts.prompts_per_epoch=2", "prompts.group_size=2", "batch.mini_batch_size=4",
-                 "batch.micro_batch_size=2", "sampling.num_steps=3", "eval.every=100",
-                 "run.samples_every=0"]  # fmt: skip
+    overrides = [
+        "run.epochs=1",
+        "prompts.prompts_per_epoch=2",
+        "prompts.group_size=2",
+        "batch.mini_batch_size=4",
+        "batch.micro_batch_size=2",
+        "sampling.num_steps=3",
+        "eval.every=100",
+        "run.samples_every=0",
+    ]
     args = ["train", "configs/flux_kontext/tiny.yaml", "--output-dir", str(run)]
     assert main(args + [x for o in overrides for x in ("--set", o)]) == 0
     row = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
@@ -167,8 +211,23 @@ def test_grpo_guard_trains_on_source_images_and_flowrl_sample_edits_an_image(tmp
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora.items())  # zero at init: the update moved it
     sources[0].save(tmp_path / "source.png")
     out = tmp_path / "samples"
-    assert main(["sample", str(run), "--prompts", "make the square red", "--image", str(tmp_path / "source.png"),
-                 "--n", "2", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "sample",
+                str(run),
+                "--prompts",
+                "make the square red",
+                "--image",
+                str(tmp_path / "source.png"),
+                "--n",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     record = json.loads((out / "sample.json").read_text())
     assert len(record["files"]) == 2 and all((out / f["file"]).is_file() for f in record["files"])
     assert record["images"] == [[str(tmp_path / "source.png")]] and "load_image" in record["diffusers"][2]
@@ -176,11 +235,14 @@ def test_grpo_guard_trains_on_source_images_and_flowrl_sample_edits_an_image(tmp
         sample(run, "x", image=str(tmp_path / "missing.png"), out=out)
 
 
-@pytest.mark.parametrize(("trainer", "settings"), [
-    ("find", ["model.lora_rank=0"]),
-    ("tempflow_grpo", ["seeds_per_prompt=1", "branches=2", "prompts.group_size=6", "batch.mini_batch_size=24"]),
-    ("dpok", []),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("trainer", "settings"),
+    [
+        ("find", ["model.lora_rank=0"]),
+        ("tempflow_grpo", ["seeds_per_prompt=1", "branches=2", "prompts.group_size=6", "batch.mini_batch_size=24"]),
+        ("dpok", []),
+    ],
+)
 def test_trainers_without_an_editing_path_refuse_editing_prompts_in_one_line(trainer, settings, tmp_path, monkeypatch):
     from flowrl.trainers import build_trainer, load_config
 
@@ -206,7 +268,8 @@ def test_per_prompt_statistics_key_an_editing_prompt_by_its_source_too():
         seen.extend(keys)
         return torch.zeros(len(keys)), {}
 
-    collected = SimpleNamespace(prompts=same_text * 2, group_ids=torch.tensor([0, 1, 0, 1]),
-                                rewards={"r": torch.arange(4.0)})  # fmt: skip
+    collected = SimpleNamespace(
+        prompts=same_text * 2, group_ids=torch.tensor([0, 1, 0, 1]), rewards={"r": torch.arange(4.0)}
+    )
     Algorithm.advantages(SimpleNamespace(estimator=estimator), collected, torch.ones(4, dtype=torch.bool))
     assert seen == [group_key(p) for p in same_text * 2]  # the per-prompt trackers see (text, source) pairs

@@ -79,8 +79,10 @@ def _pipeline_images(family, pipe, prompts, latents, **kwargs) -> torch.Tensor:
         if "height" not in inspect.signature(pipe.__call__).parameters:  # HunyuanVideo 1.5: the size of the image's
             kwargs = {k: v for k, v in kwargs.items() if k not in ("height", "width")}  # bucket (64 x 64 here)
         return _pixels(pipe(prompt=list(prompts), image=sources[0], generator=_gen(), **kwargs), family)
-    calls = [pipe(prompt=[p], image=s, latents=latents[i : i + 1], **{**kwargs, **_guidance(family, 1)})
-             for i, (p, s) in enumerate(zip(prompts, sources))]  # fmt: skip
+    calls = [
+        pipe(prompt=[p], image=s, latents=latents[i : i + 1], **{**kwargs, **_guidance(family, 1)})
+        for i, (p, s) in enumerate(zip(prompts, sources))
+    ]
     return torch.cat([_pixels(c, family) for c in calls])
 
 
@@ -118,11 +120,29 @@ def test_options_are_validated_by_the_family(family):
 def test_ode_rollout_reproduces_the_diffusers_pipeline(family):
     name, pipe = family
     policy = DiffusionPolicy.from_pipeline(pipe, options=_options(name))
-    rollout = policy.rollout(PROMPTS, num_steps=4, guidance_scale=GUIDANCE, sampler="ode", generator=_gen(),
-                             height=64, width=64, **_sources(name, len(PROMPTS)))  # fmt: skip
+    rollout = policy.rollout(
+        PROMPTS,
+        num_steps=4,
+        guidance_scale=GUIDANCE,
+        sampler="ode",
+        generator=_gen(),
+        height=64,
+        width=64,
+        **_sources(name, len(PROMPTS)),
+    )
     latents = policy.adapter.initial_latents(len(PROMPTS), 64, 64, _gen())  # the rollout's initial noise
-    images = _pipeline_images(name, pipe, PROMPTS, latents, height=64, width=64, num_inference_steps=4,
-                              output_type="pt", **_guidance(name, len(PROMPTS), pipe), **_options(name))  # fmt: skip
+    images = _pipeline_images(
+        name,
+        pipe,
+        PROMPTS,
+        latents,
+        height=64,
+        width=64,
+        num_inference_steps=4,
+        output_type="pt",
+        **_guidance(name, len(PROMPTS), pipe),
+        **_options(name),
+    )
     assert rollout.images.shape[:2] == (4, 3) and rollout.images.shape[-2:] == (64, 64)
     assert rollout.images.shape == images.shape
     assert 0 <= rollout.images.min() and rollout.images.max() <= 1
@@ -135,8 +155,17 @@ def test_the_default_sampler_rescores_exactly(family):
     name, pipe = family
     policy = DiffusionPolicy.from_pipeline(pipe, options=_options(name))
     sampler = MODEL_FAMILIES.get(name).default_sampler
-    rollout = policy.rollout(PROMPTS, num_steps=4, guidance_scale=GUIDANCE, sampler=sampler, noise_level=0.8,
-                             generator=_gen(1), height=64, width=64, **_sources(name, len(PROMPTS)))  # fmt: skip
+    rollout = policy.rollout(
+        PROMPTS,
+        num_steps=4,
+        guidance_scale=GUIDANCE,
+        sampler=sampler,
+        noise_level=0.8,
+        generator=_gen(1),
+        height=64,
+        width=64,
+        **_sources(name, len(PROMPTS)),
+    )
     steps = rollout.sde_steps
     assert len(steps) >= 3
     assert torch.equal(policy.log_prob(rollout, steps.expand(4, -1)), rollout.log_probs[:, steps])
@@ -147,22 +176,25 @@ def test_lora_round_trip_through_diffusers_load_lora_weights(family, tmp_path):
     build = MODEL_FAMILIES.get(name).tiny
     policy = DiffusionPolicy.from_pipeline(build(seed=7), options=_options(name))
     policy.add_lora(rank=4, alpha=8)
-    assert policy.trainable_parameters() and all("lora" in n for n, p in policy.model.named_parameters()
-                                                  if p.requires_grad)  # fmt: skip
+    assert policy.trainable_parameters() and all(
+        "lora" in n for n, p in policy.model.named_parameters() if p.requires_grad
+    )
     with torch.no_grad():  # stand-in for a trained adapter
         for param_name, param in policy.model.named_parameters():
             if "lora_B" in param_name:
                 param.normal_(0, 0.05)
     prompts, sources = ["a cat", "a dog"], _sources(name, 2)
-    trained = policy.rollout(prompts, num_steps=3, guidance_scale=GUIDANCE, sampler="ode", generator=_gen(),
-                             height=64, width=64, **sources).images  # fmt: skip
+    trained = policy.rollout(
+        prompts, num_steps=3, guidance_scale=GUIDANCE, sampler="ode", generator=_gen(), height=64, width=64, **sources
+    ).images
     path = policy.save_lora(tmp_path)
     assert path.name == "pytorch_lora_weights.safetensors" and path.is_file()
     fresh = build(seed=7)
     fresh.set_progress_bar_config(disable=True)
     latents = policy.adapter.initial_latents(2, 64, 64, _gen())
-    kwargs = dict(height=64, width=64, num_inference_steps=3, output_type="pt", **_guidance(name, 2, fresh),
-                  **_options(name))  # fmt: skip
+    kwargs = dict(
+        height=64, width=64, num_inference_steps=3, output_type="pt", **_guidance(name, 2, fresh), **_options(name)
+    )
     base = _pipeline_images(name, fresh, prompts, latents, **kwargs)
     MODEL_FAMILIES.get(name).load_lora_into(fresh, tmp_path)  # `load_lora_weights`, or the family's `lora_loader`
     loaded = _pipeline_images(name, fresh, prompts, latents, **kwargs)
@@ -170,5 +202,16 @@ def test_lora_round_trip_through_diffusers_load_lora_weights(family, tmp_path):
     assert (base - trained).abs().max() > 1e-3  # the adapter did change the outputs
     again = DiffusionPolicy.from_pipeline(build(seed=7), options=_options(name))
     again.load_lora(tmp_path)
-    assert torch.equal(again.rollout(prompts, num_steps=3, guidance_scale=GUIDANCE, sampler="ode", generator=_gen(),
-                                     height=64, width=64, **sources).images, trained)  # fmt: skip
+    assert torch.equal(
+        again.rollout(
+            prompts,
+            num_steps=3,
+            guidance_scale=GUIDANCE,
+            sampler="ode",
+            generator=_gen(),
+            height=64,
+            width=64,
+            **sources,
+        ).images,
+        trained,
+    )

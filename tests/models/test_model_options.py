@@ -30,11 +30,17 @@ def _grads(policy, rollout):
 @pytest.mark.parametrize(
     "family",
     [f if f in ("sd3", "flux", "unet") else pytest.param(f, marks=pytest.mark.models) for f in MODEL_FAMILIES.names()],
-)  # fmt: skip (the others: the `models` tier)
+)  # the others: the `models` tier
 def test_gradient_checkpointing_gives_the_same_gradients(family, small_edit_sources):
     plain = _policy(family)
-    kwargs = dict(num_steps=3, guidance_scale=1.0, noise_level=0.8, height=64, width=64,
-                  sampler=MODEL_FAMILIES.get(family).default_sampler)  # fmt: skip
+    kwargs = dict(
+        num_steps=3,
+        guidance_scale=1.0,
+        noise_level=0.8,
+        height=64,
+        width=64,
+        sampler=MODEL_FAMILIES.get(family).default_sampler,
+    )
     if MODEL_FAMILIES.get(family).pipeline_needs_sources:  # editing and image-to-video: an image with each prompt
         kwargs["source_images"] = [draw("square", "blue", (10, 12, 40, 42))] * 2
     rollout = plain.rollout(["a cat", "a dog"], generator=torch.Generator().manual_seed(0), **kwargs)
@@ -50,8 +56,15 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, small_edit_sour
 
 def test_the_attention_backend_is_diffusers_switch_and_keeps_the_ratio_exact():
     policy = _policy("sd3", attention_backend="_native_math")
-    rollout = policy.rollout(["a cat", "a dog"], num_steps=3, guidance_scale=2.0, noise_level=0.8, height=64,
-                             width=64, generator=torch.Generator().manual_seed(0))  # fmt: skip
+    rollout = policy.rollout(
+        ["a cat", "a dog"],
+        num_steps=3,
+        guidance_scale=2.0,
+        noise_level=0.8,
+        height=64,
+        width=64,
+        generator=torch.Generator().manual_seed(0),
+    )
     steps = rollout.sde_steps.expand(2, -1)
     with torch.no_grad():
         assert torch.equal(policy.log_prob(rollout, steps), rollout.log_probs[:, rollout.sde_steps])

@@ -126,9 +126,11 @@ def test_unknown_names_and_families_fail_in_one_line():
     assert type(build_pipeline("Lightricks/LTX-2", family="ltx2_i2v")).__name__ == "LTX2ImageToVideoPipeline"
     assert published_checkpoints("ltx2_i2v") == ["Lightricks/LTX-2"]
     assert published_checkpoints("wan") == [
-        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
         "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
-    ]  # fmt: skip
+    ]
 
 
 def test_classes_of_pipeline_modules_build_at_their_published_size():

@@ -42,8 +42,17 @@ def pipes():
 
 
 def _pipeline(pipe, prompt, image, latents, guidance):
-    return pipe(prompt=[prompt], image=image, height=64, width=64, num_inference_steps=4, true_cfg_scale=guidance,
-                negative_prompt=[""], output_type="pt", latents=latents).images  # fmt: skip
+    return pipe(
+        prompt=[prompt],
+        image=image,
+        height=64,
+        width=64,
+        num_inference_steps=4,
+        true_cfg_scale=guidance,
+        negative_prompt=[""],
+        output_type="pt",
+        latents=latents,
+    ).images
 
 
 @pytest.mark.parametrize("family", ["qwen_image_edit", "qwen_image_edit_plus"])
@@ -53,11 +62,13 @@ def test_the_negative_prompt_sees_the_sources_as_in_the_pipeline(family, pipes, 
     pipe = pipes[family]
     policy = DiffusionPolicy.from_pipeline(pipe, options=OPTIONS)
     latents = policy.adapter.initial_latents(2, 64, 64, _gen())
-    kwargs = dict(num_steps=4, guidance_scale=4.0, sampler="ode", latents=latents, height=64, width=64,
-                  source_images=sources)  # fmt: skip
+    kwargs = dict(
+        num_steps=4, guidance_scale=4.0, sampler="ode", latents=latents, height=64, width=64, source_images=sources
+    )
     rollout = policy.rollout(PROMPTS, **kwargs)
-    expected = torch.cat([_pipeline(pipe, p, s, latents[i : i + 1], 4.0)
-                          for i, (p, s) in enumerate(zip(PROMPTS, sources))])  # fmt: skip
+    expected = torch.cat(
+        [_pipeline(pipe, p, s, latents[i : i + 1], 4.0) for i, (p, s) in enumerate(zip(PROMPTS, sources))]
+    )
     torch.testing.assert_close(rollout.images, expected, rtol=0, atol=1e-5)
     assert {NEGATIVE + "prompt_embeds", NEGATIVE + "prompt_embeds_mask"} <= set(rollout.edit_cond)
     assert not torch.equal(*rollout.edit_cond[NEGATIVE + "prompt_embeds"])  # one per source
@@ -76,14 +87,30 @@ def test_plus_takes_several_sources_per_prompt(pipes, sources):
     pipe = pipes["qwen_image_edit_plus"]
     policy = DiffusionPolicy.from_pipeline(pipe, options=OPTIONS)
     latents = policy.adapter.initial_latents(1, 64, 64, _gen())
-    rollout = policy.rollout(PROMPTS[:1], num_steps=4, guidance_scale=4.0, sampler="ode", latents=latents, height=64,
-                             width=64, source_images=[sources])  # fmt: skip
+    rollout = policy.rollout(
+        PROMPTS[:1],
+        num_steps=4,
+        guidance_scale=4.0,
+        sampler="ode",
+        latents=latents,
+        height=64,
+        width=64,
+        source_images=[sources],
+    )
     expected = _pipeline(pipe, PROMPTS[0], sources, latents, 4.0)
     torch.testing.assert_close(rollout.images, expected, rtol=0, atol=1e-5)
     assert rollout.source_images.shape == (1, 2, 3, 64, 64)
     assert rollout.edit_cond["image_shapes"].tolist() == [[[1, 8, 8], [1, 8, 8]]]  # each source's latent grid
-    one = policy.rollout(PROMPTS[:1], num_steps=4, guidance_scale=4.0, sampler="ode", latents=latents, height=64,
-                         width=64, source_images=[sources[:1]]).images  # fmt: skip
+    one = policy.rollout(
+        PROMPTS[:1],
+        num_steps=4,
+        guidance_scale=4.0,
+        sampler="ode",
+        latents=latents,
+        height=64,
+        width=64,
+        source_images=[sources[:1]],
+    ).images
     assert (one - rollout.images).abs().max() > 1e-3  # the second source changed the edit
 
 
@@ -91,9 +118,20 @@ def test_the_sde_rollout_rescores_exactly_in_chunks_after_cat_and_select(pipes, 
     policy = DiffusionPolicy.from_pipeline(pipes["qwen_image_edit_plus"], options=OPTIONS, forward_batch_size=2)
     entries = [sources, sources[::-1], sources, sources[::-1]]  # two sources each, in either order
     prompts = PROMPTS + ["make it green", PROMPTS[1]]
-    parts = [policy.rollout(prompts[i : i + 2], num_steps=4, guidance_scale=4.0, sampler="flow_sde", noise_level=0.8,
-                            generator=_gen(i), height=64, width=64, source_images=entries[i : i + 2])
-             for i in (0, 2)]  # fmt: skip
+    parts = [
+        policy.rollout(
+            prompts[i : i + 2],
+            num_steps=4,
+            guidance_scale=4.0,
+            sampler="flow_sde",
+            noise_level=0.8,
+            generator=_gen(i),
+            height=64,
+            width=64,
+            source_images=entries[i : i + 2],
+        )
+        for i in (0, 2)
+    ]
     rollout = DiffusionRollout.cat(parts)
     steps = rollout.sde_steps
     assert torch.equal(policy.log_prob(rollout, steps.expand(4, -1)), rollout.log_probs[:, steps])

@@ -58,8 +58,10 @@ def test_a_tiny_config_trains_exports_and_samples(path, tmp_path, monkeypatch):
             assert sheet.size == (3 * width + 2 * max(1, width // 32), height)
     pipe = load_pipeline(config.model.name)
     assert type(pipe).__name__ == MODEL_FAMILIES.get(config.model.name[5:].split("@")[0]).pipeline_class
-    before = {k: v.clone() for k, v in pipe.components[MODEL_FAMILIES.get(pipe_family(pipe)).lora_prefix]
-              .state_dict().items()}  # fmt: skip
+    before = {
+        k: v.clone()
+        for k, v in pipe.components[MODEL_FAMILIES.get(pipe_family(pipe)).lora_prefix].state_dict().items()
+    }
     MODEL_FAMILIES.get(pipe_family(pipe)).load_lora_into(pipe, tmp_path / "lora")  # or the family's `lora_loader`
     after = pipe.components[MODEL_FAMILIES.get(pipe_family(pipe)).lora_prefix].state_dict()
     assert any("lora" in k for k in after) and set(before) <= {k.replace(".base_layer", "") for k in after}

@@ -110,17 +110,29 @@ def test_wan22_routes_steps_to_its_two_experts_as_the_pipeline():
     pipe.set_progress_bar_config(disable=True)
     policy = DiffusionPolicy.from_pipeline(pipe, options={**OPTIONS, "guidance_scale_2": 2.0})
     prompts = ["a cat", "a dog"]
-    rollout = policy.rollout(prompts, num_steps=4, guidance_scale=4.0, sampler="ode", generator=_gen(), height=32,
-                             width=32)  # fmt: skip
-    video = pipe(prompts, height=32, width=32, num_frames=5, num_inference_steps=4, guidance_scale=4.0,
-                 guidance_scale_2=2.0, output_type="pt", generator=_gen(), max_sequence_length=16).frames  # fmt: skip
+    rollout = policy.rollout(
+        prompts, num_steps=4, guidance_scale=4.0, sampler="ode", generator=_gen(), height=32, width=32
+    )
+    video = pipe(
+        prompts,
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=4,
+        guidance_scale=4.0,
+        guidance_scale_2=2.0,
+        output_type="pt",
+        generator=_gen(),
+        max_sequence_length=16,
+    ).frames
     assert rollout.images.shape == (2, 3, 5, 32, 32)
     torch.testing.assert_close(rollout.images, video.transpose(1, 2), rtol=0, atol=1e-5)
     high = policy.adapter.high_noise(rollout.timesteps)
     assert high.any() and not high.all()  # both experts ran
     single = DiffusionPolicy.from_pipeline(WanAdapter.tiny(seed=3), options=OPTIONS)
-    other = single.rollout(prompts, num_steps=4, guidance_scale=4.0, sampler="ode", generator=_gen(), height=32,
-                           width=32)  # fmt: skip
+    other = single.rollout(
+        prompts, num_steps=4, guidance_scale=4.0, sampler="ode", generator=_gen(), height=32, width=32
+    )
     assert (other.images - rollout.images).abs().max() > 1e-4  # the low-noise expert made a difference
 
 
@@ -130,10 +142,20 @@ def test_per_token_timesteps_of_wan22_ti2v_reproduce_the_pipeline():
     pipe.register_to_config(expand_timesteps=True)
     pipe.set_progress_bar_config(disable=True)
     policy = DiffusionPolicy.from_pipeline(pipe, options=OPTIONS)
-    rollout = policy.rollout(["a cat"], num_steps=3, guidance_scale=4.0, sampler="ode", generator=_gen(), height=32,
-                             width=32)  # fmt: skip
-    video = pipe(["a cat"], height=32, width=32, num_frames=5, num_inference_steps=3, guidance_scale=4.0,
-                 output_type="pt", generator=_gen(), max_sequence_length=16).frames  # fmt: skip
+    rollout = policy.rollout(
+        ["a cat"], num_steps=3, guidance_scale=4.0, sampler="ode", generator=_gen(), height=32, width=32
+    )
+    video = pipe(
+        ["a cat"],
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=3,
+        guidance_scale=4.0,
+        output_type="pt",
+        generator=_gen(),
+        max_sequence_length=16,
+    ).frames
     torch.testing.assert_close(rollout.images, video.transpose(1, 2), rtol=0, atol=1e-5)
 
 
@@ -158,11 +180,20 @@ def test_wan22_trains_both_experts_as_one_module_and_exports_a_lora_for_each(tmp
     options = {**OPTIONS, "trained_expert": "both", "guidance_scale_2": 2.0}
     policy = DiffusionPolicy.from_pipeline(pipe, options=options, forward_batch_size=2)
     kwargs = dict(num_steps=4, guidance_scale=4.0, height=32, width=32)
-    call = dict(height=32, width=32, num_frames=5, num_inference_steps=4, guidance_scale=4.0, guidance_scale_2=2.0,
-                output_type="pt", max_sequence_length=16)  # fmt: skip
+    call = dict(
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=4,
+        guidance_scale=4.0,
+        guidance_scale_2=2.0,
+        output_type="pt",
+        max_sequence_length=16,
+    )
     plain = policy.rollout(["a cat"], sampler="ode", generator=_gen(), **kwargs).images
-    torch.testing.assert_close(plain, pipe(["a cat"], generator=_gen(), **call).frames.transpose(1, 2), rtol=0,
-                               atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        plain, pipe(["a cat"], generator=_gen(), **call).frames.transpose(1, 2), rtol=0, atol=1e-5
+    )
     policy.add_lora(rank=2)
     lora = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
     assert {n.split(".")[0] for n in lora} == {"transformer", "transformer_2"}
@@ -170,8 +201,9 @@ def test_wan22_trains_both_experts_as_one_module_and_exports_a_lora_for_each(tmp
         for name, param in lora.items():
             if "lora_B" in name:
                 param.normal_(0, 0.05)
-    rollout = policy.rollout(["a cat", "a dog", "a cat"], sampler="flow_sde", noise_level=0.8, generator=_gen(1),
-                             **kwargs)  # fmt: skip
+    rollout = policy.rollout(
+        ["a cat", "a dog", "a cat"], sampler="flow_sde", noise_level=0.8, generator=_gen(1), **kwargs
+    )
     steps = rollout.sde_steps.expand(3, -1)
     assert policy.adapter.high_noise(rollout.timesteps[rollout.sde_steps]).unique().numel() == 2  # both experts
     logp = policy.log_prob(rollout, steps)
@@ -210,21 +242,28 @@ def test_grpo_guard_updates_a_wan_lora(two_experts, tmp_path):
     policy.add_lora(rank=4)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cat\na blue dog\n")
-    config = load_config({
-        "trainer": "grpo_guard",
-        "sampling": {"num_steps": 3, "guidance_scale": 3.0, "noise_level": 0.8, "height": 32, "width": 32},
-        "batch": {"mini_batch_size": 2, "micro_batch_size": 2},  # 4 samples: 2 optimizer steps
-        "prompts": {"train": str(prompts), "test": str(prompts), "prompts_per_epoch": 2, "group_size": 2},
-        "rewards": [{"name": "per_frame"}, {"name": "jpeg_compressibility", "weight": 0.0},
-                    {"name": "temporal_consistency"}],
-        "eval": {"every": 0, "samples_per_prompt": 1},
-        "objective": {"clip_eps_low": 1e-2},
-        "optim": {"lr": 1e-2},
-        "run": {"epochs": 1, "log_with": [], "output_dir": str(tmp_path / "run")},
-    })  # fmt: skip
-    fns = {"per_frame": rewards.get("per_frame", reward="tests.models.test_video:brightness"),
-           "jpeg_compressibility": rewards.get("jpeg_compressibility"),  # an image reward on videos (logged only)
-           "temporal_consistency": rewards.get("temporal_consistency")}  # fmt: skip
+    config = load_config(
+        {
+            "trainer": "grpo_guard",
+            "sampling": {"num_steps": 3, "guidance_scale": 3.0, "noise_level": 0.8, "height": 32, "width": 32},
+            "batch": {"mini_batch_size": 2, "micro_batch_size": 2},  # 4 samples: 2 optimizer steps
+            "prompts": {"train": str(prompts), "test": str(prompts), "prompts_per_epoch": 2, "group_size": 2},
+            "rewards": [
+                {"name": "per_frame"},
+                {"name": "jpeg_compressibility", "weight": 0.0},
+                {"name": "temporal_consistency"},
+            ],
+            "eval": {"every": 0, "samples_per_prompt": 1},
+            "objective": {"clip_eps_low": 1e-2},
+            "optim": {"lr": 1e-2},
+            "run": {"epochs": 1, "log_with": [], "output_dir": str(tmp_path / "run")},
+        }
+    )
+    fns = {
+        "per_frame": rewards.get("per_frame", reward="tests.models.test_video:brightness"),
+        "jpeg_compressibility": rewards.get("jpeg_compressibility"),  # an image reward on videos (logged only)
+        "temporal_consistency": rewards.get("temporal_consistency"),
+    }
     trainer = build_trainer(config, policy=policy, reward_fns=fns, eval_fns={})
     rollout = trainer.collector.collect(0).data  # re-scored at the sampling weights: ratio exactly 1
     steps = rollout.sde_steps

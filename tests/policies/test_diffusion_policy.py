@@ -40,8 +40,16 @@ CASES = [
 @pytest.mark.parametrize("fixture, sampler, guidance, noise", CASES)
 def test_rescoring_reproduces_rollout_log_probs_exactly(request, fixture, sampler, guidance, noise):
     policy, _ = _policy(request.getfixturevalue(fixture))
-    rollout = policy.rollout(PROMPTS, num_steps=4, guidance_scale=guidance, sampler=sampler, noise_level=noise,
-                             generator=_gen(1), height=64, width=64)  # fmt: skip
+    rollout = policy.rollout(
+        PROMPTS,
+        num_steps=4,
+        guidance_scale=guidance,
+        sampler=sampler,
+        noise_level=noise,
+        generator=_gen(1),
+        height=64,
+        width=64,
+    )
     steps = rollout.sde_steps
     assert len(steps) >= 3  # (CPS's last step is deterministic)
     logp = policy.log_prob(rollout, steps.expand(4, -1))
@@ -102,8 +110,9 @@ def test_rollouts_sampled_in_parts_concatenate_and_rescore_exactly(sd3_pipe):
 
 def test_rollout_record(sd3_pipe):
     policy, _ = _policy(sd3_pipe)
-    rollout = policy.rollout(PROMPTS, num_steps=5, generator=_gen(), height=64, width=64, sde_window=(1, 3),
-                             store_means=True)  # fmt: skip
+    rollout = policy.rollout(
+        PROMPTS, num_steps=5, generator=_gen(), height=64, width=64, sde_window=(1, 3), store_means=True
+    )
     assert rollout.prompt_ids.tolist() == [0, 1, 0, 2]
     assert rollout.unique_prompts == ["a cat", "a dog", "a red car"]
     assert rollout.latents.shape == (4, 6, 16, 32, 32)
@@ -138,8 +147,9 @@ def test_grpo_guard_quantities_from_a_rollout(sd3_pipe):
     normed = ratio_norm_grpo_guard(rollout.latents[:, 2], out.mean[:, 0], rollout.means[:, 1], out.std[:, 0])
     assert torch.all(normed == 0)
     mean_diff_sq = (out.mean - rollout.means[:, 1:2]).pow(2).flatten(2).mean(-1)
-    loss, metrics = compute_policy_loss("grpo_guard", out.log_prob, rollout.log_probs[:, 1:2], torch.ones(4),
-                                        std=out.std, mean_diff_sq=mean_diff_sq)  # fmt: skip
+    loss, metrics = compute_policy_loss(
+        "grpo_guard", out.log_prob, rollout.log_probs[:, 1:2], torch.ones(4), std=out.std, mean_diff_sq=mean_diff_sq
+    )
     assert metrics["ratio_mean"].item() == 1.0
 
 
@@ -147,8 +157,9 @@ def test_gradients_flow_from_log_probs_to_the_network():
     pipe = tiny_sd3(seed=3)
     policy, _ = _policy(pipe)
     rollout = policy.rollout(PROMPTS[:2], num_steps=3, generator=_gen(), height=64, width=64)
-    loss, _ = compute_policy_loss("ppo", policy.log_prob(rollout, 1), rollout.log_probs[:, 1:2],
-                                  torch.tensor([1.0, -1.0]), clip_eps_low=1e-4)  # fmt: skip
+    loss, _ = compute_policy_loss(
+        "ppo", policy.log_prob(rollout, 1), rollout.log_probs[:, 1:2], torch.tensor([1.0, -1.0]), clip_eps_low=1e-4
+    )
     loss.backward()
     grads = [p.grad for p in policy.model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
@@ -238,9 +249,19 @@ def _random_callable_policy():
     from flowrl.policies import from_callable
 
     torch.manual_seed(0)
-    net = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=1, out_channels=1, num_layers=1,
-                                attention_head_dim=8, num_attention_heads=2, joint_attention_dim=6,
-                                caption_projection_dim=16, pooled_projection_dim=6, pos_embed_max_size=8)  # fmt: skip
+    net = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=1,
+        out_channels=1,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=6,
+        caption_projection_dim=16,
+        pooled_projection_dim=6,
+        pos_embed_max_size=8,
+    )
     table = {"zero": torch.randn(6), "one": torch.randn(6), "": torch.zeros(6)}  # "" is the CFG negative
 
     def encode(prompts):
@@ -260,8 +281,9 @@ def test_callable_adapter_policy():
     # the same batch layout re-scores bit for bit; another layout (one row alone: a different GEMM shape) may
     # differ in the last bits on some CPUs (MKL/AVX2 kernels pick by shape), so it is compared with a tolerance
     assert torch.equal(policy.log_prob(rollout, 1), rollout.log_probs[:, 1:2])
-    torch.testing.assert_close(policy.log_prob(rollout.select([1]), 2), rollout.log_probs[1:2, 2:3], rtol=1e-5,
-                               atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        policy.log_prob(rollout.select([1]), 2), rollout.log_probs[1:2, 2:3], rtol=1e-5, atol=1e-6
+    )
     policy.log_prob(rollout, 0).sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.model.parameters())
 
@@ -273,8 +295,9 @@ def test_dpm_solver_after_the_window(request, fixture):
     policy, _ = _policy(request.getfixturevalue(fixture))
     kwargs = dict(num_steps=10, sde_window=(1, 3), guidance_scale=1.0, height=64, width=64)
     euler = policy.rollout(PROMPTS, generator=_gen(), **kwargs)
-    flash = policy.rollout(PROMPTS, generator=_gen(), post_window_solver="dpm_solver_2m", post_window_ratio=0.4,
-                           **kwargs)  # fmt: skip
+    flash = policy.rollout(
+        PROMPTS, generator=_gen(), post_window_solver="dpm_solver_2m", post_window_ratio=0.4, **kwargs
+    )
     assert flash.num_steps == 3 + max(int((10 - 3 + 1) * 0.4), 2) - 1 == 5
     assert torch.equal(flash.sigmas[:4], euler.sigmas[:4]) and flash.sigmas[-1] == 0
     assert (flash.sigmas.diff() < 0).all() and flash.sde_mask.tolist() == [False, True, True, False, False]
@@ -283,8 +306,15 @@ def test_dpm_solver_after_the_window(request, fixture):
     assert torch.equal(policy.log_prob(flash, torch.tensor([[1, 2]] * len(PROMPTS))), flash.log_probs[:, 1:3])
     assert flash.images.shape == euler.images.shape
     # a window reaching the last step leaves nothing to re-discretise
-    whole = policy.rollout(PROMPTS[:1], num_steps=4, sde_window=(0, 4), post_window_solver="dpm_solver_2m",
-                           generator=_gen(), height=64, width=64)  # fmt: skip
+    whole = policy.rollout(
+        PROMPTS[:1],
+        num_steps=4,
+        sde_window=(0, 4),
+        post_window_solver="dpm_solver_2m",
+        generator=_gen(),
+        height=64,
+        width=64,
+    )
     assert whole.num_steps == 4
     with pytest.raises(ValueError, match="post_window_solver must be one of euler, dpm_solver_2m"):
         policy.rollout(PROMPTS[:1], num_steps=4, post_window_solver="heun")
@@ -335,8 +365,16 @@ def test_dpm_solver_after_the_window_is_second_order():
     exact = flow.mu + flow.s * noise
 
     def error(solver, steps):
-        rollout = policy.rollout(["x"] * 6, num_steps=steps, sampler="ode", latents=noise, sde_window=(0, 1),
-                                 post_window_solver=solver, post_window_ratio=1.0, decode=False)  # fmt: skip
+        rollout = policy.rollout(
+            ["x"] * 6,
+            num_steps=steps,
+            sampler="ode",
+            latents=noise,
+            sde_window=(0, 1),
+            post_window_solver=solver,
+            post_window_ratio=1.0,
+            decode=False,
+        )
         return (rollout.latents[:, -1] - exact).norm().item()
 
     # (from 32 steps on: its first-order last step jumps from the last re-discretised sigma straight to 0)

@@ -93,8 +93,14 @@ def test_fpo_constant_loss_offset_leaves_the_ratio_unchanged():
 
 def test_fpo_on_an_image_policy_is_exact_at_the_behaviour_parameters(sd3_pipe):
     policy = DiffusionPolicy.from_pipeline(sd3_pipe, **TEXT, forward_batch_size=2)
-    rollout = policy.rollout(["a cat", "a dog", "a cat"], num_steps=2, sampler="ode",
-                             generator=torch.Generator().manual_seed(0), height=64, width=64)  # fmt: skip
+    rollout = policy.rollout(
+        ["a cat", "a dog", "a cat"],
+        num_steps=2,
+        sampler="ode",
+        generator=torch.Generator().manual_seed(0),
+        height=64,
+        width=64,
+    )
     actions = rollout.latents[:, -1]
     draws = draw(policy.velocity_fn(rollout, 3), actions, 3, generator=torch.Generator().manual_seed(1))
     sub = rollout.select([2])

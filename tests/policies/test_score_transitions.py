@@ -51,8 +51,16 @@ def test_shuffled_transitions_of_several_rollouts_rescore_exactly(request, fixtu
 def test_prediction_is_the_guided_network_output_behind_the_mean(sd3_pipe, unet_pipe):
     for pipe, sampler, noise in ((sd3_pipe, "flow_sde", 0.7), (unet_pipe, "ddim", 1.0)):
         policy = _policy(pipe, forward_batch_size=2)
-        rollout = policy.rollout(PROMPTS[:3], num_steps=3, guidance_scale=4.0, sampler=sampler, noise_level=noise,
-                                 generator=torch.Generator().manual_seed(3), height=64, width=64)  # fmt: skip
+        rollout = policy.rollout(
+            PROMPTS[:3],
+            num_steps=3,
+            guidance_scale=4.0,
+            sampler=sampler,
+            noise_level=noise,
+            generator=torch.Generator().manual_seed(3),
+            height=64,
+            width=64,
+        )
         step = torch.tensor([0, 2, 1])
         rows = torch.arange(3)
         cond = policy.encode(rollout.prompts)
@@ -61,12 +69,14 @@ def test_prediction_is_the_guided_network_output_behind_the_mean(sd3_pipe, unet_
         assert prediction.shape == states.shape
         # the step kernel applied to the returned prediction gives the same mean and log-prob
         if sampler == "ddim":
-            again = ddim_step(policy.adapter.scheduler, prediction, rollout.timesteps[step], states, eta=noise,
-                              prev_sample=nexts)  # fmt: skip
+            again = ddim_step(
+                policy.adapter.scheduler, prediction, rollout.timesteps[step], states, eta=noise, prev_sample=nexts
+            )
         else:
             s = rollout.sigmas
-            again = sde_step(sampler, prediction, s[step], s[step + 1], states, prev_sample=nexts, noise_level=noise,
-                             sigma_max=s[1])  # fmt: skip
+            again = sde_step(
+                sampler, prediction, s[step], s[step + 1], states, prev_sample=nexts, noise_level=noise, sigma_max=s[1]
+            )
         torch.testing.assert_close(again.mean, out.mean, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(again.log_prob, out.log_prob, rtol=1e-5, atol=1e-5)
         # it is the CFG combination `uncond + g (text - uncond)` of the network's two branches
@@ -79,8 +89,9 @@ def test_prediction_is_the_guided_network_output_behind_the_mean(sd3_pipe, unet_
 
 def test_bad_transitions_are_refused(sd3_pipe):
     policy = _policy(sd3_pipe)
-    rollout = policy.rollout(PROMPTS[:2], num_steps=3, sde_window=(0, 2), generator=torch.Generator().manual_seed(4),
-                             height=64, width=64)  # fmt: skip
+    rollout = policy.rollout(
+        PROMPTS[:2], num_steps=3, sde_window=(0, 2), generator=torch.Generator().manual_seed(4), height=64, width=64
+    )
     states, nexts = rollout.latents[:, 2], rollout.latents[:, 3]
     cond = policy.encode(rollout.prompts)
     with pytest.raises(ValueError, match=r"steps \[2\] were sampled deterministically"):

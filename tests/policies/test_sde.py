@@ -140,8 +140,14 @@ def test_cps_preserves_the_noise_coefficient():
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
 def test_ddim_eta_zero_reproduces_the_scheduler(prediction_type):
-    scheduler = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
-                              prediction_type=prediction_type, clip_sample=False, set_alpha_to_one=False)  # fmt: skip
+    scheduler = DDIMScheduler(
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        prediction_type=prediction_type,
+        clip_sample=False,
+        set_alpha_to_one=False,
+    )
     scheduler.set_timesteps(10)
     v, x, g = _inputs()
     for t in scheduler.timesteps:
@@ -191,8 +197,10 @@ def test_cps_log_prob_is_flow_grpos_code_form():
     mse = sde_step("cps", v, 0.7, 0.55, x, prev_sample=first.prev_sample, noise_level=0.8)
     expected = -(first.prev_sample - first.mean).square().flatten(1).mean(1)
     torch.testing.assert_close(mse.log_prob, expected, rtol=1e-6, atol=1e-7)
-    moved = {k: sde_step(k, new_v, 0.7, 0.55, x, prev_sample=first.prev_sample, noise_level=0.8) for k in
-             ("cps", "cps_gaussian")}  # fmt: skip
+    moved = {
+        k: sde_step(k, new_v, 0.7, 0.55, x, prev_sample=first.prev_sample, noise_level=0.8)
+        for k in ("cps", "cps_gaussian")
+    }
     gaussian_ratio = moved["cps_gaussian"].log_prob - first.log_prob
     mse_ratio = moved["cps"].log_prob - mse.log_prob
     std = first.std[0]
@@ -202,8 +210,14 @@ def test_cps_log_prob_is_flow_grpos_code_form():
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_ddim_mean_with_eta_matches_the_scheduler_with_zero_noise(prediction_type):
     # diffusers' DDIMScheduler.step draws x' = mu + std z; with z = 0 it returns the published DDIM mean (eq. 12)
-    scheduler = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
-                              prediction_type=prediction_type, clip_sample=False, set_alpha_to_one=False)  # fmt: skip
+    scheduler = DDIMScheduler(
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        prediction_type=prediction_type,
+        clip_sample=False,
+        set_alpha_to_one=False,
+    )
     scheduler.set_timesteps(10)
     v, x, _ = _inputs(6)
     for eta in (0.5, 1.0):
@@ -228,8 +242,9 @@ def test_dpm_solver_2m_step_by_hand():
     assert second.log_prob.eq(0).all() and second.std.eq(0).all()  # deterministic: no density
     # the last step lands on the data prediction; pure noise before has no log-SNR: first order
     torch.testing.assert_close(dpm_solver_2m_step(v, 0.5, 0.0, x, x0_prev=x, sigma_prev=0.75).prev_sample, x - 0.25)
-    torch.testing.assert_close(dpm_solver_2m_step(v, 0.5, 0.25, x, x0_prev=x, sigma_prev=1.0).prev_sample,
-                               first.prev_sample)  # fmt: skip
+    torch.testing.assert_close(
+        dpm_solver_2m_step(v, 0.5, 0.25, x, x0_prev=x, sigma_prev=1.0).prev_sample, first.prev_sample
+    )
     with pytest.raises(ValueError, match="sigma_next < sigma < 1"):
         dpm_solver_2m_step(v, 1.0, 0.5, x)
 

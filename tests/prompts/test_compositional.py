@@ -18,8 +18,10 @@ def _script(name):
     return module
 
 
-@pytest.mark.parametrize(("script", "files"), [("make_compositional_prompts", ("train.jsonl", "test.jsonl")),
-                                               ("make_ocr_prompts", ("train.txt", "test.txt"))])  # fmt: skip
+@pytest.mark.parametrize(
+    ("script", "files"),
+    [("make_compositional_prompts", ("train.jsonl", "test.jsonl")), ("make_ocr_prompts", ("train.txt", "test.txt"))],
+)
 def test_scripts_are_deterministic_and_match_the_shipped_files(tmp_path, script, files):
     module = _script(script)
     assert module.main(["--out", str(tmp_path)]) == 0

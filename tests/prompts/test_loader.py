@@ -16,8 +16,11 @@ def test_txt_skips_comments_and_blank_lines(tmp_path):
 
 def test_jsonl_keeps_metadata(tmp_path):
     path = tmp_path / "set.jsonl"
-    records = [{"prompt": "two dogs", "tag": "counting", "include": [{"class": "dog", "count": 2}]},
-               {"prompt": 'a mug that says "Tea"'}, {"prompt": 'a sign "X"', "text": "given"}]  # fmt: skip
+    records = [
+        {"prompt": "two dogs", "tag": "counting", "include": [{"class": "dog", "count": 2}]},
+        {"prompt": 'a mug that says "Tea"'},
+        {"prompt": 'a sign "X"', "text": "given"},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
     loaded = prompts.load(str(path))
     assert loaded[0] == Prompt("two dogs", {"tag": "counting", "include": [{"class": "dog", "count": 2}]})
@@ -43,8 +46,14 @@ def test_unknown_names_list_the_shipped_sets():
 
 def test_shipped_sets_load_by_name():
     names = prompts.list_sets()
-    for name in ["simple_animals", "drawbench_style", "compositional/train", "compositional/test", "ocr/train",
-                 "ocr/test"]:  # fmt: skip
+    for name in [
+        "simple_animals",
+        "drawbench_style",
+        "compositional/train",
+        "compositional/test",
+        "ocr/train",
+        "ocr/test",
+    ]:
         assert name in names
     for name in names:
         loaded = prompts.load(name)
@@ -58,8 +67,16 @@ def test_drawbench_style_covers_the_categories():
     loaded = prompts.load("drawbench_style")
     categories = {p.metadata["category"] for p in loaded}
     assert len(loaded) == 200 and len({p.text for p in loaded}) == 200
-    assert categories == {"colors", "counting", "positional", "text", "rare_words", "conflicting", "descriptions",
-                          "creative"}  # fmt: skip
+    assert categories == {
+        "colors",
+        "counting",
+        "positional",
+        "text",
+        "rare_words",
+        "conflicting",
+        "descriptions",
+        "creative",
+    }
     assert all("text" in p.metadata for p in loaded if p.metadata["category"] == "text")
 
 

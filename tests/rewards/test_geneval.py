@@ -37,10 +37,14 @@ TWO = {"tag": "two_object", "include": [{"class": "truck", "count": 1}, {"class"
 COUNT = {"tag": "counting", "include": [{"class": "orange", "count": 3}], "exclude": [{"class": "orange", "count": 4}]}
 COLOR = {"tag": "colors", "include": [{"class": "stop sign", "count": 1, "color": "pink"}]}
 # "a photo of a tie above a sink"
-POSITION = {"tag": "position", "include": [{"class": "sink", "count": 1},
-                                         {"class": "tie", "count": 1, "position": ["above", 0]}]}  # fmt: skip
-ATTR = {"tag": "color_attr", "include": [{"class": "train", "count": 1, "color": "purple"},
-                                         {"class": "oven", "count": 1, "color": "green"}]}  # fmt: skip
+POSITION = {
+    "tag": "position",
+    "include": [{"class": "sink", "count": 1}, {"class": "tie", "count": 1, "position": ["above", 0]}],
+}
+ATTR = {
+    "tag": "color_attr",
+    "include": [{"class": "train", "count": 1, "color": "purple"}, {"class": "oven", "count": 1, "color": "green"}],
+}
 
 
 # --- the rules, one task at a time
@@ -195,8 +199,13 @@ def test_reward_reads_prompt_metadata():
 
     reward = rewards.get("geneval", detector=detector, color_classifier=lambda im, d, c: "pink")
     metas = [SINGLE, SINGLE, None]
-    scores = reward(torch.zeros(3, 3, 16, 16), ["a", "b", "c"], tag=[m and m["tag"] for m in metas],
-                    include=[m and m["include"] for m in metas], exclude=[None, None, None])  # fmt: skip
+    scores = reward(
+        torch.zeros(3, 3, 16, 16),
+        ["a", "b", "c"],
+        tag=[m and m["tag"] for m in metas],
+        include=[m and m["include"] for m in metas],
+        exclude=[None, None, None],
+    )
     assert scores[:2].tolist() == [1.0, 0.0] and math.isnan(scores[2])
     with pytest.raises(ValueError, match="GenEval metadata"):
         reward(torch.zeros(3, 3, 16, 16), ["a", "b", "c"])
@@ -234,12 +243,24 @@ def detr_dir(tmp_path_factory):
     from transformers import DetrConfig, DetrForObjectDetection, DetrImageProcessor, ResNetConfig
 
     labels = {0: "N/A", 1: "bench", 2: "motorbike", 3: "orange", 4: "sink", 5: "tie"}
-    backbone = ResNetConfig(embedding_size=8, hidden_sizes=[8, 8, 8, 8], depths=[1, 1, 1, 1], layer_type="basic",
-                            out_features=["stage4"])  # fmt: skip
-    config = DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone, d_model=16,
-                        encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-                        encoder_ffn_dim=16, decoder_ffn_dim=16, num_queries=8, id2label=labels,
-                        label2id={v: k for k, v in labels.items()})  # fmt: skip
+    backbone = ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 8, 8, 8], depths=[1, 1, 1, 1], layer_type="basic", out_features=["stage4"]
+    )
+    config = DetrConfig(
+        use_timm_backbone=False,
+        use_pretrained_backbone=False,
+        backbone_config=backbone,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=16,
+        decoder_ffn_dim=16,
+        num_queries=8,
+        id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+    )
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny_detr")
     DetrForObjectDetection(config).save_pretrained(folder)
@@ -278,11 +299,20 @@ def test_zero_shot_owlvit_adapter(tmp_path):
     from flowrl.models.tiny import tiny_clip_tokenizer
 
     tok = tiny_clip_tokenizer()
-    text = dict(vocab_size=len(tok), hidden_size=16, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1,
-                max_position_embeddings=77, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id)  # fmt: skip
-    vision = dict(hidden_size=16, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1, image_size=32,
-                  patch_size=8)  # fmt: skip
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        max_position_embeddings=77,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    vision = dict(
+        hidden_size=16, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1, image_size=32, patch_size=8
+    )
     torch.manual_seed(0)
     OwlViTForObjectDetection(OwlViTConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(
         tmp_path

@@ -232,9 +232,11 @@ def test_malformed_requests_get_a_one_line_400(jpeg_server, body, match):
         "raw_wrong_shape": {"prompts": ["a"], "images": {**raw, "shape": [1, 4, 4, 3]}},
         "raw_wrong_bytes": {"prompts": ["a"], "images": {**raw, "data": raw["data"][:-8]}},
         "wrong_metadata": {"prompts": ["a"], "images": one, "metadata": {"answer": [1, 2]}},
-        "two_sizes": {"prompts": ["a", "b"], "images": {"format": "png", "data": one["data"] + encode_images(
-            torch.zeros(1, 3, 5, 4))["data"]}},
-    }  # fmt: skip
+        "two_sizes": {
+            "prompts": ["a", "b"],
+            "images": {"format": "png", "data": one["data"] + encode_images(torch.zeros(1, 3, 5, 4))["data"]},
+        },
+    }
     body = cases[body] if isinstance(body, str) else body
     status, answer = post(jpeg_server.url + "/score", body if isinstance(body, bytes) else json.dumps(body).encode())
     assert status == 400 and re.search(match, answer["error"]), answer
@@ -275,8 +277,11 @@ def test_a_server_that_is_down_is_a_clear_error_after_the_deadline(images, caplo
     assert 0.5 <= time.monotonic() - start < 5
     message = str(info.value)
     assert f"http://127.0.0.1:{port}/score is unreachable (ConnectionRefusedError" in message and "\n" not in message
-    assert re.search(rf"gave up after \d+ tries in 0\.\d s \(deadline_s=0\.5\); start it with `flowrl serve-reward "
-                     rf"NAME --port {port}`", message), message  # fmt: skip
+    assert re.search(
+        rf"gave up after \d+ tries in 0\.\d s \(deadline_s=0\.5\); start it with `flowrl serve-reward "
+        rf"NAME --port {port}`",
+        message,
+    ), message
     assert isinstance(info.value, ConnectionError) and isinstance(info.value, rewards.RewardError)
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         f"reward server http://127.0.0.1:{port}/score unreachable, retrying for up to 0.5 s"
@@ -331,8 +336,10 @@ def test_a_retried_request_id_is_scored_once(images):
 
     with RewardServer(counted, name="mean", port=0).start() as server:
         body = request_body(images, PROMPTS)
-        answers = [httpx.post(f"{server.url}/score", content=body, headers={"X-Request-ID": rid}, timeout=10)
-                   for rid in ("r1", "r1", "r2")]  # fmt: skip
+        answers = [
+            httpx.post(f"{server.url}/score", content=body, headers={"X-Request-ID": rid}, timeout=10)
+            for rid in ("r1", "r1", "r2")
+        ]
         assert [a.status_code for a in answers] == [200] * 3
         assert [a.headers["X-Request-ID"] for a in answers] == ["r1", "r1", "r2"]
         assert answers[0].json() == answers[1].json() == answers[2].json()
@@ -465,8 +472,9 @@ def test_a_run_whose_reward_server_goes_away_stops_cleanly_and_resumes_from_its_
     served = rewards.get("digits_alignment", classifiers=tiny_world.classifiers)
     port = free_port()
     section = [{"name": "http", "kwargs": {"url": f"127.0.0.1:{port}", "deadline_s": 1.0}}]
-    config = tiny_config("flow_grpo", tmp_path, ["run.epochs=3", "run.samples_every=0", "eval.every=0"],
-                         rewards=section)  # fmt: skip
+    config = tiny_config(
+        "flow_grpo", tmp_path, ["run.epochs=3", "run.samples_every=0", "eval.every=0"], rewards=section
+    )
 
     def trainer_with(fn):
         return make_trainer(tiny_world, config, reward_fns={"http": fn})

@@ -98,8 +98,17 @@ def test_flowrl_score_ocr_directly_and_through_flowrl_serve_reward(tmp_path):
         paths.append(str(tmp_path / f"{name}.png"))
         Image.fromarray(array).save(paths[-1])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    score = [sys.executable, "-m", "flowrl", "score", "ocr", *paths, "--prompt", 'a sign that says "Hello World"',
-             "--json"]  # fmt: skip
+    score = [
+        sys.executable,
+        "-m",
+        "flowrl",
+        "score",
+        "ocr",
+        *paths,
+        "--prompt",
+        'a sign that says "Hello World"',
+        "--json",
+    ]
 
     def scores(*extra):
         out = subprocess.run([*score, *extra], capture_output=True, text=True, env=env, timeout=120)

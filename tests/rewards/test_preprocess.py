@@ -28,8 +28,12 @@ def test_downsampling_matches_pil_bicubic():
 
 
 def test_settings_from_processor_config_and_normalisation(tmp_path):
-    config = {"size": {"shortest_edge": 16}, "crop_size": {"height": 16, "width": 12}, "image_mean": [0.5] * 3,
-              "image_std": [0.25] * 3}  # fmt: skip
+    config = {
+        "size": {"shortest_edge": 16},
+        "crop_size": {"height": 16, "width": 12},
+        "image_mean": [0.5] * 3,
+        "image_std": [0.25] * 3,
+    }
     settings = ImageSettings.from_processor_config(config, default_size=224)
     assert settings == ImageSettings(size=16, crop=(16, 12), mean=(0.5,) * 3, std=(0.25,) * 3)
     out = settings(torch.full((1, 3, 20, 30), 0.75))

@@ -217,8 +217,13 @@ def test_unparsable_answers_are_nan_an_error_or_a_number_and_counted():
         assert torch.equal(scores.isnan(), torch.tensor([math.isnan(expected)] * 2))
         assert math.isnan(expected) or scores.tolist() == [expected] * 2
         assert judge.pop_metrics()["unparsable"] == 2
-    judge = rewards.get("vlm_score", url="http://127.0.0.1:1", model="m", on_unparsable="error",
-                        transport=Transport(lambda body: httpx.Response(200, json=_chat("I\ncannot"))))  # fmt: skip
+    judge = rewards.get(
+        "vlm_score",
+        url="http://127.0.0.1:1",
+        model="m",
+        on_unparsable="error",
+        transport=Transport(lambda body: httpx.Response(200, json=_chat("I\ncannot"))),
+    )
     with pytest.raises(RewardError, match=r"cannot read the answer 'I cannot' \(prompt 'a'\)"):
         judge(_images(1), ["a"])
 
@@ -237,8 +242,9 @@ def test_yes_no_reads_the_first_tokens_logprobs():
     def answer(body):
         assert body["logprobs"] is True and body["top_logprobs"] == 20 and body["max_tokens"] == 1
         top = [{"token": "Yes", "logprob": math.log(0.3)}, {"token": "No", "logprob": math.log(0.6)}]
-        return httpx.Response(200, json=_chat("No", {"content": [{"token": "No", "logprob": math.log(0.6),
-                                                                  "top_logprobs": top}]}))  # fmt: skip
+        return httpx.Response(
+            200, json=_chat("No", {"content": [{"token": "No", "logprob": math.log(0.6), "top_logprobs": top}]})
+        )
 
     judge = rewards.get("vlm_yes_no", url="http://127.0.0.1:1", model="m", transport=Transport(answer))
     torch.testing.assert_close(judge(_images(2), ["a", "b"]), torch.full((2,), 1 / 3))
@@ -249,16 +255,22 @@ def test_yes_no_reads_the_first_tokens_logprobs():
 
 def test_429_and_5xx_are_retried_with_backoff_and_other_4xx_are_not():
     statuses = iter([429, 503, 200])
-    transport = Transport(lambda body: httpx.Response(s := next(statuses), json=_chat("Final Score: 5") if s == 200
-                                                      else {"error": {"message": "busy"}}))  # fmt: skip
+    transport = Transport(
+        lambda body: httpx.Response(
+            s := next(statuses), json=_chat("Final Score: 5") if s == 200 else {"error": {"message": "busy"}}
+        )
+    )
     judge = rewards.get("vlm_score", url="http://127.0.0.1:1", model="m", backoff=0.001, transport=transport)
     assert judge(_images(1), ["a"]).tolist() == [1.0]
     assert judge.pop_metrics() == {"requests": 1, "cache_hits": 0, "retries": 2, "unparsable": 0, "failures": 0}
 
     transport = Transport(lambda body: httpx.Response(404, json={"detail": "The model `m` does not exist."}))
     judge = rewards.get("vlm_score", url="http://127.0.0.1:1", model="m", backoff=0.001, transport=transport)
-    with pytest.raises(RewardError, match=r"at http://127.0.0.1:1/v1/chat/completions refused the request \(404: "
-                                          r"The model `m` does not exist.\)"):  # fmt: skip
+    with pytest.raises(
+        RewardError,
+        match=r"at http://127.0.0.1:1/v1/chat/completions refused the request \(404: "
+        r"The model `m` does not exist.\)",
+    ):
         judge(_images(1), ["a"])
     assert len(transport.bodies) == 1 and judge.pop_metrics()["failures"] == 1
 
@@ -270,8 +282,11 @@ def test_429_and_5xx_are_retried_with_backoff_and_other_4xx_are_not():
 
     transport = Transport(lambda body: httpx.Response(500, text="Internal Server Error"))
     judge = rewards.get("vlm_score", url="http://127.0.0.1:1", model="m", retries=2, backoff=0, transport=transport)
-    with pytest.raises(RewardError, match=r"^VLM judge 'vlm_score' at \S+ answered 500 \(Internal Server Error\) "
-                                          r"after 3 tries; start the server or fix the url$"):  # fmt: skip
+    with pytest.raises(
+        RewardError,
+        match=r"^VLM judge 'vlm_score' at \S+ answered 500 \(Internal Server Error\) "
+        r"after 3 tries; start the server or fix the url$",
+    ):
         judge(_images(1), ["a"])
 
 
@@ -321,8 +336,13 @@ def test_answers_are_cached_by_pixels_text_and_model_in_memory_and_on_disk(tmp_p
     assert judge(images, ["a", "b", "c", "a"]).tolist() == pytest.approx([0.6] * 4)
     assert len(transport.bodies) == 3 and judge.pop_metrics()["cache_hits"] == 1  # asked once within the call
     judge(images, ["a", "b", "c", "a"])
-    assert len(transport.bodies) == 3 and judge.pop_metrics() == {"requests": 0, "cache_hits": 4, "retries": 0,
-                                                                   "unparsable": 0, "failures": 0}  # fmt: skip
+    assert len(transport.bodies) == 3 and judge.pop_metrics() == {
+        "requests": 0,
+        "cache_hits": 4,
+        "retries": 0,
+        "unparsable": 0,
+        "failures": 0,
+    }
     judge(images[:1], ["another prompt"])
     assert len(transport.bodies) == 4  # a new prompt is a new question
     again = rewards.get("vlm_score", **kwargs)  # a fresh process: the answers on disk
@@ -381,8 +401,11 @@ def test_reward_counters_reach_the_epoch_metrics():
             return {"requests": 3, "cache_hits": 1}
 
     judge = Counting()
-    scoring = Rewards({"judge": judge, "plain": lambda images, prompts, **m: torch.zeros(len(prompts))},
-                      {"judge": 1.0}, Processes.single())  # fmt: skip
+    scoring = Rewards(
+        {"judge": judge, "plain": lambda images, prompts, **m: torch.zeros(len(prompts))},
+        {"judge": 1.0},
+        Processes.single(),
+    )
     valid, stats = scoring.check({"judge": torch.ones(4), "plain": torch.zeros(4)})
     assert valid.all() and judge.calls == 1
     assert stats == {"bad_rewards": 0, "reward/judge/requests": 3.0, "reward/judge/cache_hits": 1.0}
@@ -407,40 +430,100 @@ def save_tiny_llava(path: Path, always_yes: bool = False) -> Path:
     )
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
-    words = ["yes", "<pad>", "<unk>", "<s>", "</s>", "<image>", "<|im_start|>", "<|im_end|>", "user", "assistant",
-             "system", "no", "Yes", "No", "Image", "image", "is", "better", "the", "a", "good", "bad", "cat", "dog",
-             *"0123456789", *".,:;!?[]()'\"-<>/"]  # fmt: skip
+    words = [
+        "yes",
+        "<pad>",
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<image>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "user",
+        "assistant",
+        "system",
+        "no",
+        "Yes",
+        "No",
+        "Image",
+        "image",
+        "is",
+        "better",
+        "the",
+        "a",
+        "good",
+        "bad",
+        "cat",
+        "dog",
+        *"0123456789",
+        *".,:;!?[]()'\"-<>/",
+    ]
     vocab = {w: i for i, w in enumerate(words)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     backend.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
-                                        bos_token="<s>", eos_token="</s>",
-                                        extra_special_tokens={"image_token": "<image>"})  # fmt: skip
-    template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {% if m['content'] is string %}"
-                "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> "
-                "{% elif c['type'] == 'text' %}{{ c['text'] }} {% endif %}{% endfor %}{% endif %}<|im_end|> "
-                "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")  # fmt: skip
-    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=16, patch_size=8, projection_dim=16)  # fmt: skip
-    text = LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                       pad_token_id=vocab["<pad>"], bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])  # fmt: skip
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=vocab["<image>"],
-                         vision_feature_select_strategy="full", vision_feature_layer=-1)  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    template = (
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> "
+        "{% elif c['type'] == 'text' %}{{ c['text'] }} {% endif %}{% endfor %}{% endif %}<|im_end|> "
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=8,
+        projection_dim=16,
+    )
+    text = LlamaConfig(
+        vocab_size=len(words),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=vocab["<pad>"],
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=vocab["<image>"],
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+    )
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config)
     if always_yes:
         torch.nn.init.zeros_(model.lm_head.weight)
-    model.generation_config = GenerationConfig(bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"],
-                                               pad_token_id=vocab["<pad>"], do_sample=False)  # fmt: skip
+    model.generation_config = GenerationConfig(
+        bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"], do_sample=False
+    )
     model.save_pretrained(path)
     size = {"height": 16, "width": 16}
-    image_processor = LlavaImageProcessorPil(size=size, crop_size=size, do_center_crop=False, image_mean=[0.5] * 3,
-                                             image_std=[0.5] * 3)  # fmt: skip
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
-                               chat_template=template, vision_feature_select_strategy="full",
-                               num_additional_image_tokens=1)  # fmt: skip
+    image_processor = LlavaImageProcessorPil(
+        size=size, crop_size=size, do_center_crop=False, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        chat_template=template,
+        vision_feature_select_strategy="full",
+        num_additional_image_tokens=1,
+    )
     processor.save_pretrained(path)
     return path
 
@@ -453,8 +536,20 @@ class TransformersServe:
         self.port, self.log = free_port(), folder / "serve.log"
         direct = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", "--host", "127.0.0.1", "--port",
-               str(self.port), "--device", "cpu", "--log-level", "info"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "transformers.cli.transformers",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            "--log-level",
+            "info",
+        ]
         self.process = subprocess.Popen(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 60
         while True:
@@ -627,11 +722,15 @@ def test_edit_video_and_pairwise_judges_against_the_server(served):
 def test_server_errors_5xx_retried_4xx_not(served):
     server, model, _ = served
     # a literal <image> in the text is a second image token the model has no image for: the server answers 500
-    judge = rewards.get("vlm_score", url=server.url, model=model, template="<image> {prompt}", retries=2,
-                        backoff=0.01, max_tokens=4)  # fmt: skip
+    judge = rewards.get(
+        "vlm_score", url=server.url, model=model, template="<image> {prompt}", retries=2, backoff=0.01, max_tokens=4
+    )
     before = server.posts()
-    with pytest.raises(RewardError, match=r"^VLM judge 'vlm_score' at \S+ answered 500 \(Internal Server Error\) "
-                                          r"after 3 tries"):  # fmt: skip
+    with pytest.raises(
+        RewardError,
+        match=r"^VLM judge 'vlm_score' at \S+ answered 500 \(Internal Server Error\) "
+        r"after 3 tries",
+    ):
         judge(_images(1), ["a cat"])
     assert judge.pop_metrics() == {"requests": 1, "cache_hits": 0, "retries": 2, "unparsable": 0, "failures": 1}
     assert server.posts() == before + 3

@@ -52,8 +52,9 @@ def update_batch(rollout, advantages=None):
 
     n = len(rollout)
     advantages = torch.zeros(n) if advantages is None else advantages
-    return UpdateBatch(data=rollout, rows=torch.arange(n), size=n, advantages=advantages,
-                       trainable=torch.ones(n, dtype=torch.bool))  # fmt: skip
+    return UpdateBatch(
+        data=rollout, rows=torch.arange(n), size=n, advantages=advantages, trainable=torch.ones(n, dtype=torch.bool)
+    )
 
 
 def elements(trainer, rollout, epoch=0):

@@ -120,8 +120,16 @@ def test_frozen_warmup_leaves_the_actor_bit_identical(tiny_world, tmp_path):
 
 def test_reduction_to_orw_cfm_w2(tiny_world, tmp_path):
     """V = 0, g = exp(beta r) on raw rewards, no clipping: exactly ORW-CFM-W2's loss (markerthu/orw-cfm)."""
-    overrides = ["advantage.estimator=raw", "advantage.clip=null", "critic.clip=null", "weight_fn=exp",
-                 "temperature=0.5", "kl.beta=1.0", "critic.warmup_epochs=0", "critic.steps=0"]  # fmt: skip
+    overrides = [
+        "advantage.estimator=raw",
+        "advantage.clip=null",
+        "critic.clip=null",
+        "weight_fn=exp",
+        "temperature=0.5",
+        "kl.beta=1.0",
+        "critic.warmup_epochs=0",
+        "critic.steps=0",
+    ]
     trainer = make_trainer(tiny_world, acflow_config(tmp_path, overrides))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # move the actor off the reference so that the W2 term is not zero
@@ -130,8 +138,9 @@ def test_reduction_to_orw_cfm_w2(tiny_world, tmp_path):
     _constant_critic(trainer, 0.0)
     rollout, prompts, _ = trainer.collector.sample(0)
     raw = torch.rand(len(rollout), generator=g)
-    shaped, _ = trainer.algorithm.estimator({"digits_alignment": raw}, torch.zeros(len(rollout), dtype=torch.long),
-                                            [str(p) for p in prompts])  # fmt: skip
+    shaped, _ = trainer.algorithm.estimator(
+        {"digits_alignment": raw}, torch.zeros(len(rollout), dtype=torch.long), [str(p) for p in prompts]
+    )
     assert torch.equal(shaped, raw)
     every = torch.ones(len(rollout), dtype=torch.bool)
     draws, _ = trainer.algorithm.weigh_draws(collected(rollout), shaped, every, epoch=0)
@@ -197,8 +206,18 @@ def test_two_epoch_run_trains_actor_and_critic(tiny_world, tmp_path):
     lines = training_rows(tmp_path)
     assert [r["critic/warmup"] for r in lines] == [1.0, 0.0]
     for record in lines:
-        for key in ("reward/mean", "loss", "cfm_loss", "w2_loss", "weight_mean", "critic/loss", "adv/critic_std",
-                    "weight/max", "grad_norm", "eval/digits_gold"):  # fmt: skip
+        for key in (
+            "reward/mean",
+            "loss",
+            "cfm_loss",
+            "w2_loss",
+            "weight_mean",
+            "critic/loss",
+            "adv/critic_std",
+            "weight/max",
+            "grad_norm",
+            "eval/digits_gold",
+        ):
             assert key in record and math.isfinite(record[key]), key
     assert math.isfinite(summary["gold_end"])
 
@@ -243,11 +262,19 @@ def test_trains_with_lora_on_tiny_sd3_and_flux_pipelines(family, tmp_path):
     pipe = (tiny_sd3 if family == "sd3" else tiny_flux)(seed=1)
     policy = DiffusionPolicy.from_pipeline(pipe, forward_batch_size=2, max_sequence_length=16)
     policy.add_lora(rank=4)
-    overrides = ["sampling.num_steps=2", "batch.micro_batch_size=2", "batch.mini_batch_size=2",
-                 "prompts.prompts_per_epoch=2", "prompts.group_size=2", "eval.max_prompts=1", "run.epochs=1",
-                 "rewards=[{name: brightness}]", "eval.metrics=[]", "critic.warmup_epochs=0"]  # fmt: skip
-    config = acflow_config(tmp_path, overrides, sampling={"num_steps": 2, "guidance_scale": 3.5,
-                                                          "sampler": "ode"})  # fmt: skip
+    overrides = [
+        "sampling.num_steps=2",
+        "batch.micro_batch_size=2",
+        "batch.mini_batch_size=2",
+        "prompts.prompts_per_epoch=2",
+        "prompts.group_size=2",
+        "eval.max_prompts=1",
+        "run.epochs=1",
+        "rewards=[{name: brightness}]",
+        "eval.metrics=[]",
+        "critic.warmup_epochs=0",
+    ]
+    config = acflow_config(tmp_path, overrides, sampling={"num_steps": 2, "guidance_scale": 3.5, "sampler": "ode"})
     trainer = build_trainer(config, policy=policy, reward_fns={"brightness": brightness}, eval_fns={})
     assert policy.reference_model is None  # LoRA: the reference is the base with its adapter disabled
     names = [n for n, p in policy.model.named_parameters() if p.requires_grad]

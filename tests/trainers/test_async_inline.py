@@ -27,8 +27,14 @@ def _same_run(a, b):
     (rows_a, weights_a), (rows_b, weights_b) = a, b
 
     def numbers(rows):  # without the clocks, the memory readings and the async counters
-        return [{k: v for k, v in r.items() if not (k.startswith(("time", "async/", "memory/")) or k.endswith("_s")
-                                                     or "throughput" in k)} for r in rows]  # fmt: skip
+        return [
+            {
+                k: v
+                for k, v in r.items()
+                if not (k.startswith(("time", "async/", "memory/")) or k.endswith("_s") or "throughput" in k)
+            }
+            for r in rows
+        ]
 
     assert numbers(rows_a) == numbers(rows_b)
     for name, value in weights_b.items():
@@ -41,17 +47,21 @@ def _train(trainer_name, folder, overrides):
     return _rows(folder), _weights(trainer)
 
 
-@pytest.mark.parametrize("trainer_name, epochs, extra", [
-    ("flow_grpo", 2, []),
-    ("diffusion_nft", 2, ["num_draws=2"]),  # samples with its old policy: the lagged copy travels with the weights
-    # DGPO samples with its lagged copy after `old_sampling_after` steps (a count the worker is told); the copy
-    # first differs from the policy after its second update
-    ("dgpo", 3, ["num_draws=2", "trunc_steps=2", "old_sampling_after=1"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "trainer_name, epochs, extra",
+    [
+        ("flow_grpo", 2, []),
+        ("diffusion_nft", 2, ["num_draws=2"]),  # samples with its old policy: the lagged copy travels with the weights
+        # DGPO samples with its lagged copy after `old_sampling_after` steps (a count the worker is told); the copy
+        # first differs from the policy after its second update
+        ("dgpo", 3, ["num_draws=2", "trunc_steps=2", "old_sampling_after=1"]),
+    ],
+)
 def test_staleness_zero_is_the_synchronous_run(tmp_path, trainer_name, epochs, extra):
     synchronous = _train(trainer_name, tmp_path / "sync", [f"run.epochs={epochs}", *extra])
-    inline = _train(trainer_name, tmp_path / "inline", [*INLINE, f"run.epochs={epochs}", "asynchrony.max_staleness=0",
-                                                       *extra])  # fmt: skip
+    inline = _train(
+        trainer_name, tmp_path / "inline", [*INLINE, f"run.epochs={epochs}", "asynchrony.max_staleness=0", *extra]
+    )
     assert [r["async/staleness"] for r in inline[0][1:]] == [0.0] * epochs
     _same_run(inline, synchronous)
 
@@ -62,8 +72,13 @@ def test_staleness_k_samples_with_the_weights_published_k_versions_before(tmp_pa
     reference = build_trainer(tiny_config("flow_grpo", tmp_path / "ref", overrides=["run.log_with=[]", *DIGITS_BASE]))
     expected = reference.collector.collect(1).data
     for staleness in (1, 0):
-        trainer = build_trainer(tiny_config("flow_grpo", tmp_path / str(staleness), overrides=[
-            *INLINE, *DIGITS_BASE, f"asynchrony.max_staleness={staleness}"]))  # fmt: skip
+        trainer = build_trainer(
+            tiny_config(
+                "flow_grpo",
+                tmp_path / str(staleness),
+                overrides=[*INLINE, *DIGITS_BASE, f"asynchrony.max_staleness={staleness}"],
+            )
+        )
         trainer.collector.collect(0)
         with torch.no_grad():  # the learner's update, made large: version 1 samples visibly otherwise
             for p in trainer.algorithm.trained_module().parameters():
@@ -76,12 +91,19 @@ def test_staleness_k_samples_with_the_weights_published_k_versions_before(tmp_pa
         trainer.collector.close()
 
 
-@pytest.mark.parametrize("sync_every, max_staleness, expected", [
-    (1, 2, [0.0, 1.0, 2.0, 2.0]),  # always at the bound once the run has that many versions
-    (2, 1, [0.0, 1.0, 0.0, 1.0]),  # versions 0 and 2 published: epoch 2 takes the fresh one
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "sync_every, max_staleness, expected",
+    [
+        (1, 2, [0.0, 1.0, 2.0, 2.0]),  # always at the bound once the run has that many versions
+        (2, 1, [0.0, 1.0, 0.0, 1.0]),  # versions 0 and 2 published: epoch 2 takes the fresh one
+    ],
+)
 def test_staleness_follows_the_bound_and_the_publishing_cadence(tmp_path, sync_every, max_staleness, expected):
-    overrides = [*INLINE, "run.epochs=4", f"asynchrony.sync_every={sync_every}",
-                 f"asynchrony.max_staleness={max_staleness}"]  # fmt: skip
+    overrides = [
+        *INLINE,
+        "run.epochs=4",
+        f"asynchrony.sync_every={sync_every}",
+        f"asynchrony.max_staleness={max_staleness}",
+    ]
     rows, _ = _train("flow_grpo", tmp_path, overrides)
     assert [r["async/staleness"] for r in rows[1:]] == expected

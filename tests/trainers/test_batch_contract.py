@@ -40,9 +40,15 @@ def _epoch(world, path, tmp_path, micro: int | None):
 
 @pytest.mark.parametrize(
     ("name", "micro"),
-    [("digits/grpo_guard", 8), ("digits/loop", 16), ("digits/dpok", 8), ("digits/diffusion_nft", 8),
-     ("control/pendulum_ppo", 16), ("llm/arith_grpo", 8)],
-)  # fmt: skip
+    [
+        ("digits/grpo_guard", 8),
+        ("digits/loop", 16),
+        ("digits/dpok", 8),
+        ("digits/diffusion_nft", 8),
+        ("control/pendulum_ppo", 16),
+        ("llm/arith_grpo", 8),
+    ],
+)
 def test_a_smaller_micro_batch_changes_no_step_of_a_shipped_config(tiny_world, tmp_path, name, micro):
     if name.startswith("control"):
         pytest.importorskip("gymnasium")

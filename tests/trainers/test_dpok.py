@@ -24,17 +24,28 @@ def dpok_config(tmp_path, overrides=(), clip=1e-2, kl=0.1, **top):
     the other trainers' tiny runs: the 1-layer transformer's last context query projection does not reach the
     output, so only weight decay moves it. `clip` is the clamp's half-width, `kl` the KL's beta (or a dict).
     """
-    tiny = {"objective": {"clip_eps_low": clip}, "kl": kl if isinstance(kl, dict) else {"beta": kl},
-            "buffer_size": 48, "policy_steps": 2, "batch": {"mini_batch_size": 16, "micro_batch_size": 8},
-            "critic": {"mini_batch_size": 32, "hidden": 16}, "optim": {"lr": 1e-3, "weight_decay": 1e-4}}  # fmt: skip
+    tiny = {
+        "objective": {"clip_eps_low": clip},
+        "kl": kl if isinstance(kl, dict) else {"beta": kl},
+        "buffer_size": 48,
+        "policy_steps": 2,
+        "batch": {"mini_batch_size": 16, "micro_batch_size": 8},
+        "critic": {"mini_batch_size": 32, "hidden": 16},
+        "optim": {"lr": 1e-3, "weight_decay": 1e-4},
+    }
     return tiny_config("dpok", tmp_path, overrides, **{**tiny, **top})
 
 
 def step_loss(trainer, batch, adv):
     """DPOK's loss of buffer transitions `batch` with advantages `adv` (alpha applied) and its metrics."""
     n = len(batch)
-    update = UpdateBatch(data=batch, rows=None, size=n, advantages=trainer.config.reward_weight * adv,
-                         trainable=torch.ones(n, dtype=torch.bool))  # fmt: skip
+    update = UpdateBatch(
+        data=batch,
+        rows=None,
+        size=n,
+        advantages=trainer.config.reward_weight * adv,
+        trainable=torch.ones(n, dtype=torch.bool),
+    )
     return trainer.scheduler.loss(trainer.scheduler.micro_batch(update))
 
 
@@ -48,15 +59,25 @@ def _rows(values):
     """Transitions whose every field encodes its value (states `[n, 1, 2]`), to follow rows through the buffer."""
     v = torch.tensor(values, dtype=torch.float32)
     states = v[:, None, None].expand(-1, 1, 2)
-    return Transitions(states=states.clone(), next_states=-states, steps=v.long(), prompts=v.long() + 100,
-                       log_probs=v / 10, rewards=v * 2)  # fmt: skip
+    return Transitions(
+        states=states.clone(),
+        next_states=-states,
+        steps=v.long(),
+        prompts=v.long() + 100,
+        log_probs=v / 10,
+        rewards=v * 2,
+    )
 
 
 def _consistent(t):
     v = t.states[:, 0, 0]
-    return (torch.equal(t.next_states[:, 0, 1], -v) and torch.equal(t.steps, v.long())
-            and torch.equal(t.prompts, v.long() + 100) and torch.equal(t.log_probs, v / 10)
-            and torch.equal(t.rewards, v * 2))  # fmt: skip
+    return (
+        torch.equal(t.next_states[:, 0, 1], -v)
+        and torch.equal(t.steps, v.long())
+        and torch.equal(t.prompts, v.long() + 100)
+        and torch.equal(t.log_probs, v / 10)
+        and torch.equal(t.rewards, v * 2)
+    )
 
 
 def _fresh_batch(trainer, n=11, seed=0):
@@ -186,8 +207,13 @@ def test_clamp_gates_the_gradient_outside_the_band_for_both_signs(tiny_world, tm
     # at rho = 1 the gradient is REINFORCE with the reward weight: -alpha mean(A grad log p)
     adv = torch.linspace(-1, 1, 8)
     loss, _ = step_loss(trainer, batch, adv)
-    out = trainer.policy.score_transitions(trainer.algorithm.settings, batch.states, batch.next_states, batch.steps,
-                                           trainer.algorithm.conditioning(batch.prompts))  # fmt: skip
+    out = trainer.policy.score_transitions(
+        trainer.algorithm.settings,
+        batch.states,
+        batch.next_states,
+        batch.steps,
+        trainer.algorithm.conditioning(batch.prompts),
+    )
     reinforce = -alpha * (adv * out.log_prob).mean()
     for g, r in zip(_grads(trainer, loss), _grads(trainer, reinforce)):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-7)
@@ -248,8 +274,20 @@ def test_two_epoch_run_trains_every_parameter_and_the_value_net(tiny_world, tmp_
     lines = training_rows(tmp_path)
     assert [r["buffer_size"] for r in lines] == [48, 48]  # 64 transitions per epoch, capacity 48
     for record in lines:
-        for key in ("loss", "pg_loss", "kl", "value_loss", "clipfrac", "ratio_mean", "approx_kl", "grad_norm",
-                    "advantage_mean", "ratio_mean/step_0", "ratio_std/step_3", "eval/digits_gold"):  # fmt: skip
+        for key in (
+            "loss",
+            "pg_loss",
+            "kl",
+            "value_loss",
+            "clipfrac",
+            "ratio_mean",
+            "approx_kl",
+            "grad_norm",
+            "advantage_mean",
+            "ratio_mean/step_0",
+            "ratio_std/step_3",
+            "eval/digits_gold",
+        ):
             assert key in record and math.isfinite(record[key]), key
     assert lines[1]["kl"] > 0  # the policy left its reference
 
@@ -324,18 +362,28 @@ def test_ddim_unet_with_lora(tmp_path):
 
     (tmp_path / "prompts.txt").write_text("a photo of a cat\na red dog\na blue bird\na green frog\n")
     prompts = str(tmp_path / "prompts.txt")
-    config = load_config({
-        "trainer": "dpok",
-        "sampling": {"num_steps": 3, "guidance_scale": 2.0, "noise_level": 1.0, "sampler": "ddim"},
-        "batch": {"mini_batch_size": 4, "micro_batch_size": 2},
-        "prompts": {"train": prompts, "test": prompts, "prompts_per_epoch": 2, "group_size": 2},
-        "rewards": [{"name": "brightness"}],
-        "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 2},
-        "optim": {"lr": 1e-3},
-        "run": {"epochs": 2, "save_every": 0, "samples_every": 0, "log_with": [], "output_dir": str(tmp_path / "run")},
-        "kl": {"beta": 0.1, "form": "eps_mse"}, "objective": {"clip_eps_low": 1e-2}, "policy_steps": 2,
-        "critic": {"mini_batch_size": 8, "hidden": 16},
-    })  # fmt: skip
+    config = load_config(
+        {
+            "trainer": "dpok",
+            "sampling": {"num_steps": 3, "guidance_scale": 2.0, "noise_level": 1.0, "sampler": "ddim"},
+            "batch": {"mini_batch_size": 4, "micro_batch_size": 2},
+            "prompts": {"train": prompts, "test": prompts, "prompts_per_epoch": 2, "group_size": 2},
+            "rewards": [{"name": "brightness"}],
+            "eval": {"every": 0, "samples_per_prompt": 1, "max_prompts": 2},
+            "optim": {"lr": 1e-3},
+            "run": {
+                "epochs": 2,
+                "save_every": 0,
+                "samples_every": 0,
+                "log_with": [],
+                "output_dir": str(tmp_path / "run"),
+            },
+            "kl": {"beta": 0.1, "form": "eps_mse"},
+            "objective": {"clip_eps_low": 1e-2},
+            "policy_steps": 2,
+            "critic": {"mini_batch_size": 8, "hidden": 16},
+        }
+    )
     policy = DiffusionPolicy.from_pipeline(tiny_unet(), forward_batch_size=2)
     policy.add_lora(rank=4)
     trainer = build_trainer(config, policy=policy, reward_fns={"brightness": brightness}, eval_fns={})

@@ -51,8 +51,11 @@ def test_a_nan_loss_skips_its_step_is_counted_and_the_weights_stay_finite(tiny_w
 
 def test_too_many_nan_steps_stop_the_run_and_keep_its_last_checkpoint(tiny_world, tmp_path):
     def config(epochs):
-        return tiny_config("flow_grpo", tmp_path, overrides=[f"run.epochs={epochs}", "run.samples_every=0",
-                                                              "optim.max_nonfinite_steps=1"])  # fmt: skip
+        return tiny_config(
+            "flow_grpo",
+            tmp_path,
+            overrides=[f"run.epochs={epochs}", "run.samples_every=0", "optim.max_nonfinite_steps=1"],
+        )
 
     make_trainer(tiny_world, config(2)).train()
     again = make_trainer(tiny_world, config(4))
@@ -102,8 +105,12 @@ def test_a_checkpoint_of_another_trainer_or_model_config_is_refused(tiny_world, 
     policy = tiny_world.policy(forward_batch_size=config.batch.micro_batch_size)
     policy.add_lora(rank=4)  # a LoRA run resuming a full-weights checkpoint
     fns = {name: rewards.get(name, classifiers=tiny_world.classifiers) for name in ("digits_alignment", "digits_gold")}
-    lora = build_trainer(config, policy=policy, reward_fns={"digits_alignment": fns["digits_alignment"]},
-                         eval_fns={"digits_gold": fns["digits_gold"]})  # fmt: skip
+    lora = build_trainer(
+        config,
+        policy=policy,
+        reward_fns={"digits_alignment": fns["digits_alignment"]},
+        eval_fns={"digits_gold": fns["digits_gold"]},
+    )
     with pytest.raises(CheckpointMismatch, match="does not fit this run's model or optimizer") as err:
         lora.train(resume=True)
     assert "previous verified checkpoint" not in str(err.value)  # an older one would not fit either
@@ -116,10 +123,17 @@ def test_a_lora_target_that_does_not_exist_names_the_real_layers(tiny_world):
     policy.add_lora(rank=4, target_modules=["to_q"])  # a real one still works
 
 
-@pytest.mark.parametrize("scores", [
-    torch.tensor([0.5, 1.0], dtype=torch.float16), torch.tensor([0.5, 1.0], dtype=torch.float64),
-    torch.tensor([0, 1]), torch.tensor([False, True]), [0.5, 1.0], torch.tensor([[0.5], [1.0]]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "scores",
+    [
+        torch.tensor([0.5, 1.0], dtype=torch.float16),
+        torch.tensor([0.5, 1.0], dtype=torch.float64),
+        torch.tensor([0, 1]),
+        torch.tensor([False, True]),
+        [0.5, 1.0],
+        torch.tensor([[0.5], [1.0]]),
+    ],
+)
 def test_rewards_of_any_numeric_dtype_become_fp32_on_the_cpu(scores):
     from flowrl.rewards.scoring import call_reward
 
@@ -167,8 +181,9 @@ def test_a_checkpoint_with_pickled_code_is_refused_and_the_code_never_runs(tiny_
 def test_reference_offload_keeps_the_copy_on_the_cpu_between_passes_and_changes_no_number(tiny_world, tmp_path):
     overrides = ["run.epochs=1", "kl.beta=0.1", "run.samples_every=0", "eval.every=0", "batch.mini_batch_size=8"]
     plain = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "plain", overrides=overrides))
-    offload = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path / "offload",
-                                                   overrides=[*overrides, "kl.reference_offload=true"]))  # fmt: skip
+    offload = make_trainer(
+        tiny_world, tiny_config("flow_grpo", tmp_path / "offload", overrides=[*overrides, "kl.reference_offload=true"])
+    )
     reference, moves = offload.policy.reference_model, []
     to = reference.to
 

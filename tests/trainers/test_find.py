@@ -130,8 +130,9 @@ def test_with_the_prior_as_old_policy_a_policy_far_from_it_gets_no_policy_gradie
     rollout, _, _ = trainer.collector.sample(0)
     collected = Collected(data=rollout, rows=torch.arange(len(rollout)), size=len(rollout))
     with caplog.at_level("WARNING", logger="flowrl.trainers.image.find"):
-        batch, stats = trainer.algorithm.prepare(collected, torch.linspace(0, 1, len(rollout)),
-                                                 torch.ones(len(rollout), dtype=torch.bool), 0)  # fmt: skip
+        batch, stats = trainer.algorithm.prepare(
+            collected, torch.linspace(0, 1, len(rollout)), torch.ones(len(rollout), dtype=torch.bool), 0
+        )
     assert stats["noise/in_band_frac"] == 0.0
     assert sum("outside the clamp band" in r.message for r in caplog.records) == 1
     loss, metrics = micro_loss(trainer, rollout, batch.advantages)
@@ -175,9 +176,20 @@ def test_two_epoch_run_trains_the_noise_policy_and_the_calibration_net_only(tiny
     assert all(torch.equal(a, b) for a, b in zip(model, _weights(trainer.policy.model))), "the sampler trained"
     lines = training_rows(tmp_path)
     for record in lines:
-        for key in ("reward/mean", "loss", "clipfrac", "approx_kl", "regulariser", "calibration/loss", "adv/std",
-                    "noise/kl_to_prior", "noise/std_mean", "ratio_mean/step_0", "grad_norm",
-                    "eval/digits_gold"):  # fmt: skip
+        for key in (
+            "reward/mean",
+            "loss",
+            "clipfrac",
+            "approx_kl",
+            "regulariser",
+            "calibration/loss",
+            "adv/std",
+            "noise/kl_to_prior",
+            "noise/std_mean",
+            "ratio_mean/step_0",
+            "grad_norm",
+            "eval/digits_gold",
+        ):
             assert key in record and math.isfinite(record[key]), key
     assert math.isfinite(summary["gold_end"])
 
@@ -254,10 +266,18 @@ def test_trains_on_tiny_sd3_and_flux_pipelines(family, tmp_path):
 
     pipe = (tiny_sd3 if family == "sd3" else tiny_flux)(seed=1)
     policy = DiffusionPolicy.from_pipeline(pipe, forward_batch_size=2, max_sequence_length=16)
-    overrides = ["sampling.num_steps=2", "batch.micro_batch_size=2", "batch.mini_batch_size=2",
-                 "prompts.prompts_per_epoch=2",
-                 "prompts.group_size=2", "eval.max_prompts=1", "run.epochs=1", "rewards=[{name: brightness}]",
-                 "eval.metrics=[]", "noise_policy=conditioned"]  # fmt: skip
+    overrides = [
+        "sampling.num_steps=2",
+        "batch.micro_batch_size=2",
+        "batch.mini_batch_size=2",
+        "prompts.prompts_per_epoch=2",
+        "prompts.group_size=2",
+        "eval.max_prompts=1",
+        "run.epochs=1",
+        "rewards=[{name: brightness}]",
+        "eval.metrics=[]",
+        "noise_policy=conditioned",
+    ]
     config = find_config(tmp_path, overrides)
     trainer = build_trainer(config, policy=policy, reward_fns={"brightness": brightness}, eval_fns={})
     before = _weights(trainer.algorithm.noise_policy)

@@ -16,8 +16,9 @@ def test_per_prompt_advantages_use_the_batch_then_each_prompts_history(tiny_worl
     # tracker's 1e-6 unless advantage.eps is set
     assert trainer.algorithm.estimator.tracker.eps == 1e-6
     assert torch.allclose(adv, (r["digits_alignment"] - 2.0) / (2.5**0.5 + 1e-6))
-    adv, _ = trainer.algorithm.estimator({"digits_alignment": torch.tensor([5.0, 8.0])}, torch.tensor([0, 0]),
-                                         ["a", "b"])  # fmt: skip
+    adv, _ = trainer.algorithm.estimator(
+        {"digits_alignment": torch.tensor([5.0, 8.0])}, torch.tensor([0, 0]), ["a", "b"]
+    )
     # buffers now a: [1, 3, 5] (mean 3, std sqrt(8/3)) and b: [0, 4, 8] (mean 4, std sqrt(32/3))
     expected = torch.tensor([(5 - 3) / ((8 / 3) ** 0.5 + 1e-6), (8 - 4) / ((32 / 3) ** 0.5 + 1e-6)])
     assert torch.allclose(adv, expected)

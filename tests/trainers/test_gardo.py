@@ -19,14 +19,22 @@ def _config(tmp_path, overrides=()):
 
 
 def test_preset_keeps_the_released_settings():
-    config = load_config({"trainer": "gardo", "rewards": [{"name": "ocr"}, {"name": "aesthetic", "weight": 0.0},
-                                                          {"name": "imagereward", "weight": 0.0}]})  # fmt: skip
+    config = load_config(
+        {
+            "trainer": "gardo",
+            "rewards": [{"name": "ocr"}, {"name": "aesthetic", "weight": 0.0}, {"name": "imagereward", "weight": 0.0}],
+        }
+    )
     assert (config.kl.beta, config.kl.form) == (0.04, "gaussian_dt")
     assert (config.advantage.std, config.advantage.clip) == ("none", 5.0)
     assert (config.steps.selection, config.steps.fraction) == ("first_fraction", 0.89)
     assert config.objective.clip_eps_low == 1e-4 and config.uncertainty_rewards == ["aesthetic", "imagereward"]
     assert (config.kl_fraction, config.kl_fraction_range, config.reset_freq, config.reset_kl) == (
-        0.1, (0.02, 0.2), 15, 3e-4)  # fmt: skip
+        0.1,
+        (0.02, 0.2),
+        15,
+        3e-4,
+    )
     with pytest.raises(ValueError, match="add them to rewards"):
         load_config({"trainer": "gardo"})  # the digits reward alone: no aesthetic or imagereward to rank against
     assert load_config({"trainer": "gardo", "uncertainty_rewards": []}).uncertainty_rewards == []
@@ -128,8 +136,15 @@ def test_the_shipped_digits_recipe_learns(tmp_path):
     from flowrl.trainers import build_trainer
 
     config = Path(__file__).resolve().parents[2] / "configs" / "digits" / "gardo.yaml"
-    overrides = ["run.epochs=20", "eval.every=20", "run.log_with=[]", f"run.output_dir={tmp_path}", "run.save_every=0",
-                 "run.samples_every=0", "run.seed=0"]  # fmt: skip
+    overrides = [
+        "run.epochs=20",
+        "eval.every=20",
+        "run.log_with=[]",
+        f"run.output_dir={tmp_path}",
+        "run.save_every=0",
+        "run.samples_every=0",
+        "run.seed=0",
+    ]
     summary = build_trainer(load_config(config, overrides)).train()
     # seed 0 measured 0.607 -> 0.801 at epoch 20 (docs/algorithms/gardo.md)
     assert summary["reward_end"] >= summary["reward_start"] + 0.1

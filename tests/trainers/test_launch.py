@@ -15,9 +15,14 @@ def test_accelerate_cpu_launch_of_many_processes_is_refused():
 
 @pytest.mark.parametrize(
     ("name", "shard"),
-    [("ddp.yaml", "none"), ("ddp_multinode.yaml", "none"), ("fsdp2.yaml", "fsdp2"), ("zero2.yaml", "zero2"),
-     ("zero3.yaml", "zero3")],
-)  # fmt: skip
+    [
+        ("ddp.yaml", "none"),
+        ("ddp_multinode.yaml", "none"),
+        ("fsdp2.yaml", "fsdp2"),
+        ("zero2.yaml", "zero2"),
+        ("zero3.yaml", "zero3"),
+    ],
+)
 def test_shipped_accelerate_configs_launch(name, shard):
     # each shipped config, read by accelerate's own launcher into the environment it gives the processes, asks
     # flowrl for the intended sharding (which flowrl then applies itself: accelerate's wrapping is switched off)

@@ -32,8 +32,15 @@ RUNS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name, epochs, margin", RUNS, ids=[r[0] for r in RUNS])
 def test_the_held_out_reward_rises(name, epochs, margin, tmp_path):
-    overrides = [f"run.epochs={epochs}", f"eval.every={epochs}", "run.log_with=[]", f"run.output_dir={tmp_path}",
-                 "run.save_every=0", "run.samples_every=0", "run.seed=0"]  # fmt: skip
+    overrides = [
+        f"run.epochs={epochs}",
+        f"eval.every={epochs}",
+        "run.log_with=[]",
+        f"run.output_dir={tmp_path}",
+        "run.save_every=0",
+        "run.samples_every=0",
+        "run.seed=0",
+    ]
     summary = build_trainer(load_config(CONFIGS / f"{name}.yaml", overrides)).train()
     start, end = summary["reward_start"], summary["reward_end"]
     assert end >= start + margin, f"{name}: held-out reward {start:.3f} -> {end:.3f} after {epochs} epochs"

@@ -45,8 +45,9 @@ def test_loop_needs_groups_of_two_and_its_baseline():
 
 def test_loop_uses_the_advantage_settings(tiny_world, tmp_path):
     # std: group divides the leave-one-out advantage by the group's sample std; clip caps it
-    trainer = make_trainer(tiny_world, tiny_config("loop", tmp_path, overrides=["advantage.std=group",
-                                                                                "advantage.clip=1.0"]))  # fmt: skip
+    trainer = make_trainer(
+        tiny_world, tiny_config("loop", tmp_path, overrides=["advantage.std=group", "advantage.clip=1.0"])
+    )
     r = torch.tensor([0.0, 1.0, 3.0])
     adv, _ = trainer.algorithm.estimator({"digits_alignment": r}, torch.zeros(3, dtype=torch.long), ["a"] * 3)
     std = r.std().item()  # unbiased, sqrt(7/3)

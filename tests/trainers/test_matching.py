@@ -100,10 +100,12 @@ def test_nft_gradient_at_the_old_policy_is_the_clipped_advantage_weighted_matchi
     assert torch.allclose(grad, expected, atol=1e-10)
     assert torch.equal(grad[2], torch.zeros_like(grad[2]))  # A = 0: r = 1/2, no gradient
     # the value at theta_old is (Z / beta) l(v_old)
-    plain, _ = nft_loss(v_old, v_old, x1, x_t, eps, t, torch.full((n,), 0.3, dtype=torch.float64), beta=beta,
-                        scale=5.0, form=form)  # fmt: skip
-    same, _ = nft_loss(v_old, v_old, x1, x_t, eps, t, torch.full((n,), 0.9, dtype=torch.float64), beta=beta,
-                       scale=5.0, form=form)  # fmt: skip
+    plain, _ = nft_loss(
+        v_old, v_old, x1, x_t, eps, t, torch.full((n,), 0.3, dtype=torch.float64), beta=beta, scale=5.0, form=form
+    )
+    same, _ = nft_loss(
+        v_old, v_old, x1, x_t, eps, t, torch.full((n,), 0.9, dtype=torch.float64), beta=beta, scale=5.0, form=form
+    )
     assert torch.allclose(plain, same)
 
 
@@ -118,8 +120,9 @@ def test_nft_samples_with_the_old_policy_and_decays_it_at_the_steps_taken_after_
     texts = [str(p) for p in trainer.modality.train_prompts[:4]]
     rollout = trainer.collector.sampler(texts, torch.Generator().manual_seed(0), range(4), 0)
     with algorithm.old.swapped():
-        expected = trainer.policy.rollout(texts, num_steps=4, guidance_scale=2.0, sampler="ode",
-                                          generator=torch.Generator().manual_seed(0))  # fmt: skip
+        expected = trainer.policy.rollout(
+            texts, num_steps=4, guidance_scale=2.0, sampler="ode", generator=torch.Generator().manual_seed(0)
+        )
     assert torch.equal(rollout.latents, expected.latents)
     before = [p.detach().clone() for p in params]
     old_before = [s.detach().clone() for s in algorithm.old.shadow]
@@ -177,8 +180,9 @@ def test_awm_ratio_is_one_with_the_stored_draws_and_its_gradient_is_advantage_we
     for g, e in zip(grads, expected):
         assert (g is None and e is None) or torch.allclose(g, e, atol=1e-6, rtol=1e-4)
     # a fresh eps in the training pass (the common bug) moves the ratio off 1 at the same weights
-    fresh = dataclasses.replace(batch, draws=dataclasses.replace(batch.draws, noises=torch.randn_like(
-        batch.draws.noises)))  # fmt: skip
+    fresh = dataclasses.replace(
+        batch, draws=dataclasses.replace(batch.draws, noises=torch.randn_like(batch.draws.noises))
+    )
     _, bad = micro_loss(trainer, fresh, adv)
     assert bad["ratio_std"].item() > 0
 

@@ -21,14 +21,24 @@ def scripted(trainer, golds, proxies):
 
 
 def test_gold_falling_stops_the_run_and_the_best_checkpoint_is_restored(tiny_world, tmp_path):
-    overrides = ["run.epochs=6", "run.save_every=0", "run.samples_every=0", "eval.best_metric=digits_gold",
-                 "eval.stop_on_drop=0.15", "eval.restore_best=true"]  # fmt: skip
+    overrides = [
+        "run.epochs=6",
+        "run.save_every=0",
+        "run.samples_every=0",
+        "eval.best_metric=digits_gold",
+        "eval.stop_on_drop=0.15",
+        "eval.restore_best=true",
+    ]
     trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, overrides=overrides))
     # epochs 0..4: gold peaks at epoch 2 while the proxy keeps rising; at epoch 4 it is 0.2 below its best
     scripted(trainer, golds=[0.5, 0.6, 0.7, 0.6, 0.5, 0.9], proxies=[0.1, 0.2, 0.3, 0.5, 0.8, 0.9])
     summary = trainer.train()
-    assert summary["epochs"] == 4 and summary["stopped"] == {"epoch": 4, "metric": "eval/digits_gold",
-                                                            "best": 0.7, "value": 0.5}  # fmt: skip
+    assert summary["epochs"] == 4 and summary["stopped"] == {
+        "epoch": 4,
+        "metric": "eval/digits_gold",
+        "best": 0.7,
+        "value": 0.5,
+    }
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("overopt/gold_drop") for r in rows[1:]] == pytest.approx([0.0, 0.0, 0.1, 0.2])
     assert [r.get("overopt/proxy_gain") for r in rows[1:]] == pytest.approx([0.0, 0.0, 0.2, 0.5])

@@ -60,8 +60,9 @@ def test_dgpo_gradient_is_the_code_s_sigmoid_weighted_advantage_matching_and_its
     l_ref = torch.rand(g * n, k, dtype=torch.float64)
     l_theta = l_ref + 0.1 * torch.randn(g * n, k, dtype=torch.float64)
     l_old = l_theta + 0.04 * torch.randn(g * n, k, dtype=torch.float64)
-    loss, grad, _ = core_loss("dgpo", l_theta, l_ref, adv, group, beta=beta, clip_eps_low=eps,
-                              clip_log_ratio=l_old - l_theta)  # fmt: skip
+    loss, grad, _ = core_loss(
+        "dgpo", l_theta, l_ref, adv, group, beta=beta, clip_eps_low=eps, clip_log_ratio=l_old - l_theta
+    )
     # Luo-Yihong/DGPO, per draw: s_g = sum_g A beta (dsm - ref) / G; loss = mean(sg(sigmoid(s_g)) A dsm), where the
     # DSM clip detaches dsm (A > 0: ratio > 1 + eps; else ratio < 1 - eps, ratio = exp(old - dsm))
     dsm = l_theta.clone().requires_grad_(True)
@@ -112,8 +113,9 @@ def test_core_value_and_gradient_match_the_direct_definition_with_masks_and_any_
         direct = preference_loss(x, adv, group, mask, beta=3.0, form=name)
         (want,) = torch.autograd.grad(direct, x)
         logp = x.detach().clone().requires_grad_(True)
-        got, _ = compute_policy_loss(name, logp, torch.zeros_like(logp), adv, mask,
-                                     group=group.double()[:, None].expand(6, 3), beta=3.0)  # fmt: skip
+        got, _ = compute_policy_loss(
+            name, logp, torch.zeros_like(logp), adv, mask, group=group.double()[:, None].expand(6, 3), beta=3.0
+        )
         (have,) = torch.autograd.grad(got, logp)
         assert got.item() == pytest.approx(direct.item(), abs=1e-12)
         torch.testing.assert_close(have, want)
@@ -269,9 +271,14 @@ def test_offline_dpo_trains_on_the_file_s_pairs_and_resumes(digits_preferences, 
 DISTRIBUTED = {
     "diffusion_dpo": {"num_draws": 2},
     # mini-batches of one group of 4 (each process holds one of the epoch's 4 groups per step), micro-batches of 3
-    "dgpo": {"num_draws": 2, "trunc_steps": 2, "dsm_clip": 1e-3, "kl": {"beta": 0.1},
-             "batch": {"mini_batch_size": 8, "micro_batch_size": 3}},
-}  # fmt: skip
+    "dgpo": {
+        "num_draws": 2,
+        "trunc_steps": 2,
+        "dsm_clip": 1e-3,
+        "kl": {"beta": 0.1},
+        "batch": {"mini_batch_size": 8, "micro_batch_size": 3},
+    },
+}
 
 
 @pytest.mark.distributed

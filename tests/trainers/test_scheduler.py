@@ -95,7 +95,7 @@ class Synthetic:
         )
         if self.row_weight:
             terms.row_loss = self.row_weight * self.theta[ids].sum(-1)
-        return terms  # fmt: skip
+        return terms
 
     def mini_batch_advantages(self, advantages):
         return advantages
@@ -129,8 +129,16 @@ def _steps(algorithm, batch, **config):
     return engine.steps
 
 
-CASES = [("ppo", {"clip_eps_low": 0.2}), ("dapo", {"clip_eps_low": 0.2, "clip_eps_high": 0.28}), ("gspo", {}),
-         ("sapo", {}), ("bapo", {}), ("high_entropy", {}), ("r2vpo", {}), ("clip_cov", {})]  # fmt: skip
+CASES = [
+    ("ppo", {"clip_eps_low": 0.2}),
+    ("dapo", {"clip_eps_low": 0.2, "clip_eps_high": 0.28}),
+    ("gspo", {}),
+    ("sapo", {}),
+    ("bapo", {}),
+    ("high_entropy", {}),
+    ("r2vpo", {}),
+    ("clip_cov", {}),
+]
 
 
 @pytest.mark.parametrize(("objective", "hparams"), CASES)
@@ -155,8 +163,9 @@ def test_a_per_step_backward_changes_no_step(objective, hparams):
     # one backward per element column, with the mini-batch's statistics fixed first (coupled objectives); the
     # column shares carry the aggregation's weights, which the core keeps in fp32: equal to fp32 rounding
     whole = _steps(Synthetic(objective, **hparams), _batch(), mini_batch_size=16, micro_batch_size=8)
-    step = _steps(Synthetic(objective, **hparams), _batch(), mini_batch_size=16, micro_batch_size=8,
-                  backward="per_step")  # fmt: skip
+    step = _steps(
+        Synthetic(objective, **hparams), _batch(), mini_batch_size=16, micro_batch_size=8, backward="per_step"
+    )
     torch.testing.assert_close(step[0], whole[0], rtol=1e-6, atol=1e-9)
 
 
@@ -212,8 +221,9 @@ def test_groups_stay_together_when_the_algorithm_updates_groups():
     algorithm.updates_groups = True
     groups = torch.tensor([0, 1, 2, 3] * 4)  # interleaved: a row-wise cut would split every group
     batch = _batch(groups=groups)
-    scheduler = UpdateScheduler(BatchConfig(mini_batch_size=8, inner_epochs=3), Engine([algorithm.theta]), algorithm,
-                                seed=0)  # fmt: skip
+    scheduler = UpdateScheduler(
+        BatchConfig(mini_batch_size=8, inner_epochs=3), Engine([algorithm.theta]), algorithm, seed=0
+    )
     cuts = list(scheduler.mini_batches(batch, epoch=0))
     assert len(cuts) == 6 and all(len(rows) == 8 for rows in cuts)
     for rows in cuts:
@@ -247,8 +257,11 @@ def test_statistics_pool_over_micro_batches_as_over_one():
     for micro in (16, 3):
         algorithm = Synthetic("ppo", clip_eps_low=0.2)
         engine = Engine([algorithm.theta])
-        rows.append(UpdateScheduler(BatchConfig(mini_batch_size=16, micro_batch_size=micro), engine, algorithm,
-                                    seed=0).run(_batch(), epoch=0))  # fmt: skip
+        rows.append(
+            UpdateScheduler(BatchConfig(mini_batch_size=16, micro_batch_size=micro), engine, algorithm, seed=0).run(
+                _batch(), epoch=0
+            )
+        )
     for key in ("loss", "clipfrac", "approx_kl", "ratio_mean", "ratio_mean/step_0", "clipfrac/step_4"):
         assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-6, abs=1e-9), key
 

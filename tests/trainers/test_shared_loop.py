@@ -18,8 +18,17 @@ def _weights(trainer):
 
 @pytest.mark.parametrize("name", ["flow_grpo", "grpo_guard"])
 def test_two_epoch_run_trains_every_parameter_and_writes_the_run_folder(tiny_world, tmp_path, name):
-    config = tiny_config(name, tmp_path, run={"epochs": 2, "save_every": 1, "samples_every": 1,
-                                              "log_with": ["tensorboard"], "output_dir": str(tmp_path)})  # fmt: skip
+    config = tiny_config(
+        name,
+        tmp_path,
+        run={
+            "epochs": 2,
+            "save_every": 1,
+            "samples_every": 1,
+            "log_with": ["tensorboard"],
+            "output_dir": str(tmp_path),
+        },
+    )
     trainer = make_trainer(tiny_world, config)
     before = _weights(trainer)
     summary = trainer.train()
@@ -29,9 +38,20 @@ def test_two_epoch_run_trains_every_parameter_and_writes_the_run_folder(tiny_wor
     lines = training_rows(tmp_path)
     assert [r["epoch"] for r in lines] == [1, 2]
     for record in lines:
-        for key in ("reward/mean", "reward/digits_alignment", "loss", "clipfrac", "clipfrac_high", "clipfrac_low",
-                    "approx_kl", "time_s", "grad_norm", "eval/digits_gold", "ratio_mean/step_0",
-                    "raw_ratio_std/step_0"):  # fmt: skip
+        for key in (
+            "reward/mean",
+            "reward/digits_alignment",
+            "loss",
+            "clipfrac",
+            "clipfrac_high",
+            "clipfrac_low",
+            "approx_kl",
+            "time_s",
+            "grad_norm",
+            "eval/digits_gold",
+            "ratio_mean/step_0",
+            "raw_ratio_std/step_0",
+        ):
             assert key in record and math.isfinite(record[key]), key
     for key in ("reward_start", "reward_end", "gold_start", "gold_end", "epochs", "wall_s"):
         assert summary[key] is not None and math.isfinite(summary[key]), key
@@ -88,8 +108,9 @@ class Flaky:
 
 
 def test_nan_rewards_are_dropped_and_counted(tiny_world, tmp_path):
-    config = tiny_config("flow_grpo", tmp_path, overrides=["run.epochs=1", "eval.every=0"],
-                         rewards=[{"name": "flaky"}])  # fmt: skip
+    config = tiny_config(
+        "flow_grpo", tmp_path, overrides=["run.epochs=1", "eval.every=0"], rewards=[{"name": "flaky"}]
+    )
     trainer = make_trainer(tiny_world, config, reward_fns={"flaky": Flaky(tiny_world, 1)})
     record = trainer.train_epoch(0)
     assert record["bad_rewards"] == 1 and record["bad_rewards/flaky"] == 1
@@ -97,17 +118,22 @@ def test_nan_rewards_are_dropped_and_counted(tiny_world, tmp_path):
 
 
 def test_too_many_bad_rewards_abort_with_the_reward_name(tiny_world, tmp_path):
-    config = tiny_config("flow_grpo", tmp_path, overrides=["run.epochs=1", "run.max_bad_reward_frac=0.2"],
-                         rewards=[{"name": "flaky"}])  # fmt: skip
+    config = tiny_config(
+        "flow_grpo", tmp_path, overrides=["run.epochs=1", "run.max_bad_reward_frac=0.2"], rewards=[{"name": "flaky"}]
+    )
     trainer = make_trainer(tiny_world, config, reward_fns={"flaky": Flaky(tiny_world, 5)})
     with pytest.raises(RuntimeError, match=r"31% of this epoch's rewards are NaN/inf \(flaky: 5 of 16"):
         trainer.train_epoch(0)
 
 
 def test_kl_to_the_reference_and_gdpo_aggregation(tiny_world, tmp_path):
-    config = tiny_config("flow_grpo", tmp_path, overrides=["run.epochs=2", "kl.beta=0.1", "kl.form=gaussian"],
-                         reward_aggregation="gdpo",
-                         rewards=[{"name": "digits_alignment"}, {"name": "digits_gold", "weight": 0.5}])  # fmt: skip
+    config = tiny_config(
+        "flow_grpo",
+        tmp_path,
+        overrides=["run.epochs=2", "kl.beta=0.1", "kl.form=gaussian"],
+        reward_aggregation="gdpo",
+        rewards=[{"name": "digits_alignment"}, {"name": "digits_gold", "weight": 0.5}],
+    )
     trainer = make_trainer(tiny_world, config)
     assert trainer.policy.reference_model is not None  # full fine-tuning: a frozen copy
     trainer.train()
@@ -118,8 +144,9 @@ def test_kl_to_the_reference_and_gdpo_aggregation(tiny_world, tmp_path):
 
 
 def test_step_selections_and_sde_window(tiny_world, tmp_path):
-    config = tiny_config("flow_grpo", tmp_path, overrides=["steps.selection=random", "steps.k=2",
-                                                           "sampling.sde_window=[1, 3]"])  # fmt: skip
+    config = tiny_config(
+        "flow_grpo", tmp_path, overrides=["steps.selection=random", "steps.k=2", "sampling.sde_window=[1, 3]"]
+    )
     trainer = make_trainer(tiny_world, config)
     batch, _, _ = trainer.prepare_epoch(0)
     steps, _ = trainer.algorithm.elements(batch, 0)
@@ -161,8 +188,9 @@ def test_rewards_are_scored_on_threads_while_later_parts_sample(tiny_world, tmp_
     assert all(thread.startswith("flowrl-reward") for _, thread in reward.calls)
     assert {k for k in batch.times if k.startswith("time/")} == {"time/sample_s", "time/reward_s"}
     assert "memory/rollout_and_scoring_gb" in batch.times  # overlapped: one memory reading for both phases
-    direct = trainer.modality.rewards.score(rollout.images, [prompts[i] for i in local],
-                                            {"digits_alignment": reward.inner})  # fmt: skip
+    direct = trainer.modality.rewards.score(
+        rollout.images, [prompts[i] for i in local], {"digits_alignment": reward.inner}
+    )
     # the same scores as one call on the whole batch (up to the classifier's batch-size rounding)
     torch.testing.assert_close(scores["digits_alignment"], direct["digits_alignment"], rtol=1e-5, atol=1e-6)
     if name == "flow_grpo":  # the parts concatenate into one rollout that re-scores exactly

@@ -33,8 +33,9 @@ def _perturb(params, seed=0, scale=2e-2):
 
 def _velocity(model, x, t, cond):
     """The digits transformer's velocity (SD3 calling convention), no CFG."""
-    return model(hidden_states=x, timestep=t, encoder_hidden_states=cond["prompt_embeds"],
-                 pooled_projections=cond["pooled"])[0]  # fmt: skip
+    return model(
+        hidden_states=x, timestep=t, encoder_hidden_states=cond["prompt_embeds"], pooled_projections=cond["pooled"]
+    )[0]
 
 
 def _flow_sde(x, v, s, s_next, a, sigma_max):
@@ -53,9 +54,14 @@ def _log_prob(x_next, mean, std):
 
 @pytest.mark.parametrize("trainer_name", ["flow_grpo", "grpo_guard"])
 def test_step_loss_matches_a_direct_implementation(tiny_world, tmp_path, trainer_name):
-    overrides = ["sampling.guidance_scale=1.0", "steps.selection=all", "steps.weighting=inv_dt",
-                 "kl.beta=0.5", "kl.form=gaussian_dt",
-                 f"objective.clip_eps_low={3e-3 if trainer_name == 'flow_grpo' else 2e-4}"]  # fmt: skip
+    overrides = [
+        "sampling.guidance_scale=1.0",
+        "steps.selection=all",
+        "steps.weighting=inv_dt",
+        "kl.beta=0.5",
+        "kl.form=gaussian_dt",
+        f"objective.clip_eps_low={3e-3 if trainer_name == 'flow_grpo' else 2e-4}",
+    ]
     trainer = make_trainer(tiny_world, tiny_config(trainer_name, tmp_path, overrides=overrides))
     reference = copy.deepcopy(trainer.policy.model)  # the KL reference: the weights before any update
     rollout, _, _ = trainer.collector.sample(0)
@@ -94,8 +100,11 @@ def test_step_loss_matches_a_direct_implementation(tiny_world, tmp_path, trainer
 def test_a_chosen_objective_runs_with_its_own_presets(tiny_world, tmp_path):
     # Flow-GRPO's clip range belongs to ppo: objective.name=gspo trains with GSPO's (image-scale) presets
     trainer = make_trainer(tiny_world, tiny_config("flow_grpo", tmp_path, objective={"name": "gspo"}))
-    assert trainer.algorithm.objective_hparams == get_objective("gspo").image_hparams == {
-        "clip_eps_low": 3e-5, "clip_eps_high": 4e-5}  # fmt: skip
+    assert (
+        trainer.algorithm.objective_hparams
+        == get_objective("gspo").image_hparams
+        == {"clip_eps_low": 3e-5, "clip_eps_high": 4e-5}
+    )
     user = make_trainer(
         tiny_world, tiny_config("flow_grpo", tmp_path, objective={"name": "dapo", "clip_eps_low": 1e-3})
     )

@@ -121,8 +121,14 @@ def test_whole_k_and_per_step_backward_agree_for_every_objective_and_aggregation
 
 
 def test_gspo_uses_the_trajectory_ratio_hand_checked_on_two_steps(policy, tmp_path):
-    trainer = _trainer(policy, tmp_path, "gspo", steps={"selection": "all", "weighting": "inv_dt"}, kl={"beta": 0.0},
-                       sampling={"num_steps": 2, "guidance_scale": 1.0, "height": 32, "width": 32})  # fmt: skip
+    trainer = _trainer(
+        policy,
+        tmp_path,
+        "gspo",
+        steps={"selection": "all", "weighting": "inv_dt"},
+        kl={"beta": 0.0},
+        sampling={"num_steps": 2, "guidance_scale": 1.0, "height": 32, "width": 32},
+    )
     batch, backup = _perturbed(trainer, seed=1, epoch=0)
     try:
         rollout = batch.data

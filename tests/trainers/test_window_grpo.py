@@ -24,14 +24,23 @@ PRESETS = {
 def test_presets_keep_the_papers_settings():
     mix, flash, fast, dance = (load_config({"trainer": name}) for name in PRESETS)
     assert (mix.sampling.sde_window_schedule, mix.sampling.window_size, mix.sampling.window_every) == (
-        "progressive", 4, 25)  # fmt: skip
+        "progressive",
+        4,
+        25,
+    )
     assert mix.steps.selection == "all" and mix.advantage.unbiased and mix.advantage.eps == 1e-8
     assert (flash.sampling.window_every, flash.sampling.post_window_solver, flash.sampling.post_window_ratio) == (
-        20, "dpm_solver_2m", 0.4)  # fmt: skip
+        20,
+        "dpm_solver_2m",
+        0.4,
+    )
     assert mix.sampling.post_window_solver == "euler" and flash.sampling.init_same_noise
     assert (fast.sampling.sampler, fast.sampling.noise_level, fast.sampling.guidance_scale) == ("cps", 0.8, 1.0)
     assert (fast.sampling.sde_window_schedule, fast.sampling.window_size, fast.sampling.window_span) == (
-        "random", 3, (0, 5))  # fmt: skip
+        "random",
+        3,
+        (0, 5),
+    )
     assert fast.objective.clip_eps_low == 1e-5
     assert (dance.sampling.sampler, dance.sampling.noise_level, dance.sampling.num_steps) == ("dance_sde", 0.3, 16)
     # DanceGRPO's train_grpo_flux.py (XueZeyue/DanceGRPO @ 15cc71d, l. 506-519 and 570): 16 sampling steps, the

@@ -12,15 +12,28 @@ from flowrl.run import wire
 
 
 def _collected() -> Collected:
-    rollout = DiffusionRollout(prompts=["a 3", "a 7"], prompt_ids=torch.tensor([0, 1]),
-                               latents=torch.randn(2, 3, 1, 8, 8), log_probs=torch.randn(2, 2),
-                               unique_prompts=["a 3", "a 7"], sampler="flow_sde", noise_level=0.7,
-                               sigmas=torch.tensor([1.0, 0.5, 0.0]), cond={"prompt_embeds": torch.randn(2, 4, 5)},
-                               static={"shift": 1.0})  # fmt: skip
-    return Collected(data=rollout, rows=torch.arange(2), size=2,
-                     prompts=[Prompt("a 3", {"digit": 3}), Prompt("a 7", {"digit": 7})],
-                     rewards={"digits_alignment": torch.tensor([0.25, float("nan")])}, total=torch.tensor([0.25, 0.5]),
-                     times={"time/sample_s": 1.5}, info={"returns": [1.0, 2.0], "nested": {"n": (1, 2)}})  # fmt: skip
+    rollout = DiffusionRollout(
+        prompts=["a 3", "a 7"],
+        prompt_ids=torch.tensor([0, 1]),
+        latents=torch.randn(2, 3, 1, 8, 8),
+        log_probs=torch.randn(2, 2),
+        unique_prompts=["a 3", "a 7"],
+        sampler="flow_sde",
+        noise_level=0.7,
+        sigmas=torch.tensor([1.0, 0.5, 0.0]),
+        cond={"prompt_embeds": torch.randn(2, 4, 5)},
+        static={"shift": 1.0},
+    )
+    return Collected(
+        data=rollout,
+        rows=torch.arange(2),
+        size=2,
+        prompts=[Prompt("a 3", {"digit": 3}), Prompt("a 7", {"digit": 7})],
+        rewards={"digits_alignment": torch.tensor([0.25, float("nan")])},
+        total=torch.tensor([0.25, 0.5]),
+        times={"time/sample_s": 1.5},
+        info={"returns": [1.0, 2.0], "nested": {"n": (1, 2)}},
+    )
 
 
 def _same(a, b) -> bool:

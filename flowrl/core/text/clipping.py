@@ -83,8 +83,11 @@ def bapo(
     low, high = lows[i], highs[j]
     terms = _clip_between(ratio, adv, low, high, dual_clip_c)
     total = p[j] + n[i]
-    metrics = {"bapo_clip_low": low, "bapo_clip_high": high,
-               "bapo_pos_frac": p[j] / total if total > 0 else torch.ones((), dtype=ratio.dtype)}  # fmt: skip
+    metrics = {
+        "bapo_clip_low": low,
+        "bapo_clip_high": high,
+        "bapo_pos_frac": p[j] / total if total > 0 else torch.ones((), dtype=ratio.dtype),
+    }
     return terms._replace(metrics=metrics)
 
 

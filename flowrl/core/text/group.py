@@ -80,8 +80,19 @@ def _group_sum(values: torch.Tensor, index: torch.Tensor, count: int) -> torch.T
 # ----------------------------------------------------------------------------------------------
 
 
-def trpa(ratio, adv, *, logp, log_ratio, mask, group, ref_logp, beta: float = 0.1, anisotropy: float = 2.5,
-         tr_kl_coef: float = 1e-3):  # fmt: skip
+def trpa(
+    ratio,
+    adv,
+    *,
+    logp,
+    log_ratio,
+    mask,
+    group,
+    ref_logp,
+    beta: float = 0.1,
+    anisotropy: float = 2.5,
+    tr_kl_coef: float = 1e-3,
+):
     """TRPA: a logistic loss on every pair of a group's preference levels, plus a KL to the old policy
     (Su et al. 2025, arXiv:2504.04524 eq. 11 with KTPO's anisotropy; XueruiSu/Trust-Region-Preference-Approximation
     `core_algos.compute_pairwise_policy_loss` and `dp_actor.update_policy`).
@@ -210,8 +221,9 @@ def reg_grpo(ratio, adv, *, log_ratio, mask, group, eps: float = 1e-4, seq_reduc
 # ----------------------------------------------------------------------------------------------
 
 
-def conflict_runs(token_ids, mask: torch.Tensor, groups: torch.Tensor, positive: torch.Tensor,
-                  negative: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def conflict_runs(
+    token_ids, mask: torch.Tensor, groups: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`(leading, trailing)` `[B, K]` bool: GTPO's conflict tokens of the active rows (`positive | negative`).
 
     A valid token of an active row conflicts when, in its group, some positive and some negative row hold the same
@@ -242,8 +254,18 @@ def conflict_runs(token_ids, mask: torch.Tensor, groups: torch.Tensor, positive:
     return runs[0], runs[1]
 
 
-def gtpo(ratio, adv, *, mask, entropy, group, token_ids, conflict_weight: float = 2.0, ent_threshold: float = 0.7,
-         ent_scale: float = 0.1):  # fmt: skip
+def gtpo(
+    ratio,
+    adv,
+    *,
+    mask,
+    entropy,
+    group,
+    token_ids,
+    conflict_weight: float = 2.0,
+    ent_threshold: float = 0.7,
+    ent_scale: float = 0.1,
+):
     """GTPO: conflict-aware token updates with an entropy guard (Simoni et al. 2025, arXiv:2508.03772;
     winstonsmith1897/GTPO `gtpo/gtpo_training.py`: `build_conflict_mask`, `gtpo_compute_loss`).
 

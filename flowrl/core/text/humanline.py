@@ -21,8 +21,17 @@ import torch
 from flowrl.core.objectives import Surrogate, _bounds, _clip_between, register_objective
 
 
-def humanline(ratio, adv, *, mask, log_epsilon_p: float = -1.0, log_epsilon_r: float = 1.5,
-              clip_eps_low: float = 0.01, clip_eps_high: float | None = None, beta: float = 0.01):  # fmt: skip
+def humanline(
+    ratio,
+    adv,
+    *,
+    mask,
+    log_epsilon_p: float = -1.0,
+    log_epsilon_r: float = 1.5,
+    clip_eps_low: float = 0.01,
+    clip_eps_high: float | None = None,
+    beta: float = 0.01,
+):
     """Humanline GRPO (arXiv:2509.24207; HALOs `humanline=true`): PPO-clip on the clamped ratio plus beta k3.
 
     `r~ = exp(clamp(log r, log_epsilon_p, log_epsilon_r))`, `l = max(-A r~, -A clip(r~, 1 - eps_l, 1 + eps_h))

@@ -77,8 +77,7 @@ def _sign_clip(x, sign, eps: float):
     return sign * torch.minimum(sign * x, sign * clipped)
 
 
-def dhpo_log_ratio(log_ratio, mask, *, adv, clip_eps_token: float = 0.2, clip_eps_seq: float = 0.2,
-                   mix: float = 0.5):  # fmt: skip
+def dhpo_log_ratio(log_ratio, mask, *, adv, clip_eps_token: float = 0.2, clip_eps_seq: float = 0.2, mix: float = 0.5):
     """DHPO's mixed log-ratio (arXiv:2601.05607): `w clip(x_token) + (1 - w) clip(x_seq)`, each branch clipped
     pessimistically in its own trust region (`1 +- eps_tok` for the token ratio, `1 +- eps_seq` for the sequence's
     geometric mean), i.e. the geometric mix `clip(r)^w clip(s)^(1-w)`; `w = 1` is GRPO's token clip and `w = 0`
@@ -96,8 +95,9 @@ def dhpo_log_ratio(log_ratio, mask, *, adv, clip_eps_token: float = 0.2, clip_ep
 # ----------------------------------------------------------------------------------------------
 
 
-def minpro(ratio, adv, *, mask, clip_eps_low: float = 0.2, clip_eps_high: float | None = None,
-           cap_at_one: bool = False):  # fmt: skip
+def minpro(
+    ratio, adv, *, mask, clip_eps_low: float = 0.2, clip_eps_high: float | None = None, cap_at_one: bool = False
+):
     """MinPRO: the token loss weighted by the minimum ratio of the preceding prefix (arXiv:2601.22718).
 
     The correct off-policy weight of token t is the prefix product `prod_{j<t} r_j`; MinPRO replaces it by the
@@ -116,8 +116,18 @@ def minpro(ratio, adv, *, mask, clip_eps_low: float = 0.2, clip_eps_high: float 
     return terms._replace(value=terms.value * weight, coef=terms.coef * weight, metrics=metrics)
 
 
-def vespo(ratio, adv, *, logp, log_ratio, fmask, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
-          lambda_neg: float = 2.0):  # fmt: skip
+def vespo(
+    ratio,
+    adv,
+    *,
+    logp,
+    log_ratio,
+    fmask,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+):
     """VESPO (Shen et al. 2026; trl's `vespo`): `l = -phi(w) A log pi` with `w` the sequence's product ratio
     `exp(sum_t log r_t)` and the detached Gamma-kernel weight `phi(w) = w^k exp(lambda (1 - w))` (`phi(1) = 1`),
     `(k, lambda) = (2, 3)` for A >= 0 and `(3, 2)` for A < 0. The gradient is `-phi A` on every token.

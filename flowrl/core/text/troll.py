@@ -88,8 +88,9 @@ def project(log_p: torch.Tensor, log_q: torch.Tensor, kl_bound: float) -> tuple[
     return interpolate(log_q, diff, lam), lam.detach()
 
 
-def troll_log_ratio(log_ratio, mask, *, topk_logp, old_topk_logp, kl_bound: float = 0.05, alpha: float = 1.0,
-                    top_k: int = 8):  # fmt: skip
+def troll_log_ratio(
+    log_ratio, mask, *, topk_logp, old_topk_logp, kl_bound: float = 0.05, alpha: float = 1.0, top_k: int = 8
+):
     """TROLL's projected log-ratio `log p~(a) - log q(a)` `[B, K]`, with `alpha KL(sg(p~) || p)` as the penalty.
 
     Args:

@@ -188,9 +188,14 @@ class Flux2Adapter(_Flux2Adapter):
             pad_token_id=tokenizer.pad_token_id,
         )
         vision_config = PixtralVisionConfig(
-            hidden_size=16, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
-            image_size=30, patch_size=6,
-        )  # fmt: skip
+            hidden_size=16,
+            intermediate_size=37,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            head_dim=8,
+            image_size=30,
+            patch_size=6,
+        )
         text_encoder = Mistral3ForConditionalGeneration(
             Mistral3Config(
                 text_config=text_config,
@@ -303,8 +308,19 @@ def tiny_mistral_tokenizer():
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    special = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
-               "[IMG_BREAK]", "[IMG_END]"]  # fmt: skip
+    special = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<pad>",
+        "[INST]",
+        "[/INST]",
+        "[SYSTEM_PROMPT]",
+        "[/SYSTEM_PROMPT]",
+        "[IMG]",
+        "[IMG_BREAK]",
+        "[IMG_END]",
+    ]
     vocab = {token: i for i, token in enumerate(special)}
     vocab.update({c: len(special) + i for i, c in enumerate(_bytes_to_unicode())})
     merges = list(TINY_MERGES)

@@ -93,8 +93,10 @@ class HunyuanVideoAdapter(ModelAdapter):
         if guider.config.get("start", 0.0) != 0.0 or guider.config.get("stop", 1.0) != 1.0:
             logger.warning(
                 "the pipeline's guider applies CFG only on part of the steps (start=%s, stop=%s); flowrl guides every "
-                "step", guider.config.get("start"), guider.config.get("stop"),
-            )  # fmt: skip
+                "step",
+                guider.config.get("start"),
+                guider.config.get("stop"),
+            )
 
     @property
     def model(self):
@@ -149,14 +151,21 @@ class HunyuanVideoAdapter(ModelAdapter):
         template padded to `crop_start + text_tokens`, then cropped), ByT5 embeddings `[P, L2, D2]` and mask."""
         pipe = self.pipeline
         embeds, mask = pipe._get_mllm_prompt_embeds(
-            text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, prompt=list(prompts), device=self.device,
-            tokenizer_max_length=self.text_tokens, system_message=pipe.system_message,
+            text_encoder=pipe.text_encoder,
+            tokenizer=pipe.tokenizer,
+            prompt=list(prompts),
+            device=self.device,
+            tokenizer_max_length=self.text_tokens,
+            system_message=pipe.system_message,
             crop_start=pipe.prompt_template_encode_start_idx,
-        )  # fmt: skip
+        )
         embeds_2, mask_2 = pipe._get_byt5_prompt_embeds(
-            tokenizer=pipe.tokenizer_2, text_encoder=pipe.text_encoder_2, prompt=list(prompts), device=self.device,
+            tokenizer=pipe.tokenizer_2,
+            text_encoder=pipe.text_encoder_2,
+            prompt=list(prompts),
+            device=self.device,
             tokenizer_max_length=self.glyph_tokens,
-        )  # fmt: skip
+        )
         return {
             "prompt_embeds": embeds.to(self.dtype),
             "prompt_embeds_mask": mask.long(),
@@ -171,8 +180,9 @@ class HunyuanVideoAdapter(ModelAdapter):
         n = latents.shape[0]
         condition = torch.zeros_like(latents)
         mask = torch.zeros_like(latents[:, :1])
-        image_embeds = torch.zeros(n, pipe.vision_num_semantic_tokens, pipe.vision_states_dim, dtype=latents.dtype,
-                                   device=latents.device)  # fmt: skip
+        image_embeds = torch.zeros(
+            n, pipe.vision_num_semantic_tokens, pipe.vision_states_dim, dtype=latents.dtype, device=latents.device
+        )
         return (model or self.model)(
             hidden_states=torch.cat([latents, condition, mask], dim=1),
             image_embeds=image_embeds,
@@ -187,8 +197,16 @@ class HunyuanVideoAdapter(ModelAdapter):
     def initial_latents(self, batch_size, height, width, generator):
         """`[B, C, F', h, w]` drawn as the pipeline draws them (in the model's dtype)."""
         pipe = self.pipeline
-        return pipe.prepare_latents(batch_size, pipe.num_channels_latents, height, width, self.options.num_frames,
-                                    self.dtype, self.device, generator)  # fmt: skip
+        return pipe.prepare_latents(
+            batch_size,
+            pipe.num_channels_latents,
+            height,
+            width,
+            self.options.num_frames,
+            self.dtype,
+            self.device,
+            generator,
+        )
 
     def schedule(self, num_steps, latent_shape):
         """The pipeline's sigmas `linspace(1, 0, N + 1)[:-1]` through `scheduler.set_timesteps` (its static shift)."""
@@ -239,27 +257,50 @@ class HunyuanVideoAdapter(ModelAdapter):
         text_dim, glyph_dim, latent_channels = 16, 32, 4
         torch.manual_seed(seed)
         transformer = HunyuanVideo15Transformer3DModel(
-            in_channels=2 * latent_channels + 1, out_channels=latent_channels, num_attention_heads=2,
-            attention_head_dim=8, num_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1,
-            text_embed_dim=text_dim, text_embed_2_dim=glyph_dim, image_embed_dim=12, rope_axes_dim=(2, 2, 4),
-            target_size=64, task_type=task_type,
-        )  # fmt: skip
+            in_channels=2 * latent_channels + 1,
+            out_channels=latent_channels,
+            num_attention_heads=2,
+            attention_head_dim=8,
+            num_layers=1,
+            num_refiner_layers=1,
+            mlp_ratio=2.0,
+            patch_size=1,
+            patch_size_t=1,
+            text_embed_dim=text_dim,
+            text_embed_2_dim=glyph_dim,
+            image_embed_dim=12,
+            rope_axes_dim=(2, 2, 4),
+            target_size=64,
+            task_type=task_type,
+        )
         torch.manual_seed(seed + 1)
-        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
-            vocab_size=len(tokenizer), hidden_size=text_dim, intermediate_size=16, num_hidden_layers=3,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]},
-            pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        ))  # fmt: skip
+        text_encoder = Qwen2_5_VLTextModel(
+            Qwen2_5_VLTextConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=text_dim,
+                intermediate_size=16,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]},
+                pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=None,
+                eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            )
+        )
         torch.manual_seed(seed + 2)
         text_encoder_2 = _t5_encoder(tokenizer_2, glyph_dim)
         torch.manual_seed(seed + 3)
         vae = AutoencoderKLHunyuanVideo15(
-            latent_channels=latent_channels, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-            spatial_compression_ratio=16, temporal_compression_ratio=4, downsample_match_channel=False,
+            latent_channels=latent_channels,
+            block_out_channels=(8, 8, 8, 8),
+            layers_per_block=1,
+            spatial_compression_ratio=16,
+            temporal_compression_ratio=4,
+            downsample_match_channel=False,
             upsample_match_channel=False,
-        )  # fmt: skip
+        )
         vae.enable_slicing()  # decode video by video: batched decoding fails in diffusers 0.42.1 (see `decode`)
         return _eval(
             HunyuanVideo15Pipeline(

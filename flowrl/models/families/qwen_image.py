@@ -194,7 +194,7 @@ class QwenImageAdapter(ModelAdapter):
                 "intermediate_size": 16,
                 "num_heads": 2,
                 "out_hidden_size": text_dim,
-            },  # fmt: skip
+            },
             image_token_id=ids["<|image_pad|>"],
             video_token_id=ids["<|video_pad|>"],
             vision_start_token_id=ids["<|vision_start|>"],

@@ -103,8 +103,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
         the processors take them): `(pixels [N, 3, H', W'] in [0, 1] as the VAE sees them, (vision images, VAE
         tensors [1, 3, 1, H', W']))`."""
         if not self.multi_source and len(images) != 1:
-            raise ValueError(f"{self.family} edits one source image per prompt, got {len(images)} (the Plus "
-                             "family, qwen_image_edit_plus, takes several)")  # fmt: skip
+            raise ValueError(
+                f"{self.family} edits one source image per prompt, got {len(images)} (the Plus "
+                "family, qwen_image_edit_plus, takes several)"
+            )
         processor = self.pipeline.image_processor
         vision, vae = [], []
         for image in images:
@@ -119,8 +121,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
                 vision.append(resized if (height, width) == vae_size else processor.resize(image, height, width))
                 vae.append(processor.preprocess(resized, *vae_size).unsqueeze(2))
         if len({tuple(t.shape) for t in vae}) > 1:
-            raise ValueError("the source images of one prompt prepare to different sizes; set model.options."
-                             "condition_size")  # fmt: skip
+            raise ValueError(
+                "the source images of one prompt prepare to different sizes; set model.options.condition_size"
+            )
         pixels = (torch.cat([t[:, :, 0] for t in vae]) / 2 + 0.5).clamp(0, 1)
         return pixels, (vision, vae)
 
@@ -151,8 +154,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
         hidden = out.hidden_states[-1][0, pipe.prompt_template_encode_start_idx :]  # [L, D]
         length, limit = hidden.shape[0], vision + self.options.max_sequence_length
         if length > limit:
-            raise ValueError(f"a prompt needs {length - vision} text tokens, more than model.options."
-                             f"max_sequence_length={self.options.max_sequence_length}")  # fmt: skip
+            raise ValueError(
+                f"a prompt needs {length - vision} text tokens, more than model.options."
+                f"max_sequence_length={self.options.max_sequence_length}"
+            )
         embeds = torch.cat([hidden, hidden.new_zeros(limit - length, hidden.shape[1])])
         mask = torch.cat([torch.ones(length, dtype=torch.long), torch.zeros(limit - length, dtype=torch.long)])
         return {"prompt_embeds": embeds.to(self.dtype), "prompt_embeds_mask": mask.to(self.device)}
@@ -178,8 +183,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
             channels, _, height, width = latent.shape[1:]
             latents.append(pipe._pack_latents(latent, 1, channels, height, width)[0])
             shapes.append((1, height // 2, width // 2))
-        return {**self.encode_source_text(prompt, inputs), "image_latents": torch.cat(latents).to(self.dtype),
-                "image_shapes": torch.tensor(shapes)}  # fmt: skip
+        return {
+            **self.encode_source_text(prompt, inputs),
+            "image_latents": torch.cat(latents).to(self.dtype),
+            "image_shapes": torch.tensor(shapes),
+        }
 
     # ----- the network -----
 

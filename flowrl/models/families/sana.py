@@ -85,9 +85,12 @@ class SanaAdapter(ModelAdapter):
         if self.options.max_sequence_length is not None:
             kwargs["max_sequence_length"] = self.options.max_sequence_length
         embeds, mask, _, _ = self.pipeline.encode_prompt(
-            prompts, do_classifier_free_guidance=False, device=self.device,
-            complex_human_instruction=complex_human_instruction() if instruction else None, **kwargs,
-        )  # fmt: skip
+            prompts,
+            do_classifier_free_guidance=False,
+            device=self.device,
+            complex_human_instruction=complex_human_instruction() if instruction else None,
+            **kwargs,
+        )
         return {"prompt_embeds": embeds.to(self.dtype), "attention_mask": mask}
 
     def encode(self, prompts):

@@ -27,9 +27,13 @@ class SD3Adapter(ModelAdapter):
 
     def encode(self, prompts):
         embeds, _, pooled, _ = self.pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, do_classifier_free_guidance=False,
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
             **text_kwargs(self.options),
-        )  # fmt: skip
+        )
         return {"prompt_embeds": embeds.to(self.dtype), "pooled": pooled.to(self.dtype)}
 
     def forward(self, latents, timesteps, cond, guidance_scale, model=None, static=None):

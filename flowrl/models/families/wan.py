@@ -61,9 +61,11 @@ class WanAdapter(ModelAdapter):
     pipeline_class = "WanPipeline"
     video = True
     real_models = (
-        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers: 1.3B", "Wan-AI/Wan2.1-T2V-14B-Diffusers: 14B",
-        "Wan-AI/Wan2.2-T2V-A14B-Diffusers: 2 x 14B experts (one or both train)", "Wan-AI/Wan2.2-TI2V-5B-Diffusers: 5B",
-    )  # fmt: skip
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers: 1.3B",
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers: 14B",
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers: 2 x 14B experts (one or both train)",
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers: 5B",
+    )
     lora_targets = (
         "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
         "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
@@ -140,9 +142,11 @@ class WanAdapter(ModelAdapter):
 
     def encode(self, prompts):
         embeds, _ = self.pipeline.encode_prompt(
-            prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=self.options.max_sequence_length,
+            prompt=prompts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.options.max_sequence_length,
             device=self.device,
-        )  # fmt: skip
+        )
         return {"prompt_embeds": embeds.to(self.dtype)}  # [P, L, D], zero-padded to L: batch-independent
 
     def _call(self, net, latents, timesteps, cond):
@@ -170,8 +174,9 @@ class WanAdapter(ModelAdapter):
     def initial_latents(self, batch_size, height, width, generator):
         """`[B, C, F', h, w]` drawn in fp32 as the pipeline draws them, then in the model's dtype."""
         channels = self.model.config.in_channels
-        latents = self.pipeline.prepare_latents(batch_size, channels, height, width, self.options.num_frames,
-                                                torch.float32, self.device, generator)  # fmt: skip
+        latents = self.pipeline.prepare_latents(
+            batch_size, channels, height, width, self.options.num_frames, torch.float32, self.device, generator
+        )
         return latents.to(self.dtype)
 
     def schedule(self, num_steps, latent_shape):
@@ -225,23 +230,42 @@ class WanAdapter(ModelAdapter):
 
         def transformer():
             return WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-                text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-            )  # fmt: skip
+                patch_size=(1, 2, 2),
+                num_attention_heads=2,
+                attention_head_dim=12,
+                in_channels=16,
+                out_channels=16,
+                text_dim=32,
+                freq_dim=256,
+                ffn_dim=32,
+                num_layers=2,
+                cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads",
+                rope_max_seq_len=32,
+            )
 
         torch.manual_seed(seed)
         high = transformer()
         torch.manual_seed(seed + 1)
         low = transformer() if two_experts else None
         torch.manual_seed(seed + 2)
-        text_encoder = UMT5EncoderModel(UMT5Config(
-            vocab_size=len(tokenizer), d_model=32, d_ff=37, d_kv=8, num_layers=2, num_heads=4,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
-        ))  # fmt: skip
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=len(tokenizer),
+                d_model=32,
+                d_ff=37,
+                d_kv=8,
+                num_layers=2,
+                num_heads=4,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                decoder_start_token_id=0,
+            )
+        )
         torch.manual_seed(seed + 3)
-        vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                               temperal_downsample=[False, True, True])  # fmt: skip
+        vae = AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        )
         return _eval(
             WanPipeline(
                 tokenizer=tokenizer,

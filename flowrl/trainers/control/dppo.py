@@ -60,8 +60,10 @@ class DPPO(ActorCriticAlgorithm):
     @torch.no_grad()
     def behaviour(self, rollout, rows, size):
         actor, k = self.policy.actor, self.policy.actor.num_steps
-        parts = [actor.step_log_probs(rollout.obs[c], rollout.chain[c], torch.arange(k).expand(len(c), k))
-                 for c in self.chunks(len(rollout))]  # fmt: skip
+        parts = [
+            actor.step_log_probs(rollout.obs[c], rollout.chain[c], torch.arange(k).expand(len(c), k))
+            for c in self.chunks(len(rollout))
+        ]
         return torch.cat(parts), None  # [B, K]
 
     def policy_terms(self, batch, index: torch.Tensor) -> Terms:

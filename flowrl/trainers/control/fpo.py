@@ -80,16 +80,18 @@ class FPO(ActorCriticAlgorithm):
         taus = sample_taus((size, n), generator=generator, grid=grid)[rows]
         noises = torch.randn((size, n, rollout.actions.shape[1]), generator=generator)[rows]
         draws = FPODraws(taus, noises)
-        old = torch.cat([self.losses(rollout.obs[c], rollout.actions[c], draws.select(c))
-                         for c in self.chunks(len(rollout))])  # fmt: skip
+        old = torch.cat(
+            [self.losses(rollout.obs[c], rollout.actions[c], draws.select(c)) for c in self.chunks(len(rollout))]
+        )
         draws = FPODraws(taus, noises, old)
         log_probs = -old.mean(-1, keepdim=True) if cfg.ratio == "mean" else -old  # [B, 1] or [B, N]
         return log_probs, draws
 
     def policy_terms(self, batch, index: torch.Tensor) -> Terms:
         losses = self.losses(batch.obs, batch.actions, batch.draws)  # [b, N]
-        log_ratio = fpo_log_ratio(losses, batch.draws.old_losses, mode=self.config.ratio,
-                                  clamp=self.config.ratio_clamp)  # fmt: skip
+        log_ratio = fpo_log_ratio(
+            losses, batch.draws.old_losses, mode=self.config.ratio, clamp=self.config.ratio_clamp
+        )
         if log_ratio.ndim == 1:
             log_ratio = log_ratio[:, None]  # [b, 1]
         old = batch.log_probs.gather(1, index)

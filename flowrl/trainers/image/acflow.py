@@ -129,9 +129,12 @@ class ACFlowConfig(HasKL, MatchingConfig):
             (c.warmup_epochs >= 0, "critic.warmup_epochs must be >= 0"),
             (c.steps >= 0, "critic.steps must be >= 0"),
             (c.clip is None or c.clip > 0, "critic.clip must be > 0 (or null)"),
-            (self.advantage.estimator in ("batch", "group", "raw"),
-             f"acflow shapes rewards with advantage.estimator batch, group or raw, not {self.advantage.estimator!r}"),
-        ]  # fmt: skip
+            (
+                self.advantage.estimator in ("batch", "group", "raw"),
+                "acflow shapes rewards with advantage.estimator batch, group or raw, not "
+                f"{self.advantage.estimator!r}",
+            ),
+        ]
 
 
 @register("acflow", description="AC-Flow: critic-weighted flow matching with W2 regularisation (arXiv:2510.18072)")
@@ -209,8 +212,9 @@ class ACFlow(PerDrawAlgorithm):
         mine = trainable[collected.rows]
         rows = mine.nonzero().flatten()
         local_shaped = shaped[collected.rows]
-        stats = self.train_critic(rollout.select(rows), collected.rows[rows], local_shaped[rows],
-                                  int(trainable.sum()), epoch)  # fmt: skip
+        stats = self.train_critic(
+            rollout.select(rows), collected.rows[rows], local_shaped[rows], int(trainable.sum()), epoch
+        )
         warm = epoch < c.critic.warmup_epochs
         stats["critic/warmup"] = float(warm)
         if warm and c.warmup_actor == "frozen":
@@ -237,9 +241,13 @@ class ACFlow(PerDrawAlgorithm):
         weights[mine] = weights_every[offset : offset + int(mine.sum())]
         clip = c.critic.clip
         clipped = (every.abs() >= clip).float().mean() if clip is not None else 0.0
-        stats = {"adv/critic_mean": every.mean(), "adv/critic_std": every.std(unbiased=False),
-                 "adv/critic_clip_frac": clipped, "weight/max": weights_every.max(),
-                 "weight/min": weights_every.min()}  # fmt: skip
+        stats = {
+            "adv/critic_mean": every.mean(),
+            "adv/critic_std": every.std(unbiased=False),
+            "adv/critic_clip_frac": clipped,
+            "weight/max": weights_every.max(),
+            "weight/min": weights_every.min(),
+        }
         return dataclasses.replace(draws, weights=weights), stats
 
     def draw_terms(self, batch, rows, draw, *, x1, x_t, taus, noises, v):

@@ -139,8 +139,10 @@ class AWM(PerDrawAlgorithm):
         rollout = collected.data
         draws = self.make_draws(rollout, collected.rows, epoch)
         old = torch.empty(draws.taus.shape)  # [B, N]
-        for rows, j, logp in self.at_draws(dataclasses.replace(rollout, draws=draws), lambda part, x1, x_t, taus,
-                                           noises, v: self.log_likelihood(v, x1, noises, taus)[0]):  # fmt: skip
+        for rows, j, logp in self.at_draws(
+            dataclasses.replace(rollout, draws=draws),
+            lambda part, x1, x_t, taus, noises, v: self.log_likelihood(v, x1, noises, taus)[0],
+        ):
             old[rows, j] = logp.float().cpu()
         draws = dataclasses.replace(draws, old_log_probs=old)
         if self.kl_ema is None:

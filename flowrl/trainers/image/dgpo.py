@@ -42,8 +42,9 @@ from flowrl.trainers.shared.preference import PreferenceAlgorithm
 @dataclasses.dataclass
 class DGPOConfig(HasKL, MatchingConfig):
     kl_forms: ClassVar[tuple[str, ...]] = ("w2",)
-    absent: ClassVar[dict[str, str]] = {"objective": "its loss is the DGPO objective (flowrl.core.preference): set "
-                                        "beta and dsm_clip"}  # fmt: skip
+    absent: ClassVar[dict[str, str]] = {
+        "objective": "its loss is the DGPO objective (flowrl.core.preference): set beta and dsm_clip"
+    }
 
     sampling: SamplingConfig = dataclasses.field(
         default_factory=lambda: SamplingConfig(sampler="ode", guidance_scale=1.0)
@@ -87,14 +88,20 @@ class DGPOConfig(HasKL, MatchingConfig):
             (self.beta > 0, f"beta must be > 0, got {self.beta}"),
             (self.dsm_clip is None or self.dsm_clip > 0, "dsm_clip must be > 0 (or null: no clip)"),
             (self.reference_guidance >= 1, "reference_guidance must be >= 1 (1: the conditional velocity)"),
-            (0 <= self.old_decay_max < 1 and self.old_decay_rate >= 0,
-             "old_decay_max must be in [0, 1) and old_decay_rate >= 0"),
-            (self.trunc_steps is None or 0 <= self.trunc_steps < steps,
-             f"trunc_steps must lie in [0, sampling.num_steps) = [0, {steps}), got {self.trunc_steps}"),
-            (self.t_sampling != "grid" or self.trunc_steps is None or self.num_draws <= self.trunc_steps + 1,
-             f"t_sampling=grid draws distinct levels of the first trunc_steps + 1 ({(self.trunc_steps or 0) + 1}): "
-             f"num_draws ({self.num_draws}) is too large"),
-        ]  # fmt: skip
+            (
+                0 <= self.old_decay_max < 1 and self.old_decay_rate >= 0,
+                "old_decay_max must be in [0, 1) and old_decay_rate >= 0",
+            ),
+            (
+                self.trunc_steps is None or 0 <= self.trunc_steps < steps,
+                f"trunc_steps must lie in [0, sampling.num_steps) = [0, {steps}), got {self.trunc_steps}",
+            ),
+            (
+                self.t_sampling != "grid" or self.trunc_steps is None or self.num_draws <= self.trunc_steps + 1,
+                f"t_sampling=grid draws distinct levels of the first trunc_steps + 1 ({(self.trunc_steps or 0) + 1}): "
+                f"num_draws ({self.num_draws}) is too large",
+            ),
+        ]
 
 
 class LaggedSampler:
@@ -170,8 +177,9 @@ class DGPO(PreferenceAlgorithm):
         c, rollout = self.config, collected.data
         draws = self.shared_draws(collected, epoch)
         if self.needs_reference():
-            losses, velocities = self.draw_losses(rollout, draws, rows, reference=True,
-                                                  velocities=self.store_velocity())  # fmt: skip
+            losses, velocities = self.draw_losses(
+                rollout, draws, rows, reference=True, velocities=self.store_velocity()
+            )
             draws = dataclasses.replace(draws, ref_losses=losses, ref_velocity=velocities)
         if c.dsm_clip is not None or c.ema_reference:
             with self.old.swapped():

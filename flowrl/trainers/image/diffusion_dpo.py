@@ -63,9 +63,11 @@ class DiffusionDPOConfig(MatchingConfig):
         return [
             *super().checks(),
             (self.beta > 0, f"beta must be > 0, got {self.beta}"),
-            (self.preference_data is None or self.prompts.group_size == 2,
-             "preference_data: each epoch's rows are pairs (chosen, rejected): set prompts.group_size to 2"),
-        ]  # fmt: skip
+            (
+                self.preference_data is None or self.prompts.group_size == 2,
+                "preference_data: each epoch's rows are pairs (chosen, rejected): set prompts.group_size to 2",
+            ),
+        ]
 
 
 def best_and_worst(advantages: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -82,8 +84,9 @@ def best_and_worst(advantages: torch.Tensor, groups: torch.Tensor, valid: torch.
     return out
 
 
-@register("diffusion_dpo", description="Diffusion-DPO: online best/worst pairs or offline preference data "
-          "(arXiv:2311.12908)")  # fmt: skip
+@register(
+    "diffusion_dpo", description="Diffusion-DPO: online best/worst pairs or offline preference data (arXiv:2311.12908)"
+)
 class DiffusionDPO(PreferenceAlgorithm):
     """Diffusion-DPO; see the module docstring and `DiffusionDPOConfig`."""
 
@@ -101,10 +104,16 @@ class DiffusionDPO(PreferenceAlgorithm):
         from flowrl.image.preferences import PreferenceCollector, load_preferences
 
         c = self.config
-        return PreferenceCollector(policy=self.policy, pairs=load_preferences(c.preference_data),
-                                   processes=self.processes, pairs_per_epoch=c.prompts.prompts_per_epoch,
-                                   seed=c.run.seed, num_steps=c.sampling.num_steps, height=c.sampling.height,
-                                   width=c.sampling.width)  # fmt: skip
+        return PreferenceCollector(
+            policy=self.policy,
+            pairs=load_preferences(c.preference_data),
+            processes=self.processes,
+            pairs_per_epoch=c.prompts.prompts_per_epoch,
+            seed=c.run.seed,
+            num_steps=c.sampling.num_steps,
+            height=c.sampling.height,
+            width=c.sampling.width,
+        )
 
     def group_keys(self, texts):
         """Online: the prompt; offline: the pair (rows `2p` and `2p + 1`), whatever its prompt."""

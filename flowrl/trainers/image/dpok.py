@@ -122,11 +122,13 @@ class DPOKConfig(HasObjective, HasKL, HasSteps, ImageConfig):
             (self.policy_steps >= 1, "policy_steps must be >= 1"),
             (self.batch.mini_batch_size is not None, "dpok draws batch.mini_batch_size transitions per step: set it"),
             (c.steps >= 1 and c.mini_batch_size >= 1, "critic.steps and critic.mini_batch_size must be >= 1"),
-            (self.batch.inner_epochs == 1,
-             "dpok draws policy_steps random buffer batches; batch.inner_epochs must be 1"),
+            (
+                self.batch.inner_epochs == 1,
+                "dpok draws policy_steps random buffer batches; batch.inner_epochs must be 1",
+            ),
             (self.reward_aggregation == "sum", "dpok learns the weighted reward sum (reward_aggregation: sum)"),
             (self.objective.name != "grpo_guard", "the replay buffer keeps no behaviour means for grpo_guard"),
-        ]  # fmt: skip
+        ]
 
 
 class ReplayBuffer:
@@ -192,8 +194,7 @@ class DPOK(ImageAlgorithm):
             text_dim = pooled_text(self.policy.encode(self.prompt_table[:1])).shape[-1]
             with torch.random.fork_rng(devices=[]):  # the same initial value net in every run of this seed
                 torch.manual_seed(c.run.seed)
-                self.value_net = StateValueNet(self.policy.model.config.in_channels, text_dim,
-                                               hidden=c.critic.hidden)  # fmt: skip
+                self.value_net = StateValueNet(self.policy.model.config.in_channels, text_dim, hidden=c.critic.hidden)
 
     def auxiliary_modules(self):
         return {"value": (self.value_net, self.config.critic.lr)} if self.value_net is not None else {}
@@ -215,8 +216,9 @@ class DPOK(ImageAlgorithm):
         table = torch.tensor([self.prompt_index[p] for p in rollout.unique_prompts])
         local = dataclasses.replace(local, prompts=table[local.prompts], rewards=returns[collected.rows][rows].float())
         kept = keep[collected.rows][rows]
-        return Transitions(**{f: self.processes.gather_rows(getattr(local, f), kept)
-                              for f in Transitions.per_sample_fields()})  # fmt: skip
+        return Transitions(
+            **{f: self.processes.gather_rows(getattr(local, f), kept) for f in Transitions.per_sample_fields()}
+        )
 
     def conditioning(self, prompts: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-row conditioning `[n, ...]` of prompt indices (cached text embeddings)."""
@@ -243,15 +245,22 @@ class DPOK(ImageAlgorithm):
         if self.value_net is not None:
             with torch.no_grad():
                 size = c.batch.micro_batch_size
-                adv = adv - torch.cat([self.value(data.select(slice(i, i + size))).float().cpu()
-                                       for i in range(0, len(data), size)])  # fmt: skip
+                adv = adv - torch.cat(
+                    [self.value(data.select(slice(i, i + size))).float().cpu() for i in range(0, len(data), size)]
+                )
         adv = c.reward_weight * adv
         generator = seeded(c.run.seed, epoch, 21, 0)  # the same draws on every process
         draws = [self.buffer.draw(c.batch.mini_batch_size, generator) for _ in range(c.policy_steps)]
         drawn = adv[torch.cat(draws)]
         stats.update({"advantage_mean": drawn.mean(), "advantage_abs": drawn.abs().mean()})
-        batch = UpdateBatch(data=data, rows=None, size=len(data), advantages=adv,
-                            trainable=torch.ones(len(data), dtype=torch.bool), mini_batches=draws)  # fmt: skip
+        batch = UpdateBatch(
+            data=data,
+            rows=None,
+            size=len(data),
+            advantages=adv,
+            trainable=torch.ones(len(data), dtype=torch.bool),
+            mini_batches=draws,
+        )
         return batch, stats
 
     def fit_value(self, generator: torch.Generator) -> float:
@@ -283,9 +292,15 @@ class DPOK(ImageAlgorithm):
     def terms(self, batch, index: torch.Tensor) -> Terms:
         """Buffer transitions (one element each: their step) re-scored against the current epoch's settings."""
         data, device = batch.data, self.engine.device
-        terms = self.step_terms.transition_terms(self.settings, data.states.to(device), data.next_states.to(device),
-                                                 data.steps, self.conditioning(data.prompts), data.log_probs,
-                                                 self.epoch)  # fmt: skip
+        terms = self.step_terms.transition_terms(
+            self.settings,
+            data.states.to(device),
+            data.next_states.to(device),
+            data.steps,
+            self.conditioning(data.prompts),
+            data.log_probs,
+            self.epoch,
+        )
         return Terms.from_tensors({k: v[:, None] for k, v in terms.tensors().items()})
 
     # ------------------------------------------------------------------------------------------

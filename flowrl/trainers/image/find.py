@@ -57,8 +57,11 @@ class CalibrationConfig:
 @dataclasses.dataclass
 class FINDConfig(HasObjective, HasKL, HasGroupFilter, ImageConfig):
     kl_forms: ClassVar[tuple[str, ...]] = ("proxy", "gaussian")
-    renamed: ClassVar[dict[str, str]] = {"calibration_lr": "critic.lr", "calibration_hidden": "critic.hidden",
-                                         "calibration_steps": "critic.steps"}  # fmt: skip
+    renamed: ClassVar[dict[str, str]] = {
+        "calibration_lr": "critic.lr",
+        "calibration_hidden": "critic.hidden",
+        "calibration_steps": "critic.steps",
+    }
 
     objective: ObjectiveConfig = dataclasses.field(
         default_factory=lambda: ObjectiveConfig(name="clamp", clip_eps_low=0.2)
@@ -124,11 +127,14 @@ class CalibrationNet(nn.Module):
     def __init__(self, latent_numel: int, text_dim: int, hidden: int = 256):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(2 * latent_numel + text_dim, hidden), nn.ReLU(),
-            nn.Linear(hidden, hidden), nn.ReLU(),
-            nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(2 * latent_numel + text_dim, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
             nn.Linear(hidden, 1),
-        )  # fmt: skip
+        )
 
     def forward(self, mean: torch.Tensor, std: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         x = torch.cat([mean.flatten(1).float(), std.flatten(1).float(), text.float()], dim=-1)
@@ -150,16 +156,26 @@ class NoiseSampler:
         z = algo.initial_latents(condition, generators, s.height, s.width)
         with algo.modality.context.autocast():
             window = algo.base_sampler.window(epoch)
-            rollout = policy.rollout(texts, latents=z, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
-                                     noise_level=s.noise_level, sampler=s.sampler, sde_window=window,
-                                     generator=generators, height=s.height, width=s.width)  # fmt: skip
+            rollout = policy.rollout(
+                texts,
+                latents=z,
+                num_steps=s.num_steps,
+                guidance_scale=s.guidance_scale,
+                noise_level=s.noise_level,
+                sampler=s.sampler,
+                sde_window=window,
+                generator=generators,
+                height=s.height,
+                width=s.width,
+            )
             action = z.float()
             if algo.config.old_policy == "prior":
                 old = gaussian_log_prob(action, torch.zeros_like(action), 1.0, reduce=policy.reduce)
             else:
                 old = algo.noise_policy.log_prob(action, condition)
-        return dataclasses.replace(rollout, noise=NoiseDraws(z=action, condition=condition, text=text,
-                                                             log_probs=old.float()))  # fmt: skip
+        return dataclasses.replace(
+            rollout, noise=NoiseDraws(z=action, condition=condition, text=text, log_probs=old.float())
+        )
 
 
 @register("find", description="FIND: a Gaussian policy over the initial noise of a frozen sampler (arXiv:2407.19453)")
@@ -190,8 +206,14 @@ class FIND(ImageAlgorithm):
             torch.manual_seed(c.run.seed)
             size = {"num_prompts": len(texts)} if c.noise_policy == "per_prompt" else {"embed_dim": text_dim}
             kl_form = "proxy" if c.kl.form == "proxy" else "exact"
-            self.noise_policy = FINDNoisePolicy(self.latent_shape, kl_form=kl_form, hidden=c.noise_hidden,
-                                                min_std=c.min_std, reduce=self.policy.reduce, **size)  # fmt: skip
+            self.noise_policy = FINDNoisePolicy(
+                self.latent_shape,
+                kl_form=kl_form,
+                hidden=c.noise_hidden,
+                min_std=c.min_std,
+                reduce=self.policy.reduce,
+                **size,
+            )
             numel = int(torch.tensor(self.latent_shape).prod())
             self.calibration = CalibrationNet(numel, text_dim, hidden=c.critic.hidden)
         self.noise_policy.to(self.engine.device)
@@ -245,8 +267,7 @@ class FIND(ImageAlgorithm):
         # the calibration regresses on every process's samples (the same loss on each), as one process would
         per_sample = (sample_mean, sample_std, rollout.noise.text, local_rewards)
         device = sample_mean.device
-        all_mean, all_std, all_text, all_target = (self.processes.gather_rows(x, mine).to(device)
-                                                   for x in per_sample)  # fmt: skip
+        all_mean, all_std, all_text, all_target = (self.processes.gather_rows(x, mine).to(device) for x in per_sample)
         net = self.engine.aux_module("calibration")
         _, optimizer = self.engine.aux["calibration"]
         net.train()
@@ -285,7 +306,9 @@ class FIND(ImageAlgorithm):
             logger.warning(
                 "find: epoch %d: every sample's ratio to the N(0, I) prior is outside the clamp band, so the policy "
                 "gradient is zero and only the regulariser trains (FIND's released code, old_policy: prior); "
-                "old_policy: previous gives PPO's fresh trust region each epoch", epoch)  # fmt: skip
+                "old_policy: previous gives PPO's fresh trust region each epoch",
+                epoch,
+            )
         return self.update_batch(collected, full, trainable), stats
 
     _warned_out_of_band = False

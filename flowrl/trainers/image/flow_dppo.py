@@ -34,7 +34,7 @@ class FlowDPPOConfig(FlowGRPOConfig):
             sde_window_schedule="random",
             window_size=3,
             window_span=(0, 5),
-        )  # fmt: skip
+        )
     )
     """CFG-free flow-SDE (a 0.7) on 3 consecutive steps drawn each epoch from the first half of the 10; ODE elsewhere
     (UniRL's `AllSDEScheduler(num_sde_steps=3, timestep_fraction=[0.0, 0.5])`, as a window)."""
@@ -50,8 +50,10 @@ class FlowDPPOConfig(FlowGRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.objective.name != "flow_dppo":
-            raise ValueError(f"flow_dppo trains the flow_dppo objective; got objective.name={self.objective.name!r} "
-                             "(flow_grpo takes any objective)")  # fmt: skip
+            raise ValueError(
+                f"flow_dppo trains the flow_dppo objective; got objective.name={self.objective.name!r} "
+                "(flow_grpo takes any objective)"
+            )
 
 
 @register(

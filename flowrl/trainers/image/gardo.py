@@ -81,19 +81,28 @@ class GARDOConfig(FlowGRPOConfig):
         features = self.diversity_features
         return [
             *super().checks(),
-            (not missing,
-             f"gardo compares the proxy's ranks with uncertainty_rewards {missing}: add them to rewards (weight 0 "
-             "keeps them out of the trained reward), or set uncertainty_rewards: [] to apply the KL to every sample"),
-            (0 <= low <= self.kl_fraction <= high <= 1,
-             f"need 0 <= kl_fraction_range[0] <= kl_fraction <= kl_fraction_range[1] <= 1, got {self.kl_fraction} "
-             f"in {self.kl_fraction_range}"),
-            (self.kl_fraction_rate >= 0 and self.kl_fraction_window >= 1,
-             "kl_fraction_rate must be >= 0 and kl_fraction_window >= 1"),
+            (
+                not missing,
+                f"gardo compares the proxy's ranks with uncertainty_rewards {missing}: add them to rewards (weight 0 "
+                "keeps them out of the trained reward), or set uncertainty_rewards: [] to apply the KL to every "
+                "sample",
+            ),
+            (
+                0 <= low <= self.kl_fraction <= high <= 1,
+                f"need 0 <= kl_fraction_range[0] <= kl_fraction <= kl_fraction_range[1] <= 1, got {self.kl_fraction} "
+                f"in {self.kl_fraction_range}",
+            ),
+            (
+                self.kl_fraction_rate >= 0 and self.kl_fraction_window >= 1,
+                "kl_fraction_rate must be >= 0 and kl_fraction_window >= 1",
+            ),
             (self.reset_freq >= 1, f"reset_freq must be >= 1, got {self.reset_freq}"),
             (self.reset_kl is None or self.reset_kl > 0, f"reset_kl must be > 0 (or null), got {self.reset_kl}"),
-            (features in (None, "pixels") or ":" in features,
-             f"diversity_features must be 'pixels', a package.module:function or null, got {features!r}"),
-        ]  # fmt: skip
+            (
+                features in (None, "pixels") or ":" in features,
+                f"diversity_features must be 'pixels', a package.module:function or null, got {features!r}",
+            ),
+        ]
 
 
 def pixel_features(images: torch.Tensor) -> torch.Tensor:
@@ -124,8 +133,11 @@ class GARDO(FlowGRPO):
         self.estimator = AdvantageEstimator(dataclasses.replace(c.advantage, clip=None), weights, c.reward_aggregation)
         self.risk = RiskController(c.kl_fraction, c.kl_fraction_rate, *c.kl_fraction_range, c.kl_fraction_window)
         features = c.diversity_features
-        self.features_fn = None if features is None else (
-            pixel_features if features == "pixels" else import_path(features, "diversity_features"))  # fmt: skip
+        self.features_fn = (
+            None
+            if features is None
+            else (pixel_features if features == "pixels" else import_path(features, "diversity_features"))
+        )
         self.gate: torch.Tensor | None = None
         """`[N]` bool: the epoch's samples whose KL applies."""
         self.gate_scale = 1.0
@@ -163,8 +175,11 @@ class GARDO(FlowGRPO):
             adv = adv.clamp(-clip, clip)
         kept = adv[valid]
         if len(kept):  # the statistics of the advantages as trained
-            stats.update(adv_mean=float(kept.mean()), adv_std=float(kept.std(unbiased=False)),
-                         adv_abs_max=float(kept.abs().max()))  # fmt: skip
+            stats.update(
+                adv_mean=float(kept.mean()),
+                adv_std=float(kept.std(unbiased=False)),
+                adv_abs_max=float(kept.abs().max()),
+            )
         self.gate, self._gate_stats = self.uncertainty_gate(collected, valid)
         return adv, stats
 
@@ -185,8 +200,10 @@ class GARDO(FlowGRPO):
         if candidates.numel():
             fraction = self.risk.update(float(candidates.mean()))
             gate[valid] = uncertainty_gate(u, fraction)
-        return gate, {"gardo/uncertainty_mean": float(candidates.mean()) if candidates.numel() else 0.0,
-                      "gardo/kl_fraction": self.risk.fraction}  # fmt: skip
+        return gate, {
+            "gardo/uncertainty_mean": float(candidates.mean()) if candidates.numel() else 0.0,
+            "gardo/kl_fraction": self.risk.fraction,
+        }
 
     def prepare(self, collected, advantages, trainable, epoch):
         batch, stats = super().prepare(collected, advantages, trainable, epoch)
@@ -201,8 +218,13 @@ class GARDO(FlowGRPO):
         self.gate_scale = n / n_gated if self.config.gated_kl_mean and n_gated else 1.0
         self._kl.zero_()
         self._step_kls = []
-        return batch, {**stats, **self._gate_stats, "gardo/gated_frac": n_gated / max(n, 1),
-                       "gardo/reset": float(reset), "gardo/resets": float(self.resets)}  # fmt: skip
+        return batch, {
+            **stats,
+            **self._gate_stats,
+            "gardo/gated_frac": n_gated / max(n, 1),
+            "gardo/reset": float(reset),
+            "gardo/resets": float(self.resets),
+        }
 
     # ------------------------------------------------------------------------------------------
     # the gated KL and the reset check
@@ -248,8 +270,12 @@ class GARDO(FlowGRPO):
 
     def state_dict(self):
         state, tensors = super().state_dict()
-        state["gardo"] = {"risk": self.risk.state_dict(), "last_reset": self.last_reset, "resets": self.resets,
-                          "reset_pending": self.reset_pending}  # fmt: skip
+        state["gardo"] = {
+            "risk": self.risk.state_dict(),
+            "last_reset": self.last_reset,
+            "resets": self.resets,
+            "reset_pending": self.reset_pending,
+        }
         if self.resets:  # the reference differs from the base model in the trained parameters only
             reference = dict(self.policy.reference_model.named_parameters())
             names = [name for name, p in self.policy.model.named_parameters() if p.requires_grad]

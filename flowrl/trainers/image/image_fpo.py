@@ -65,8 +65,9 @@ class ImageFPO(MatchingAlgorithm):
         draws = batch.draws
         velocity = self.policy.velocity_fn(batch, draws.taus.shape[1])
         x1 = batch.latents[:, -1]
-        return cfm_losses(velocity, x1, draws.taus.to(x1.device), draws.noises.to(x1.device),
-                          supervise=self.config.supervise)  # fmt: skip
+        return cfm_losses(
+            velocity, x1, draws.taus.to(x1.device), draws.noises.to(x1.device), supervise=self.config.supervise
+        )
 
     def prepare_draws(self, collected, advantages, epoch):
         """The epoch's draws and the behaviour losses on them, in training-sized chunks."""
@@ -74,8 +75,12 @@ class ImageFPO(MatchingAlgorithm):
         rollout = dataclasses.replace(collected.data, draws=draws)
         size = self.config.batch.micro_batch_size
         with torch.no_grad():
-            old = torch.cat([self.losses(rollout.select(torch.arange(i, min(i + size, len(rollout))))).float().cpu()
-                             for i in range(0, len(rollout), size)])  # fmt: skip
+            old = torch.cat(
+                [
+                    self.losses(rollout.select(torch.arange(i, min(i + size, len(rollout))))).float().cpu()
+                    for i in range(0, len(rollout), size)
+                ]
+            )
         return dataclasses.replace(draws, old_losses=old)
 
     def num_elements(self, rollout) -> int:
@@ -96,5 +101,8 @@ class ImageFPO(MatchingAlgorithm):
         if log_ratio.ndim == 1:
             log_ratio = log_ratio[:, None]  # [b, 1]
         index = index.to(losses.device)
-        return Terms(logp=(old + log_ratio).gather(1, index), old_logp=old.gather(1, index),
-                      logs={"fm_loss": losses.detach().mean(-1, keepdim=True).expand_as(index)})  # fmt: skip
+        return Terms(
+            logp=(old + log_ratio).gather(1, index),
+            old_logp=old.gather(1, index),
+            logs={"fm_loss": losses.detach().mean(-1, keepdim=True).expand_as(index)},
+        )

@@ -31,12 +31,16 @@ class LOOPConfig(FlowGRPOConfig):
     def checks(self):
         return [
             *super().checks(),
-            (self.advantage.estimator == "leave_one_out",
-             f"loop is defined by its leave-one-out baseline; got advantage.estimator={self.advantage.estimator!r} "
-             "(use flow_grpo for other estimators)"),
-            (self.reward_aggregation == "sum",
-             "loop combines rewards by their weighted sum (reward_aggregation: sum)"),
-        ]  # fmt: skip
+            (
+                self.advantage.estimator == "leave_one_out",
+                f"loop is defined by its leave-one-out baseline; got advantage.estimator={self.advantage.estimator!r} "
+                "(use flow_grpo for other estimators)",
+            ),
+            (
+                self.reward_aggregation == "sum",
+                "loop combines rewards by their weighted sum (reward_aggregation: sum)",
+            ),
+        ]
 
 
 @register(

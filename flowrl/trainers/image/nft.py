@@ -51,9 +51,19 @@ def implicit_velocities(v: torch.Tensor, v_old: torch.Tensor, beta: float) -> tu
     return v_old + beta * (v - v_old), v_old - beta * (v - v_old)
 
 
-def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x1: torch.Tensor, x_t: torch.Tensor, noises: torch.Tensor,
-             taus: torch.Tensor, r: torch.Tensor, *, beta: float, scale: float,
-             form: str = "x0_adaptive") -> tuple[torch.Tensor, dict]:  # fmt: skip
+def nft_loss(
+    v: torch.Tensor,
+    v_old: torch.Tensor,
+    x1: torch.Tensor,
+    x_t: torch.Tensor,
+    noises: torch.Tensor,
+    taus: torch.Tensor,
+    r: torch.Tensor,
+    *,
+    beta: float,
+    scale: float,
+    form: str = "x0_adaptive",
+) -> tuple[torch.Tensor, dict]:
     """Per-draw NFT loss `[n]`: `(Z / beta) (r l(v+) + (1 - r) l(v-))` (see the module docstring) and logs.
 
     Shapes: `v`, `v_old`, `x1`, `x_t`, `noises` `[n, ...]`; `taus`, `r` `[n]`. Math in fp32.
@@ -189,8 +199,18 @@ class DiffusionNFT(PerDrawAlgorithm):
         c = self.config
         r = batch.draws.weights[rows, draw].to(x1.device)  # [n]
         v_old = batch.draws.old_velocity[rows, draw].to(x1.device)  # [n, ...]
-        value, logs = nft_loss(v, v_old, x1, x_t, noises.to(x1.device), taus, r, beta=c.guidance_strength,
-                               scale=c.optimality_scale, form=c.loss)  # fmt: skip
+        value, logs = nft_loss(
+            v,
+            v_old,
+            x1,
+            x_t,
+            noises.to(x1.device),
+            taus,
+            r,
+            beta=c.guidance_strength,
+            scale=c.optimality_scale,
+            form=c.loss,
+        )
         return Terms(loss=value, logs=logs)
 
     def lagged_copies(self):

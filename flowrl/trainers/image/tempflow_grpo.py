@@ -39,8 +39,9 @@ BRANCH_SELECTIONS = ("all", "first_fraction", "window")
 
 @dataclasses.dataclass
 class TempFlowGRPOConfig(FlowGRPOConfig):
-    sampling: SamplingConfig = dataclasses.field(default_factory=lambda: SamplingConfig(sampler="flow_sde",
-                                                                                        noise_level=0.7))  # fmt: skip
+    sampling: SamplingConfig = dataclasses.field(
+        default_factory=lambda: SamplingConfig(sampler="flow_sde", noise_level=0.7)
+    )
     """Flow-SDE branches (a = 0.7, hard-coded in the authors' SD3 code), ODE trunk and completions."""
     advantage: AdvantageConfig = dataclasses.field(
         default_factory=lambda: AdvantageConfig(std="group", eps=1e-4, clip=5.0, unbiased=False)
@@ -49,7 +50,7 @@ class TempFlowGRPOConfig(FlowGRPOConfig):
     steps: StepConfig = dataclasses.field(
         default_factory=lambda: StepConfig(
             selection="first_fraction", fraction=0.99, weighting="noise_aware", normalize_weights=True
-        )  # fmt: skip
+        )
     )
     """Branch steps: the first 99% (9 of 10); noise-aware weights `c s_j` scaled to mean 1 over them."""
     seeds_per_prompt: int = 4
@@ -78,10 +79,14 @@ class TempFlowGRPOConfig(FlowGRPOConfig):
         ]  # fmt: skip
         if self.steps.selection in BRANCH_SELECTIONS:
             size = self.seeds_per_prompt * self.branches * len(self.branch_steps())
-            checks.append((self.prompts.group_size == size,
-                           f"prompts.group_size must be seeds_per_prompt x branches x branch steps = "
-                           f"{self.seeds_per_prompt} x {self.branches} x {len(self.branch_steps())} = {size}, "
-                           f"got {self.prompts.group_size}"))  # fmt: skip
+            checks.append(
+                (
+                    self.prompts.group_size == size,
+                    f"prompts.group_size must be seeds_per_prompt x branches x branch steps = "
+                    f"{self.seeds_per_prompt} x {self.branches} x {len(self.branch_steps())} = {size}, "
+                    f"got {self.prompts.group_size}",
+                )
+            )
         return checks
 
 
@@ -89,8 +94,14 @@ class BranchingSampler(ImageSampler):
     """Each branch step's samples as trajectories stochastic only at that step, from their seed's noise."""
 
     def __init__(self, base: ImageSampler, config: TempFlowGRPOConfig, branch_of):
-        super().__init__(base.policy, base.sampling, seed=base.seed, group_size=base.group_size,
-                         autocast=base.autocast, store_means=base.store_means)  # fmt: skip
+        super().__init__(
+            base.policy,
+            base.sampling,
+            seed=base.seed,
+            group_size=base.group_size,
+            autocast=base.autocast,
+            store_means=base.store_means,
+        )
         self.config, self.branch_of = config, branch_of
 
     def __call__(self, texts, generators, rows, epoch):
@@ -101,11 +112,19 @@ class BranchingSampler(ImageSampler):
         for j in steps.unique().tolist():
             mine = (steps == j).nonzero().flatten()
             with self.autocast():
-                part = self.policy.rollout([texts[i] for i in mine], num_steps=s.num_steps,
-                                           guidance_scale=s.guidance_scale, noise_level=s.noise_level,
-                                           sampler=s.sampler, sde_window=(j, j + 1), latents=latents[mine],
-                                           generator=[generators[i] for i in mine], height=s.height, width=s.width,
-                                           store_means=self.store_means)  # fmt: skip
+                part = self.policy.rollout(
+                    [texts[i] for i in mine],
+                    num_steps=s.num_steps,
+                    guidance_scale=s.guidance_scale,
+                    noise_level=s.noise_level,
+                    sampler=s.sampler,
+                    sde_window=(j, j + 1),
+                    latents=latents[mine],
+                    generator=[generators[i] for i in mine],
+                    height=s.height,
+                    width=s.width,
+                    store_means=self.store_means,
+                )
             if not part.sde_mask[j]:
                 raise ValueError(f"sampler {s.sampler!r} (noise_level {s.noise_level}) is deterministic at step {j}")
             parts.append(dataclasses.replace(part, stochastic_step=torch.full((len(mine),), j)))

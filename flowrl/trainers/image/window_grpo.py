@@ -34,8 +34,15 @@ from flowrl.trainers.shared.flow_grpo import FlowGRPO, FlowGRPOConfig
 def mix_sampling(**changes) -> SamplingConfig:
     """MixGRPO's sampling: flow-SDE (a 0.7) in a 4-step window moved by 1 step every 25 iterations, ODE outside
     it, one initial noise per group; `changes` for its variants."""
-    settings = dict(sampler="flow_sde", noise_level=0.7, sde_window_schedule="progressive", window_size=4,
-                    window_every=25, window_stride=1, init_same_noise=True)  # fmt: skip
+    settings = dict(
+        sampler="flow_sde",
+        noise_level=0.7,
+        sde_window_schedule="progressive",
+        window_size=4,
+        window_every=25,
+        window_stride=1,
+        init_same_noise=True,
+    )
     return SamplingConfig(**{**settings, **changes})
 
 
@@ -57,7 +64,7 @@ class MixGRPOFlashConfig(MixGRPOConfig):
     sampling: SamplingConfig = dataclasses.field(
         default_factory=lambda: mix_sampling(
             window_every=20, post_window_solver="dpm_solver_2m", post_window_ratio=0.4
-        )  # fmt: skip
+        )
     )
     """MixGRPO's window, moved every 20 epochs; after it, 0.4 of the remaining steps with DPM-Solver++(2M)
     (`--dpm_apply_strategy post`). Flash*: `window_stride: 0` (frozen at the first steps), `post_window_ratio: 0.2`."""
@@ -73,7 +80,7 @@ class FlowGRPOFastConfig(FlowGRPOConfig):
             sde_window_schedule="random",
             window_size=3,
             window_span=(0, 5),
-        )  # fmt: skip
+        )
     )
     """CFG-free CPS (a 0.8) in a 3-step window with a uniform start in the first half of the 10 steps."""
     objective: ObjectiveConfig = dataclasses.field(default_factory=lambda: ObjectiveConfig(clip_eps_low=1e-5))
@@ -87,7 +94,7 @@ class DanceGRPOConfig(FlowGRPOConfig):
     sampling: SamplingConfig = dataclasses.field(
         default_factory=lambda: SamplingConfig(
             num_steps=16, sampler="dance_sde", noise_level=0.3, sde_window=(0, 15), init_same_noise=True
-        )  # fmt: skip
+        )
     )
     """DanceGRPO's SDE (eta 0.3) on 16 steps; the last transition is ODE and never trained (`--ignore_last`); a
     group's samples start from one noise (`--init_same_noise`)."""

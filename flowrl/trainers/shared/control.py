@@ -56,15 +56,20 @@ class ControlAlgorithm(Algorithm):
         theirs, cfg = loaded.algorithm.policy.actor, loaded.config
         mine = self.policy.actor
         if cfg.env.id != self.config.env.id:
-            raise ValueError(f"init_from {source}: that run's policy acts in {cfg.env.id}, this run's in "
-                             f"{self.config.env.id}")  # fmt: skip
+            raise ValueError(
+                f"init_from {source}: that run's policy acts in {cfg.env.id}, this run's in {self.config.env.id}"
+            )
         if cfg.env.normalize_obs:
-            raise ValueError(f"init_from {source}: that run normalised its observations; its policy cannot start "
-                             "this one (the statistics do not carry)")  # fmt: skip
+            raise ValueError(
+                f"init_from {source}: that run normalised its observations; its policy cannot start "
+                "this one (the statistics do not carry)"
+            )
         shapes = {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
         if type(theirs) is not type(mine) or shapes != {k: tuple(v.shape) for k, v in mine.state_dict().items()}:
-            raise ValueError(f"init_from {source}: its {cfg.trainer} policy ({type(theirs).__name__}) is not this "
-                             f"run's network ({type(mine).__name__}); match the policy section's sizes")  # fmt: skip
+            raise ValueError(
+                f"init_from {source}: its {cfg.trainer} policy ({type(theirs).__name__}) is not this "
+                f"run's network ({type(mine).__name__}); match the policy section's sizes"
+            )
         with torch.no_grad():
             mine.load_state_dict(theirs.state_dict())
 
@@ -154,5 +159,7 @@ class ActorCriticAlgorithm(ControlAlgorithm):
         """The value function's fit over every process's transitions."""
         values = self.processes.gather(torch.stack([batch.data.returns, batch.data.values], 1).double())  # [N, 2]
         residual = (values[:, 0] - values[:, 1]).var()
-        return {"explained_variance": float(1 - residual / values[:, 0].var().clamp_min(1e-12)),
-                "value_mean": float(values[:, 1].mean())}  # fmt: skip
+        return {
+            "explained_variance": float(1 - residual / values[:, 0].var().clamp_min(1e-12)),
+            "value_mean": float(values[:, 1].mean()),
+        }

@@ -43,19 +43,27 @@ class ImageAlgorithm(Algorithm):
         adapter = getattr(self.policy, "adapter", None)
         kind = getattr(adapter, "time_kind", None)
         if kind is not None and kind not in self.time_kinds:
-            raise ValueError(f"{config.trainer} needs a flow-matching (velocity) model; a {self.policy.family} "
-                             "model predicts noise (flowrl list models)")  # fmt: skip
+            raise ValueError(
+                f"{config.trainer} needs a flow-matching (velocity) model; a {self.policy.family} "
+                "model predicts noise (flowrl list models)"
+            )
         if getattr(adapter, "video", False) and not self.video:
-            raise ValueError(f"{config.trainer} trains image models only (its critic reads image latents); "
-                             f"{self.policy.family} makes videos (flowrl list models)")  # fmt: skip
+            raise ValueError(
+                f"{config.trainer} trains image models only (its critic reads image latents); "
+                f"{self.policy.family} makes videos (flowrl list models)"
+            )
         prompts = getattr(modality, "train_prompts", None) or []
         if not self.edits and any(getattr(p, "images", ()) for p in prompts):
-            raise ValueError(f"{config.trainer} does not train on editing prompts (rows with source images) yet; "
-                             "use grpo_guard, flow_grpo, loop, diffusion_nft, awm, ... (docs/models.md)")  # fmt: skip
+            raise ValueError(
+                f"{config.trainer} does not train on editing prompts (rows with source images) yet; "
+                "use grpo_guard, flow_grpo, loop, diffusion_nft, awm, ... (docs/models.md)"
+            )
         if self.store_means and config.sampling.sampler == "cps":
-            raise ValueError(f"objective {self.objective!r} reads Gaussian step log-probs and means (GRPO-Guard's "
-                             "RatioNorm, Flow-DPPO's step KL); with CPS use sampler cps_gaussian (cps keeps "
-                             "Flow-GRPO's -mean (x' - mu)^2 log-prob)")  # fmt: skip
+            raise ValueError(
+                f"objective {self.objective!r} reads Gaussian step log-probs and means (GRPO-Guard's "
+                "RatioNorm, Flow-DPPO's step KL); with CPS use sampler cps_gaussian (cps keeps "
+                "Flow-GRPO's -mean (x' - mu)^2 log-prob)"
+            )
         kl = config.kl if self.kl_to_reference and isinstance(config, HasKL) else None
         steps = config.steps if isinstance(config, HasSteps) else None
         self.step_terms = StepTerms(self.policy, steps, kl, store_means=self.store_means, seed=config.run.seed)

@@ -64,13 +64,17 @@ class MatchingConfig(HasGroupFilter, ImageConfig):
         return [
             *super().checks(),
             (self.num_draws >= 1, "num_draws must be >= 1"),
-            (self.t_sampling != "grid" or self.num_draws <= steps,
-             f"t_sampling=grid draws distinct grid levels: num_draws ({self.num_draws}) must be <= sampling.num_steps "
-             f"({steps})"),
-            (self.t_sampling != "stratified" or self.num_draws <= int(0.9 * steps) - 1,
-             f"t_sampling=stratified needs num_draws ({self.num_draws}) <= int(0.9 * sampling.num_steps) - 1 "
-             f"({int(0.9 * steps) - 1}) strata"),
-        ]  # fmt: skip
+            (
+                self.t_sampling != "grid" or self.num_draws <= steps,
+                f"t_sampling=grid draws distinct grid levels: num_draws ({self.num_draws}) must be <= "
+                f"sampling.num_steps ({steps})",
+            ),
+            (
+                self.t_sampling != "stratified" or self.num_draws <= int(0.9 * steps) - 1,
+                f"t_sampling=stratified needs num_draws ({self.num_draws}) <= int(0.9 * sampling.num_steps) - 1 "
+                f"({int(0.9 * steps) - 1}) strata",
+            ),
+        ]
 
 
 def draw_times(kind: str, shape: tuple[int, int], generator: torch.Generator, sigmas: torch.Tensor | None = None):
@@ -121,8 +125,9 @@ class MatchingAlgorithm(ImageAlgorithm):
     def make_draws(self, rollout, rows: torch.Tensor, epoch: int) -> MatchingDraws:
         """`num_draws` pairs `(t, eps)` per sample of this process (at positions `rows`), from `(seed, epoch, 5)`."""
         c = self.config
-        return row_draws(c.t_sampling, rows, c.num_draws, rollout.latents.shape[2:], (c.run.seed, epoch, 5),
-                         rollout.sigmas)  # fmt: skip
+        return row_draws(
+            c.t_sampling, rows, c.num_draws, rollout.latents.shape[2:], (c.run.seed, epoch, 5), rollout.sigmas
+        )
 
     def prepare_draws(self, collected, advantages: torch.Tensor, epoch: int) -> MatchingDraws:
         """The epoch's draws with what the algorithm stores before its update (the behaviour policy's losses, ...)."""

@@ -40,8 +40,15 @@ class PreferenceDraws(MatchingDraws):
     """`[B, N, ...]` the reference's velocity at the draws (DGPO's KL)."""
 
 
-def group_draws(kind: str, keys: torch.Tensor, num_draws: int, shape, seed: tuple[int, ...], sigmas=None,
-                shared_times: bool = False) -> PreferenceDraws:  # fmt: skip
+def group_draws(
+    kind: str,
+    keys: torch.Tensor,
+    num_draws: int,
+    shape,
+    seed: tuple[int, ...],
+    sigmas=None,
+    shared_times: bool = False,
+) -> PreferenceDraws:
     """`num_draws` pairs `(t, eps)` per row, the same for the rows of one group: group `key` draws from
     `(*seed, 2, key)`; with `shared_times`, every group takes the times drawn once from `(*seed, 1)`."""
     times = draw_times(kind, (1, num_draws), seeded(*seed, 1), sigmas) if shared_times else None
@@ -102,16 +109,24 @@ class PreferenceAlgorithm(MatchingAlgorithm):
         """Draws shared within each group, and the reference's errors (and velocities, `store_velocity`) at those of
         the rows `rows` of `collected.data` (the rows that train; the others keep zeros)."""
         draws = self.shared_draws(collected, epoch)
-        losses, velocities = self.draw_losses(collected.data, draws, rows, reference=True,
-                                              velocities=self.store_velocity())  # fmt: skip
+        losses, velocities = self.draw_losses(
+            collected.data, draws, rows, reference=True, velocities=self.store_velocity()
+        )
         return dataclasses.replace(draws, ref_losses=losses, ref_velocity=velocities)
 
     def shared_draws(self, collected, epoch: int) -> PreferenceDraws:
         """The epoch's draws of this process's rows, shared within each group (`group_draws`)."""
         c, rollout = self.config, collected.data
         keys = collected.group_ids[collected.rows]
-        return group_draws(c.t_sampling, keys, c.num_draws, rollout.latents.shape[2:], (c.run.seed, epoch, 5),
-                           self.draw_sigmas(rollout), shared_times=self.shared_times)  # fmt: skip
+        return group_draws(
+            c.t_sampling,
+            keys,
+            c.num_draws,
+            rollout.latents.shape[2:],
+            (c.run.seed, epoch, 5),
+            self.draw_sigmas(rollout),
+            shared_times=self.shared_times,
+        )
 
     def store_velocity(self) -> bool:
         """Whether the reference's velocities are kept with the draws (a KL to the reference)."""

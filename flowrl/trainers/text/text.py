@@ -57,11 +57,15 @@ class TextAlgorithm(Algorithm):
         """TROLL: store the behaviour policy's top-k support at `prepare`, gather it again in each forward."""
         self.support_k = int(self.objective_hparams.get("top_k", spec.hparams.get("top_k", 0)))
         if self.needs_support and (config.batch.backward == "per_step" or config.optim.step_grad_norms_every):
-            raise ValueError(f"objective {self.objective!r} reads [b, T, V] supports: use batch.backward: whole and "
-                             "optim.step_grad_norms_every: 0")  # fmt: skip
+            raise ValueError(
+                f"objective {self.objective!r} reads [b, T, V] supports: use batch.backward: whole and "
+                "optim.step_grad_norms_every: 0"
+            )
         if self.needs_support and config.sync_reference:
-            raise ValueError(f"objective {self.objective!r} anchors at the behaviour policy's stored supports: "
-                             "sync_reference must be false")  # fmt: skip
+            raise ValueError(
+                f"objective {self.objective!r} anchors at the behaviour policy's stored supports: "
+                "sync_reference must be false"
+            )
         self.anchor = self.pending = None
         self.sync_due = False
         """Whether an optimizer step was taken since the anchor was last synced (`sync_reference`)."""
@@ -129,8 +133,9 @@ class TextAlgorithm(Algorithm):
         old_logp = data.log_probs if self.anchor is None else self.anchor_log_probs(data)  # before the grad forward
         inputs = {}
         if self.needs_support:
-            logp, entropy, _, support = self.modality.support_log_probs(self.engine.model, data,
-                                                                        with_entropy=self.needs_entropy)  # fmt: skip
+            logp, entropy, _, support = self.modality.support_log_probs(
+                self.engine.model, data, with_entropy=self.needs_entropy
+            )
             columns = index.unsqueeze(-1).expand(-1, -1, support.shape[-1])  # [b, c, V]
             inputs["topk_logp"] = support.gather(1, columns)
             inputs["old_topk_logp"] = data.support_log_probs.gather(1, columns.to(data.support_log_probs.device))

@@ -104,14 +104,15 @@ class RolloutWorker:
 
     Args:
         config (`dict`): the run's resolved config (`flowrl.config.to_dict`).
-        config_class (`type`): its class (the learner's; Ray sends it by name, so a worker's process imports the
-            algorithm's module, and with it every trainer of `flowrl.trainers`, before it builds the trainer).
+        algorithm (`type`): the learner's `Algorithm` class (Ray sends it by name, so a worker's process imports
+            its module, and with it `flowrl.trainers`, whose package registers every trainer, before it builds the
+            trainer; a config class alone does not: the text trainer's `TextConfig` lives in `flowrl.llm`).
         index (`int`): the worker's number (its run folder's name, its log lines).
         threads (`int` or `None`): torch threads (None: leave the process's count, as an inline worker does).
         cpu (`bool`): sample on the CPU even when a GPU is visible (a Ray worker that reserved none).
     """
 
-    def __init__(self, config: dict, config_class: type, index: int, threads: int | None = 1, cpu: bool = False):
+    def __init__(self, config: dict, algorithm: type, index: int, threads: int | None = 1, cpu: bool = False):
         from flowrl.run.driver import Trainer
 
         if threads is not None:
@@ -129,7 +130,7 @@ class RolloutWorker:
             f"run.threads={'torch' if threads is None else threads}",
             *(["run.cpu=true"] if cpu else []),
         ]
-        self.trainer = Trainer(load_config(config, overrides, config_class))
+        self.trainer = Trainer(load_config(config, overrides, algorithm.config_class))
         self.module = self.trainer.algorithm.trained_module()
         self.version = -1
 
@@ -173,9 +174,9 @@ class RayRolloutWorker(RolloutWorker):
     """A rollout worker in a Ray actor's process: out of the learner group whose launcher variables Ray's processes
     inherit, on the CPU unless Ray gave it a GPU (`asynchrony.worker_gpus`)."""
 
-    def __init__(self, config: dict, index: int, threads: int, cpu: bool):
+    def __init__(self, config: dict, algorithm: type, index: int, threads: int, cpu: bool):
         leave_learner_group()
-        super().__init__(config, index, threads, cpu=cpu)
+        super().__init__(config, algorithm, index, threads, cpu=cpu)
 
     def node(self) -> str:
         """The Ray node this worker runs on (its id)."""
@@ -295,7 +296,11 @@ class AsyncCollector:
             scheduling_strategy="SPREAD",  # one worker per node first: a lost node takes few with it
         )(RayRolloutWorker)
         worker = actor.remote(
-            to_dict(self.config), type(self.config), index, self.cfg.worker_threads, self.cfg.worker_gpus == 0
+            to_dict(self.config),
+            type(self.trainer.algorithm),
+            index,
+            self.cfg.worker_threads,
+            self.cfg.worker_gpus == 0,
         )
         if self.weights_ref is not None:
             worker.load.remote(self.published, self.weights_ref)

@@ -86,7 +86,7 @@ class InlineCollector:
         start = time.time()
         if self.worker is None:
             with self.random.active():
-                self.worker = RolloutWorker(to_dict(self.config), type(self.config), 0, threads=None)
+                self.worker = RolloutWorker(to_dict(self.config), type(self.trainer.algorithm), 0, threads=None)
             self.version = epoch  # a resumed run starts at its checkpoint's epoch
             self._publish()
         within = [v for v in self.published if self.version - v <= self.cfg.max_staleness]

@@ -33,8 +33,13 @@ def cluster():
     torch thread in this process while it runs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})  # fmt: skip
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}},
+    )
     yield
     ray.shutdown()
     torch.set_num_threads(threads)
@@ -70,8 +75,11 @@ def _assert_same_run(rows, weights, synchronous):
 
 
 def test_staleness_zero_is_the_synchronous_run(tmp_path, synchronous):
-    trainer = build_trainer(tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, *DIGITS_BASE, "run.epochs=3",
-                                                                          "asynchrony.max_staleness=0"]))  # fmt: skip
+    trainer = build_trainer(
+        tiny_config(
+            "flow_grpo", tmp_path, overrides=[*ASYNC, *DIGITS_BASE, "run.epochs=3", "asynchrony.max_staleness=0"]
+        )
+    )
     trainer.train()
     rows = _rows(tmp_path)
     assert [r["async/staleness"] for r in rows[1:]] == [0.0, 0.0, 0.0]
@@ -82,8 +90,13 @@ def test_staleness_zero_is_the_synchronous_run(tmp_path, synchronous):
 def test_drop_resamples_a_batch_that_arrives_too_stale(tmp_path, synchronous):
     """`on_stale: drop` at staleness 0: the worker samples epoch e + 1 with the old weights while epoch e trains;
     that batch arrives one version stale, is dropped and sampled again: still the synchronous run."""
-    trainer = build_trainer(tiny_config("flow_grpo", tmp_path, overrides=[
-        *ASYNC, *DIGITS_BASE, "run.epochs=3", "asynchrony.max_staleness=0", "asynchrony.on_stale=drop"]))  # fmt: skip
+    trainer = build_trainer(
+        tiny_config(
+            "flow_grpo",
+            tmp_path,
+            overrides=[*ASYNC, *DIGITS_BASE, "run.epochs=3", "asynchrony.max_staleness=0", "asynchrony.on_stale=drop"],
+        )
+    )
     trainer.train()
     rows = _rows(tmp_path)
     assert [r["async/staleness"] for r in rows[1:]] == [0.0, 0.0, 0.0]
@@ -105,8 +118,11 @@ def test_a_killed_worker_is_replaced_and_its_batch_sampled_again(tmp_path, synch
             killed.append(epoch)
 
     monkeypatch.setattr(AsyncCollector, "_dispatch", dispatch_then_kill)
-    trainer = build_trainer(tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, *DIGITS_BASE, "run.epochs=3",
-                                                                          "asynchrony.max_staleness=0"]))  # fmt: skip
+    trainer = build_trainer(
+        tiny_config(
+            "flow_grpo", tmp_path, overrides=[*ASYNC, *DIGITS_BASE, "run.epochs=3", "asynchrony.max_staleness=0"]
+        )
+    )
     trainer.train()
     rows = _rows(tmp_path)
     assert killed and [r["async/restarts"] for r in rows[1:]] == [0.0, 1.0, 1.0]
@@ -130,8 +146,9 @@ def test_every_worker_dead_ends_the_run_with_one_line(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("trainer_name", ["ppo", "text"])
 def test_control_and_text_sample_ahead_by_one_version(tmp_path, trainer_name):
-    trainer = build_trainer(tiny_config(trainer_name, tmp_path, overrides=[*ASYNC, "run.epochs=3",
-                                                                           "asynchrony.max_staleness=1"]))  # fmt: skip
+    trainer = build_trainer(
+        tiny_config(trainer_name, tmp_path, overrides=[*ASYNC, "run.epochs=3", "asynchrony.max_staleness=1"])
+    )
     summary = trainer.train()
     rows = _rows(tmp_path)[1:]
     assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]  # epoch 0 waits; later ones were sampled ahead
@@ -175,8 +192,11 @@ def test_a_killed_driver_resumes_with_nothing_lost(tmp_path, synchronous):
     """kill -9 the `flowrl train` process after its first checkpoint, `--resume`: the synchronous run's numbers. Its
     own Ray cluster listened on this machine's loopback interface only, and none of its processes outlives it by
     more than a few seconds (Ray's agents waited a minute for the dead GCS)."""
-    config = tiny_config("flow_grpo", tmp_path / "run", overrides=[
-        *ASYNC, *DIGITS_BASE, "run.epochs=3", "run.save_every=1", "asynchrony.max_staleness=0"])  # fmt: skip
+    config = tiny_config(
+        "flow_grpo",
+        tmp_path / "run",
+        overrides=[*ASYNC, *DIGITS_BASE, "run.epochs=3", "run.save_every=1", "asynchrony.max_staleness=0"],
+    )
     save_config(config, tmp_path / "config.yaml")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "flowrl", "train", str(tmp_path / "config.yaml")]

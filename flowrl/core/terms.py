@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from flowrl.core.aggregation import aggregation_weights
+from flowrl.core.copies import to_device
 from flowrl.core.policy_loss import compute_policy_loss
 
 
@@ -147,7 +148,7 @@ class ElementLayout:
         """`[b, c]` values of the columns -> `[b, K]` (0 elsewhere); differentiable in `t`."""
         if self.identity:
             return t
-        index = self.index.to(t.device)
+        index = to_device(self.index, t.device)  # host data: no wait for the device
         return torch.zeros(t.shape[0], self.num_elements, dtype=t.dtype, device=t.device).scatter(1, index, t)
 
 
@@ -168,8 +169,8 @@ def terms_loss(
     rows, ...), `pg_loss`, `approx_kl`, `penalty` and the masked means of `Terms.logs`.
     """
     device = next(iter(terms.tensors().values())).device
-    mask = layout.mask.to(device)
-    agg_weights = layout.weights.to(device)
+    mask = to_device(layout.mask, device)  # the layout is host data: copies that wait for nothing
+    agg_weights = to_device(layout.weights, device)
     weight = layout.dense(terms.weight.float()) if terms.weight is not None else None
     metrics: dict[str, torch.Tensor] = {}
     loss = torch.zeros((), device=device)
@@ -177,7 +178,7 @@ def terms_loss(
         if terms.logp is None or terms.old_logp is None:
             raise ValueError(f"objective {objective!r} needs Terms.logp and Terms.old_logp")
         inputs = {name: layout.dense(v) for name, v in terms.inputs.items()}
-        adv = advantages.to(device)
+        adv = to_device(advantages, device)
         if weighted:
             weight = agg_weights if weight is None else weight * agg_weights
         loss, metrics = compute_policy_loss(

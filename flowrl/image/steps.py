@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from flowrl.core import gaussian_mean_kl, select_steps, step_weights
+from flowrl.core.copies import to_device
 from flowrl.core.ratios import reduce_elements
 from flowrl.core.terms import Terms
 from flowrl.image.config import StepConfig
@@ -110,12 +111,13 @@ class StepTerms:
         b, c = index.shape
         rows = torch.arange(b).repeat(c)
         steps = index.t().reshape(-1)
-        r, s = rows.to(batch.latents.device), steps.to(batch.latents.device)
+        device = batch.latents.device  # host indices, copied without waiting for the device
+        r, s = to_device(rows, device), to_device(steps, device)
         states, next_states = batch.latents[r, s], batch.latents[r, s + 1]
         cond = batch.sample_cond(rows)  # the prompts' text conditioning (editing: and their source images')
         old_means = batch.means[r, s] if self.store_means else None
         terms = self.transition_terms(
-            batch, states, next_states, steps, cond, batch.log_probs[rows, steps], epoch, old_means
+            batch, states, next_states, steps, cond, _at(batch.log_probs, rows, steps), epoch, old_means
         )
         return Terms.from_tensors({k: v.reshape(c, b).t() for k, v in terms.tensors().items()})
 
@@ -166,3 +168,10 @@ class StepTerms:
             if coef:
                 terms.penalty = coef * value
         return terms
+
+
+def _at(values: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """`values[rows, steps]` with the host indices copied to `values`' device first without waiting for it (indexing a
+    GPU tensor with CPU indices copies them with a blocking copy)."""
+    device = values.device
+    return values[to_device(rows, device), to_device(steps, device)]

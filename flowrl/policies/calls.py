@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flowrl.core.copies import to_device
 from flowrl.policies.sde import StepOutput, ddim_step, sde_step
 from flowrl.policies.sources import NEGATIVE
 from flowrl.policies.text_store import TextStore, encoders_on, offload_encoders, text_encoders
@@ -160,7 +161,7 @@ class ChunkedCalls:
             if real < size:
                 rows = torch.cat([rows, rows[:1].expand(size - real)])
             whole = real == n == size  # one full chunk: use the tensors as they are, no gathers
-            chunk_cond = cond if whole else {k: v[rows.to(v.device)] for k, v in cond.items()}
+            chunk_cond = cond if whole else {k: v[to_device(rows, v.device)] for k, v in cond.items()}
             if null_cond is not None:
                 chunk_cond = {
                     k: torch.cat([_unconditional(k, v, chunk_cond, null_cond, size), v])
@@ -293,7 +294,7 @@ class ChunkedCalls:
         """
         outs = []
         for chunk in plan:
-            rows = slice(None) if chunk.rows is None else chunk.rows.to(states.device)
+            rows = slice(None) if chunk.rows is None else to_device(chunk.rows, states.device)
             chunk_step = step if chunk.rows is None else step[chunk.rows]
             x = states[rows]
             host = timesteps[chunk_step]

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from flowrl.core.copies import to_device
 from flowrl.models.adapter import CallableAdapter, ModelAdapter
 from flowrl.policies.calls import ChunkedCalls
 from flowrl.policies.diffusion_rollout import DiffusionRollout, Transitions
@@ -158,7 +159,7 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
         columns = []
         for j in range(index.shape[1]):
             step = index[:, j]
-            dev = step.to(rollout.latents.device)
+            dev = to_device(step, rollout.latents.device)
             states, next_states = rollout.latents[rows, dev], rollout.latents[rows, dev + 1]
             columns.append(self.score_transitions(rollout, states, next_states, step, cond, reference=reference))
         if len(columns) == 1:
@@ -248,11 +249,11 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
         rows = torch.arange(len(rollout))[:, None].expand_as(index)
         dev = rollout.log_probs.device
         log_probs = rollout.log_probs.clone()
-        log_probs[rows.to(dev), index.to(dev)] = out.log_prob.to(log_probs)
+        log_probs[to_device(rows, dev), to_device(index, dev)] = out.log_prob.to(log_probs)
         means = rollout.means
         if means is not None:
             means = means.clone()
-            means[rows.to(means.device), index.to(means.device)] = out.mean.to(means)
+            means[to_device(rows, means.device), to_device(index, means.device)] = out.mean.to(means)
         return replace(resized, log_probs=log_probs, means=means)
 
     def velocity_fn(
@@ -289,7 +290,7 @@ class DiffusionPolicy(PolicyWeights, ChunkedCalls, SourceConditioning, RolloutSa
                 for chunk in plan:
                     rows = slice(None) if chunk.rows is None else chunk.rows.to(x.device)
                     host = (tau[rows] * scale) if tau.device.type == "cpu" else None
-                    t = (tau[rows] * scale).to(x.device)
+                    t = to_device(tau[rows] * scale, x.device)
                     out = self._predict(model, x[rows], t, chunk.cond, cfg, guidance_scale, rollout.static, host=host)
                     parts.append(out[: chunk.real])
             return parts[0] if len(parts) == 1 else torch.cat(parts)

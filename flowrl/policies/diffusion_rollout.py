@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from flowrl.core.copies import to_device
 from flowrl.policies.fpo import FPODraws
 from flowrl.policies.noise import NoiseDraws
 from flowrl.policies.rollout import Record, per_sample
@@ -109,7 +110,7 @@ class DiffusionRollout(Record):
         prompt's text conditioning and, editing, its (prompt, source images) pair's."""
         rows = torch.arange(len(self.prompt_ids)).repeat_interleave(repeat) if rows is None else rows.cpu()
         ids = self.prompt_ids.cpu()[rows]
-        cond = {k: v[ids.to(v.device)] for k, v in self.cond.items()}
+        cond = {k: v[to_device(ids, v.device)] for k, v in self.cond.items()}  # host ids
         if self.edit_ids is not None:
             ids = self.edit_ids.cpu()[rows]
             cond.update({k: v[ids.to(v.device)] for k, v in self.edit_cond.items()})

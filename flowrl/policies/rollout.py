@@ -17,6 +17,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from flowrl.core.copies import to_device
+
 
 R = TypeVar("R", bound="Record")
 
@@ -67,7 +69,7 @@ def _take(value, rows: torch.Tensor):
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        return value[rows.to(value.device)]
+        return value[to_device(rows, value.device)]  # host rows: no wait for the device
     if isinstance(value, Record):
         return value.select(rows)
     if isinstance(value, list):

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from flowrl.core.copies import to_device
 from flowrl.policies.diffusion_rollout import DiffusionRollout
 from flowrl.policies.sde import SAMPLERS, dpm_solver_2m_step
 
@@ -97,7 +98,7 @@ class RolloutSampling:
         cfg = self.adapter.uses_cfg(guidance_scale)
         self.encode(unique + [self.negative_prompt] if cfg else unique)  # one pass over the text encoders
         unique_cond = self.encode(unique)
-        cond = {k: v[prompt_ids.to(v.device)] for k, v in unique_cond.items()}
+        cond = {k: v[to_device(prompt_ids, v.device)] for k, v in unique_cond.items()}  # host ids
         default_h, default_w = self.adapter.default_size()
         height, width = height or default_h, width or default_w
         edits = None if source_images is None else self.encode_edits(prompts, source_images, (height, width))
@@ -135,7 +136,7 @@ class RolloutSampling:
             kind = sampler if sde_mask[i] else "ode"  # "ode" is eta-0 DDIM for UNets
             noise = None
             if kind != "ode":
-                noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+                noise = _noise(x.shape, generator, x.device)
             step = torch.full((batch,), i, dtype=torch.long)
             predictions = [] if multistep and i >= end - 1 else None
             out = self._run(
@@ -239,3 +240,18 @@ def _steps(num_steps: int, label: str | None):
     from tqdm.auto import tqdm
 
     return tqdm(range(num_steps), desc=label, unit="step", leave=False)
+
+
+def _noise(shape, generator, device: torch.device) -> torch.Tensor:
+    """fp32 standard normal noise of `shape` as diffusers' `randn_tensor` draws it (row `i` from generator `i`, on the
+    generators' device: a run's CPU generators give the same noise on any device), copied to `device` without
+    waiting for it: `randn_tensor` copies a CPU draw to the GPU with a blocking copy, which waits for every queued
+    kernel at each stochastic step; a pinned buffer and a non-blocking copy queue it behind them instead."""
+    first = generator[0] if isinstance(generator, (list, tuple)) else generator
+    where = first.device if first is not None else device
+    noise = randn_tensor(shape, generator=generator, device=where, dtype=torch.float32)
+    if noise.device == device:
+        return noise
+    if device.type == "cuda":
+        noise = noise.pin_memory()
+    return to_device(noise, device)

@@ -7,6 +7,7 @@ import dataclasses
 
 import torch
 
+from flowrl.core.copies import to_device
 from flowrl.models.adapter import ModelAdapter
 from flowrl.models.families import register_family
 from flowrl.models.helpers import calculate_shift, decode_vae, dynamic_shift, pad_rows
@@ -96,7 +97,8 @@ class ZImageAdapter(ModelAdapter):
             half = n // 2
             rows = [i for i in range(n) if i >= half or not bool(truncated[i])]
         x = list(latents.to(self.dtype).unsqueeze(2).unbind(0))
-        out = model([x[i] for i in rows], t[rows], [captions[i] for i in rows], return_dict=False)[0]
+        t = t if len(rows) == n else t[to_device(torch.tensor(rows), t.device)]  # host rows: no wait
+        out = model([x[i] for i in rows], t, [captions[i] for i in rows], return_dict=False)[0]
         by_row = dict(zip(rows, out))
         if truncated is not None:
             half = n // 2

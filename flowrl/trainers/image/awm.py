@@ -27,6 +27,7 @@ from typing import ClassVar, Literal
 import torch
 
 from flowrl.core import velocity_mse
+from flowrl.core.copies import to_device
 from flowrl.core.ratios import reduce_elements
 from flowrl.core.terms import Terms
 from flowrl.image import SamplingConfig
@@ -45,7 +46,7 @@ def awm_weight(loss: torch.Tensor, t: torch.Tensor, kind: str = "ghuber", power:
     `ghuber`: `(t / p) ((l + 1e-10)^p - (1e-10)^p)`: 0 at `l = 0`, increasing, `t l` at `p = 1`; `uniform`: `l`;
     `t`: `t l`; `t2`: `t^2 l`.
     """
-    loss, t = loss.float(), t.float().to(loss.device)
+    loss, t = loss.float(), to_device(t.float(), loss.device)
     if kind == "ghuber":
         # the 1e-10 keeps the gradient of l^p finite at l = 0 (the authors' constant)
         return (t / power) * ((loss + 1e-10) ** power - 1e-10**power)
@@ -131,7 +132,7 @@ class AWM(PerDrawAlgorithm):
     def log_likelihood(self, v, x1, noises, taus) -> tuple[torch.Tensor, torch.Tensor]:
         """`(-W(l, t), l)` `[n]` each of velocities `v [n, ...]` at the draws."""
         c = self.config
-        loss = reduce_elements((v.float() - (noises.to(x1.device).float() - x1)) ** 2, "mean")  # [n]
+        loss = reduce_elements((v.float() - (to_device(noises, x1.device).float() - x1)) ** 2, "mean")  # [n]
         return -awm_weight(loss, taus, c.weighting, c.ghuber_power), loss
 
     def prepare_draws(self, collected, advantages, epoch):
@@ -155,10 +156,10 @@ class AWM(PerDrawAlgorithm):
 
     def draw_terms(self, batch, rows, draw, *, x1, x_t, taus, noises, v):
         logp, loss = self.log_likelihood(v, x1, noises, taus)
-        old = batch.draws.old_log_probs[rows, draw].to(logp.device)  # [n] -W at the behaviour weights
+        old = to_device(batch.draws.old_log_probs[rows, draw], logp.device)  # [n] -W at the behaviour weights
         terms = Terms(logp=logp, old_logp=old, logs={"fm_loss": loss.detach()})
         if self.kl_ema is not None:
-            v_ema = batch.draws.old_velocity[rows, draw].to(v.device)  # [n, ...]
+            v_ema = to_device(batch.draws.old_velocity[rows, draw], v.device)  # [n, ...]
             ema_kl = velocity_mse(v, v_ema)  # [n]
             terms.penalty = self.config.kl_ema_beta * ema_kl
             terms.logs["ema_kl_loss"] = ema_kl.detach()

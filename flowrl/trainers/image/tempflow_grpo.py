@@ -25,6 +25,7 @@ import dataclasses
 import torch
 
 from flowrl.core import select_steps
+from flowrl.core.copies import to_device
 from flowrl.image import SamplingConfig, StepConfig
 from flowrl.image.sampler import ImageSampler
 from flowrl.image.steps import StepTerms
@@ -119,7 +120,7 @@ class BranchingSampler(ImageSampler):
                     noise_level=s.noise_level,
                     sampler=s.sampler,
                     sde_window=(j, j + 1),
-                    latents=latents[mine],
+                    latents=latents[to_device(mine, latents.device)],
                     generator=[generators[i] for i in mine],
                     height=s.height,
                     width=s.width,

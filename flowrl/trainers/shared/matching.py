@@ -22,6 +22,7 @@ from typing import ClassVar, Literal
 import torch
 
 from flowrl.core import velocity_mse
+from flowrl.core.copies import to_device
 from flowrl.core.terms import Terms
 from flowrl.image import ImageConfig
 from flowrl.policies.fpo import FPODraws
@@ -98,8 +99,8 @@ def draw_times(kind: str, shape: tuple[int, int], generator: torch.Generator, si
 
 def conditional_path(x1: torch.Tensor, taus: torch.Tensor, noises: torch.Tensor) -> torch.Tensor:
     """States `x_t = (1 - t) x1 + t eps` `[n, ...]` of samples `x1 [n, ...]` at `taus [n]` (target `eps - x1`)."""
-    t = taus.reshape(-1, *([1] * (x1.ndim - 1))).to(x1.device)
-    return (1 - t) * x1 + t * noises.to(x1.device)
+    t = to_device(taus.reshape(-1, *([1] * (x1.ndim - 1))), x1.device)
+    return (1 - t) * x1 + t * to_device(noises, x1.device)
 
 
 def row_draws(kind: str, rows, num_draws: int, shape, seed: tuple[int, ...], sigmas=None) -> MatchingDraws:
@@ -193,7 +194,7 @@ class PerDrawAlgorithm(MatchingAlgorithm):
         data = batch.data
         b, c = index.shape
         rows, draw, pairs, x1, x_t, taus, noises, v = self.forward_at_draws(data, index)
-        terms = self.draw_terms(data, rows, draw, x1=x1, x_t=x_t, taus=taus.to(x1.device), noises=noises, v=v)
+        terms = self.draw_terms(data, rows, draw, x1=x1, x_t=x_t, taus=to_device(taus, x1.device), noises=noises, v=v)
         beta = self.config.kl.coef(self.epoch) if isinstance(self.config, HasKL) else 0.0
         if beta:
             w2 = velocity_mse(v, self.velocity(pairs, x_t, taus, reference=True))  # [n]

@@ -18,7 +18,7 @@ from flowrl.image.config import ImageConfig
 from flowrl.image.evaluate import ImageEvaluator, sample_grid
 from flowrl.image.sampler import ImageSampler
 from flowrl.models import ModelConfig
-from flowrl.policies.build import load_policy, offloads_text, prepare_training
+from flowrl.policies.build import encode_then_offload, load_policy, offloads_text, prepare_training
 from flowrl.rewards import Rewards
 from flowrl.rewards.scoring import reward_summary
 from flowrl.runtime import RunContext
@@ -56,11 +56,8 @@ def build_image_policy(
         policy.model.to(device if weights else "meta")
     elif weights and model.offload_text_encoders is not False and torch.device(device).type != "cpu":
         policy = load_policy(model, forward_batch_size=forward_batch_size, device="cpu")
-        if offloads_text(model, policy, device):
-            policy.offload_text_encoders(device)
-            if prompts:  # each prompt encoded (or read from disk) once, the trained network still in CPU memory
-                policy.encode(list(dict.fromkeys(str(p) for p in prompts)))
-                policy.encode([policy.negative_prompt], negative=True)
+        if offloads_text(model, policy, device):  # the prompts encoded first, the trained network in CPU memory
+            encode_then_offload(policy, device, prompts)
         policy.to_device(device)
     elif not weights:  # a plan of a GPU run: the text encoders are offloaded where the run would offload them
         policy = load_policy(model, forward_batch_size=forward_batch_size, weights=False)
@@ -68,10 +65,7 @@ def build_image_policy(
     else:
         policy = load_policy(model, forward_batch_size=forward_batch_size, device=device)
         if model.offload_text_encoders is True:
-            policy.offload_text_encoders()
-            if prompts:
-                policy.encode(list(dict.fromkeys(str(p) for p in prompts)))
-                policy.encode([policy.negative_prompt], negative=True)
+            encode_then_offload(policy, device, prompts)
     return prepare_training(policy, model, seed=seed, mixed_precision=mixed_precision)
 
 

@@ -153,3 +153,15 @@ def offloads_text(model: ModelConfig, policy, device) -> bool:
 
 OFFLOAD_FROM = 8e9
 """`offload_text_encoders: auto` offloads for trained networks of this many parameters and more."""
+
+
+def encode_then_offload(policy, device, prompts=None) -> None:
+    """Keep the text encoders in CPU memory and encode `prompts` (every prompt the run will see) with the encoders
+    moved to `device` for the pass, wherever the trained network is (still in CPU memory when the run loads a network
+    and text encoders that do not fit on the GPU together): each prompt is encoded once and then read from the
+    cache; a prompt outside it later is encoded on demand."""
+    policy.offload_text_encoders()
+    if prompts:
+        with policy.encoding_on(device):
+            policy.encode(list(dict.fromkeys(str(p) for p in prompts)))
+            policy.encode([policy.negative_prompt], negative=True)

@@ -160,14 +160,17 @@ def test_prompts_encode_on_the_device_before_the_network_moves_there():
     # FLUX.2-dev's network and text encoder do not fit one GPU together: the prompts are encoded with the encoders
     # on the device and the network still in CPU memory, then the network moves and the encoders stay behind (the
     # moves themselves: tests/test_gpu.py; here the device is the CPU and the plumbing is checked)
+    from flowrl.policies.build import encode_then_offload
+
     policy = _policy()
-    policy.offload_text_encoders()
     seen, moved = [], []
     encode = policy.adapter.encode
     policy.adapter.encode = lambda prompts: seen.append(policy.adapter.device) or encode(prompts)
-    with policy.encoding_on("cpu"):
-        cond = policy.encode(["a cat", "a dog"])
-    assert seen == [torch.device("cpu")] and policy.adapter.encode_device is None
+    encode_then_offload(policy, "cpu", ["a cat", "a dog", "a cat"])  # what the run's loader calls
+    assert policy.text_encoders_offloaded and policy.adapter.encode_device is None
+    assert seen == [torch.device("cpu")] * 2  # the prompts once, the negative prompt once
+    cond = policy.encode(["a cat", "a dog"])  # from the cache
+    assert len(seen) == 2
     for name, module in policy.adapter.pipeline.components.items():
         if isinstance(module, torch.nn.Module):
             original = module.to

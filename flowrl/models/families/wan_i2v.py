@@ -19,6 +19,8 @@ folder names `WanPipeline`: load it as this family with `model.family: wan_i2v`.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -54,6 +56,13 @@ class WanI2VAdapter(WanAdapter):
     def expands_timesteps(self) -> bool:
         """TI2V-5B: the start frame's latent is part of the state (a timestep per token)."""
         return bool(self.pipeline.config.expand_timesteps)
+
+    def encode(self, prompts):
+        # diffusers 0.42's WanImageToVideoPipeline cleans every prompt with ftfy, imported only where installed: its
+        # absence surfaces as "NameError: name 'ftfy' is not defined" deep in the pipeline
+        if importlib.util.find_spec("ftfy") is None:
+            raise ImportError("the wan_i2v family needs ftfy to encode prompts: pip install 'flowrl-toolkit[video]'")
+        return super().encode(prompts)
 
     # ----- the start image -----
 

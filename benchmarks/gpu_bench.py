@@ -172,11 +172,22 @@ def bench(family: str, args, device: torch.device, write) -> dict:
 
     result = {"model": family}
     with tempfile.TemporaryDirectory() as folder:
-        config = load_config(config_for(family, args), [f"run.output_dir={folder}"])
-        predicted = plan(config, gpu_memory=args.gpu_memory)  # meta tensors: FLOPs and peaks, no GPU memory
-        result["plan_gb"] = {p.name: round(p.bytes / 2**30, 2) for p in predicted.phases}
-        result["flops_per_sample"] = predicted.flops
+        raw = config_for(family, args)
+        config = load_config(raw, [f"run.output_dir={folder}"])
+        key = json.dumps({"config": raw, "gpu_memory": args.gpu_memory}, sort_keys=True)
+        cache = json.loads(Path(args.plans).read_text()) if args.plans and Path(args.plans).exists() else {}
+        if key not in cache:  # meta tensors: FLOPs and peaks, no GPU memory (CPU work: cacheable off the GPU machine)
+            predicted = plan(config, gpu_memory=args.gpu_memory)
+            cache[key] = {
+                "plan_gb": {p.name: round(p.bytes / 2**30, 2) for p in predicted.phases},
+                "flops_per_sample": predicted.flops,
+            }
+            if args.plans:
+                Path(args.plans).write_text(json.dumps(cache, indent=1, sort_keys=True))
+        result.update(cache[key])
         write(result)
+        if args.plan_only:
+            return result
         policy = build_policy(config, device)
         params = sum(p.numel() for p in policy.model.parameters())
         result["params_b"] = params / 1e9
@@ -208,8 +219,8 @@ def bench(family: str, args, device: torch.device, write) -> dict:
                 "images_per_s": args.group / total,
                 "rollout_images_per_s": args.group / last["sample_s"],
                 "update_images_per_s": args.group / last["train_s"],
-                "rollout_mfu": predicted.flops["rollout"] * args.group / last["sample_s"] / peak,
-                "update_mfu": predicted.flops["update"] * args.group / last["train_s"] / peak,
+                "rollout_mfu": result["flops_per_sample"]["rollout"] * args.group / last["sample_s"] / peak,
+                "update_mfu": result["flops_per_sample"]["update"] * args.group / last["train_s"] / peak,
                 "rollout_mfu_6nt": 2 * params * tokens * steps * args.group / last["sample_s"] / peak,
                 "update_mfu_6nt": 6 * params * tokens * trained * args.group / last["train_s"] / peak,
                 "measured_gb": {
@@ -241,12 +252,18 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--tiny", action="store_true", help="the tiny families on the CPU (a smoke test of the script)"
     )
+    parser.add_argument(
+        "--plans", default="", help="a JSON cache of flowrl plan's results per config (read; missing ones added)"
+    )
+    parser.add_argument(
+        "--plan-only", action="store_true", help="only fill --plans (no GPU needed: plan on a CPU machine beforehand)"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu" / "gpu_bench.json"))
     args = parser.parse_args(argv)
-    if not args.tiny and not torch.cuda.is_available():
+    if not (args.tiny or args.plan_only) and not torch.cuda.is_available():
         print("gpu_bench: no CUDA device (use --tiny for the CPU smoke run)", file=sys.stderr)
         return 2
-    device = torch.device("cpu" if args.tiny else "cuda")
+    device = torch.device("cpu" if args.tiny or args.plan_only else "cuda")
     meta = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
@@ -259,6 +276,8 @@ def main(argv=None) -> int:
     rows, failed = [], []
 
     def write(current=None) -> None:  # after every phase: a run cut short keeps what it measured
+        if args.plan_only:  # nothing measured: the plans go to --plans
+            return
         data = {"meta": meta, "results": rows + ([current] if current is not None else []), "failed": failed}
         out.write_text(json.dumps(data, indent=1, default=float))
 
@@ -267,7 +286,7 @@ def main(argv=None) -> int:
         try:
             rows.append(bench(name, args, device, write))
         except Exception as err:  # noqa: BLE001  (one family out of memory still leaves the others' numbers)
-            if args.tiny:
+            if args.tiny or args.plan_only:
                 raise
             failed.append({"model": name, "error": f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"})
             print(f"{name}: {failed[-1]['error']}", file=sys.stderr)
@@ -277,12 +296,17 @@ def main(argv=None) -> int:
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
         write()
+    if args.plan_only:
+        print(f"wrote {args.plans or '(no --plans file)'}: " + ", ".join(r["model"] for r in rows))
+        return 0
     print(
         "| model | params (B) | images/s | rollout img/s | update img/s | rollout MFU (exec / 6NT) | update MFU "
-        "(exec / 6NT) | peaks GiB measured (planned): rollout, update |\n|---|---|---|---|---|---|---|---|"
+        "(exec / 6NT) | peaks GiB measured (planned): rollout+decode, update |\n|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
-        m, p = r.get("measured_gb", {}), r.get("plan_gb", {})
+        m, p = r.get("measured_gb", {}), dict(r.get("plan_gb", {}))
+        # the run's rollout peak covers its decoding: the plan's larger of the two phases
+        p["rollout"] = max(p.get("rollout", float("nan")), p.get("decode", 0.0))
         print(
             f"| {r['model']} | {r.get('params_b', 0):.2f} | {r['images_per_s']:.2f} | {r['rollout_images_per_s']:.2f} "
             f"| {r['update_images_per_s']:.2f} | {r['rollout_mfu']:.1%} / {r['rollout_mfu_6nt']:.1%} | "

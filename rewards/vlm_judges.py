@@ -14,6 +14,9 @@ An answer that cannot be read scores NaN (the trainer drops and counts NaN sampl
 (`on_unparsable: nan | error | <number>`; never a silent 0). `pop_metrics()` returns the counters of the judge's
 client (requests, cache hits, retries, unparsable, failures) since its last call; `Rewards.check` logs them as
 `reward/<name>/<counter>` every epoch.
+
+The question texts are in `flowrl.rewards.vlm_templates`, the answer parsers in `flowrl.rewards.vlm_answers`, the
+judges here; this module re-exports the public names of both.
 """
 
 from __future__ import annotations
@@ -29,200 +32,17 @@ from flowrl.rewards.base import Reward
 from flowrl.rewards.pairwise import PairwiseWinRate
 from flowrl.rewards.video import frame_indices
 from flowrl.rewards.vlm import Answer, JudgeClient, Question, to_pixels
-
-
-FINAL_SCORE = r"Final Score:\s*([1-5](?:\.\d+)?)"
-"""Flow-GRPO's / DiffusionNFT's UnifiedReward pattern (its first match is read)."""
-
-_UNIFIEDREWARD = (
-    "You are given a text caption and a generated image based on that caption. Your task is to evaluate this image "
-    "based on two key criteria:\n"
-    "1. Alignment with the Caption: Assess how well this image aligns with the provided caption. Consider the "
-    "accuracy of depicted objects, their relationships, and attributes as described in the caption.\n"
-    "2. Overall Image Quality: Examine the visual quality of this image, including clarity, detail preservation, "
-    "color accuracy, and overall aesthetic appeal.\n"
-    "Based on the above criteria, assign a score from 1 to 5 after 'Final Score:'.\n"
-    "Your task is provided as follows:\n"
-    "Text Caption: [{prompt}]"
+from flowrl.rewards.vlm_answers import (
+    ANSWERS,
+    SCALES,
+    parse_preference,
+    parse_score,
+    scale_score,
+    win_rates_of_read,
+    yes_no_text,
+    yes_probability,
 )
-_UNIFIEDREWARD_DIMENSIONS = (
-    "You are presented with a generated image and its associated text caption. Your task is to analyze the image "
-    "across multiple dimensions in relation to the caption. Specifically:\n"
-    "Provide overall assessments for the image along the following axes (each rated from 1 to 5):\n"
-    "- Alignment Score: How well the image matches the caption in terms of content.\n"
-    "- Coherence Score: How logically consistent the image is (absence of visual glitches, object distortions, "
-    "etc.).\n"
-    "- Style Score: How aesthetically appealing the image looks, regardless of caption accuracy.\n\n"
-    "Output your evaluation using the format below:\n\n"
-    "Alignment Score (1-5): X\n"
-    "Coherence Score (1-5): Y\n"
-    "Style Score (1-5): Z\n\n"
-    "Your task is provided as follows:\n"
-    "Text Caption: [{prompt}]"
-)
-_FLOW_FACTORY_QUALITY = (
-    "You are an expert image quality assessor. Evaluate this AI-generated image by considering ALL of the following "
-    "criteria:\n"
-    "1. Naturalness: Does the scene look realistic with correct perspective, shadows, and lighting?\n"
-    "2. Artifacts: Is the image free from distortions, blurriness, watermarks, deformed faces, unusual body parts, or "
-    "unharmonized subjects?\n"
-    "3. Aesthetic Appeal: Does the image exhibit pleasing composition, color harmony, and visual balance?\n"
-    "4. Detail & Clarity: Are textures, edges, and fine details rendered sharply and coherently without noise or "
-    "smearing?\n"
-    "5. Overall Coherence: Is the image semantically consistent, with all elements logically fitting together in a "
-    "unified scene?\n\n"
-    "Considering all the above criteria holistically, is this a high-quality image? Answer Yes or No."
-)
-_EDIT_CRITERIA = (
-    'The last image is the result of editing the image before it (the source) with the instruction: "{prompt}".\n'
-    "Evaluate the edit on two criteria:\n"
-    "1. Instruction following: the requested change is made, completely and correctly.\n"
-    "2. Preservation: everything the instruction does not ask to change (subjects, identity, layout, background, "
-    "style) stays as in the source, and the result looks natural, without artifacts.\n"
-)
-_VIDEO_CRITERIA = (
-    "You are given {frames} frames sampled evenly, in order, from a video generated from the text caption: "
-    '"{prompt}".\nEvaluate the video on: alignment with the caption; visual quality of the frames; temporal '
-    "coherence (smooth, consistent motion and identities across frames).\n"
-)
-_I2V_CRITERIA = (
-    "The first image is the start frame a video was generated from; the next {frames} images are frames sampled "
-    'evenly, in order, from that video, generated with the text caption: "{prompt}".\nEvaluate the video on: '
-    "fidelity to the start frame (the video begins from it and keeps its subjects, identities, layout and style); "
-    "alignment with the caption (the motion and events it asks for happen); visual quality of the frames; temporal "
-    "coherence (smooth, consistent motion across frames).\n"
-)
-_PAIRWISE = (
-    "You are given a text caption and two {item}s generated from it: {item_cap} 1 is shown first, {item_cap} 2 second."
-    "{frames_note}\nThe caption is: \u300c{prompt}\u300d\n"
-    "Compare the two {item}s on: semantic consistency with the caption; visual quality and aesthetics; authenticity "
-    "(realism and detail){video_note}. Reason briefly inside <think> and </think>, then give the final judgment "
-    'inside <answer> and </answer>, containing only "{item_cap} 1 is better" or "{item_cap} 2 is better".'
-)
-
-TEMPLATES: dict[str, tuple[str, str | None]] = {
-    "unifiedreward": (_UNIFIEDREWARD, FINAL_SCORE),
-    "unifiedreward_alignment": (_UNIFIEDREWARD_DIMENSIONS, r"Alignment Score \(1-5\):\s*([0-5](?:\.\d+)?)"),
-    "unifiedreward_coherence": (_UNIFIEDREWARD_DIMENSIONS, r"Coherence Score \(1-5\):\s*([0-5](?:\.\d+)?)"),
-    "unifiedreward_style": (_UNIFIEDREWARD_DIMENSIONS, r"Style Score \(1-5\):\s*([0-5](?:\.\d+)?)"),
-    "alignment": (
-        'Does this image faithfully show the text caption "{prompt}", as a natural, good-quality image '
-        "without visible artifacts? Answer Yes or No.",
-        None,
-    ),
-    "quality": (_FLOW_FACTORY_QUALITY, None),
-    "edit": (_EDIT_CRITERIA + "Based on both criteria, assign a score from 1 to 5 after 'Final Score:'.", FINAL_SCORE),
-    "edit_yes_no": (_EDIT_CRITERIA + "Does the edit meet both criteria? Answer Yes or No.", None),
-    "video": (_VIDEO_CRITERIA + "Based on the above, assign a score from 1 to 5 after 'Final Score:'.", FINAL_SCORE),
-    "video_yes_no": (_VIDEO_CRITERIA + "Is this a good video for the caption on all three? Answer Yes or No.", None),
-    "i2v": (_I2V_CRITERIA + "Based on the above, assign a score from 1 to 5 after 'Final Score:'.", FINAL_SCORE),
-    "i2v_yes_no": (
-        _I2V_CRITERIA + "Is this a good video for its start frame and caption on all four? Answer Yes or No.",
-        None,
-    ),
-    "pairwise": (_PAIRWISE, None),
-}
-"""Named prompt templates (`template=` takes a name or your own text): `(text, score pattern)`. `{prompt}` is replaced
-by the sample's prompt (`{frames}`: frames per video). `unifiedreward` is Flow-GRPO's / DiffusionNFT's UnifiedReward
-text without its first line, a literal `<image>` that servers placing the image from the `image_url` part (vLLM,
-`transformers serve`) would count as a second image; `unifiedreward_*` are Pref-GRPO's dimension scores; `quality`
-is Flow-Factory's `vllm_evaluate` question (it does not read the prompt); the others are flowrl's."""
-
-ANSWERS = ("score", "yes_no")
-SCALES = ("fraction", "unit", "raw")
-
-
-# ----- parsing (pure functions) -----
-
-
-def parse_score(text: str, pattern: str = FINAL_SCORE, score_range: tuple[float, float] = (1, 5)) -> float | None:
-    """The number in the first match of `pattern` (its group 1) in `text`; None without a match or outside
-    `score_range`."""
-    match = re.search(pattern, text)
-    if match is None:
-        return None
-    try:
-        value = float(match.group(1))
-    except (IndexError, ValueError):
-        return None
-    low, high = score_range
-    return value if low <= value <= high and math.isfinite(value) else None
-
-
-def scale_score(value: float, score_range: tuple[float, float] = (1, 5), scale: str = "fraction") -> float:
-    """A parsed score on the reward's scale: `fraction` `x / high` (Flow-GRPO's `score / 5`, in [0.2, 1]), `unit`
-    `(x - low) / (high - low)` (in [0, 1]), `raw` `x`."""
-    low, high = score_range
-    if scale == "fraction":
-        return value / high
-    if scale == "unit":
-        return (value - low) / (high - low)
-    if scale == "raw":
-        return value
-    raise ValueError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
-
-
-def _word(token: str) -> str:
-    return token.strip().lstrip("\u2581\u0120").strip().lower()  # sentencepiece / byte-level BPE space markers
-
-
-def yes_probability(candidates, canonicalize: bool = True) -> float | None:
-    """`P(yes) / (P(yes) + P(no))` from the first generated token's `(token, logprob)` candidates (Flow-Factory's
-    `vllm_evaluate`).
-
-    `canonicalize=True` sums the probabilities of every distinct token that reads `yes` (or `no`) once stripped of
-    spaces and lower-cased (`Yes`, ` yes`, `YES`, ...); `False` reads only the tokens `Yes` and `No`. Computed as
-    `sigmoid(logsumexp(yes) - logsumexp(no))`, exact for tiny probabilities. None when neither appears.
-    """
-    seen: dict[str, float] = {}
-    for token, logprob in candidates:
-        seen.setdefault(token, float(logprob))
-    if canonicalize:
-        yes = [lp for t, lp in seen.items() if _word(t) == "yes"]
-        no = [lp for t, lp in seen.items() if _word(t) == "no"]
-    else:
-        yes = [seen["Yes"]] if "Yes" in seen else []
-        no = [seen["No"]] if "No" in seen else []
-    log_yes = torch.logsumexp(torch.tensor(yes, dtype=torch.float64), 0).item() if yes else -math.inf
-    log_no = torch.logsumexp(torch.tensor(no, dtype=torch.float64), 0).item() if no else -math.inf
-    if log_yes == -math.inf and log_no == -math.inf:
-        return None
-    if log_no == -math.inf or log_yes == -math.inf:
-        return 1.0 if log_no == -math.inf else 0.0
-    return 1.0 / (1.0 + math.exp(min(log_no - log_yes, 700.0)))
-
-
-def yes_no_text(text: str) -> float | None:
-    """1 when the answer's first word is yes, 0 when it is no (any case, punctuation ignored), else None."""
-    match = re.match(r"\W*([A-Za-z]+)", text)
-    word = match.group(1).lower() if match else ""
-    return 1.0 if word == "yes" else 0.0 if word == "no" else None
-
-
-def parse_preference(text: str) -> float | None:
-    """P(first better) from a pairwise verdict: 1 for "Image 1 is better" (or "Video 1 ..."), 0 for "... 2 is better",
-    read inside `<answer>...</answer>` when present (Pref-GRPO's UnifiedReward-Think format), else in the whole text;
-    None without a verdict or with both."""
-    tagged = re.search(r"<answer>(.*?)</answer>", text, flags=re.S | re.I)
-    verdicts = set(re.findall(r"(?:image|video)\s*([12])\s+is\s+better", tagged.group(1) if tagged else text, re.I))
-    if len(verdicts) != 1:
-        return None
-    return 1.0 if verdicts == {"1"} else 0.0
-
-
-def _template(template: str | None, default: str) -> tuple[str, str | None]:
-    name = default if template is None else template
-    if name in TEMPLATES:
-        return TEMPLATES[name]
-    if re.fullmatch(r"\w+", name):
-        raise ValueError(f"unknown template {name!r}; give your own text or one of {', '.join(TEMPLATES)}")
-    return name, None
-
-
-def _fill(template: str, **values: Any) -> str:
-    for key, value in values.items():  # no str.format: templates may hold other braces (JSON examples)
-        template = template.replace("{" + key + "}", str(value))
-    return template
+from flowrl.rewards.vlm_templates import FINAL_SCORE, TEMPLATES, _fill, _template
 
 
 def _unparsable_policy(value) -> str | float:
@@ -597,15 +417,21 @@ class VlmPairwise(PairwiseWinRate):
         return win_rates_of_read(first, second, p, sizes)
 
 
-def win_rates_of_read(first: torch.Tensor, second: torch.Tensor, p_first: torch.Tensor, group_sizes: torch.Tensor):
-    """`[B]` win rates over the read verdicts: `p_first [n]` = P(first > second) in [0, 1] or NaN (unread, left out);
-    NaN for a sample whose every verdict is unread, 1/2 for a one-sample group. Equal to
-    `flowrl.rewards.pairwise.win_rates` when every verdict is read."""
-    read = torch.isfinite(p_first)
-    first, second, p = first[read], second[read], p_first[read].double()
-    wins = torch.zeros(group_sizes.shape[0], dtype=torch.float64)
-    wins.index_add_(0, first, p).index_add_(0, second, 1 - p)
-    seen = torch.zeros_like(wins)
-    seen.index_add_(0, first, torch.ones_like(p)).index_add_(0, second, torch.ones_like(p))
-    rates = torch.where(seen > 0, wins / seen.clamp_min(1), torch.tensor(math.nan, dtype=torch.float64))
-    return torch.where(group_sizes > 1, rates, 0.5).float()
+__all__ = [
+    "ANSWERS",
+    "FINAL_SCORE",
+    "SCALES",
+    "TEMPLATES",
+    "VlmEdit",
+    "VlmJudge",
+    "VlmPairwise",
+    "VlmScore",
+    "VlmVideo",
+    "VlmYesNo",
+    "parse_preference",
+    "parse_score",
+    "scale_score",
+    "win_rates_of_read",
+    "yes_no_text",
+    "yes_probability",
+]

@@ -140,9 +140,9 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
     import os
 
     from flowrl.config import apply_overrides
-    from flowrl.rewards.serving.http import TOKEN_ENV
     from flowrl.rewards.serving.server import serve_reward
     from flowrl.rewards.serving.server_requests import is_loopback
+    from flowrl.rewards.serving.wire import TOKEN_ENV
 
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
 

@@ -23,8 +23,8 @@ LAYERS = [
                     "flowrl.prompts"]),
     ("run", ["flowrl.run"]),
     ("trainers", ["flowrl.trainers"]),
-    ("commands", ["flowrl.cli", "flowrl.commands", "flowrl.__main__", "flowrl.sample", "flowrl.export",
-                  "flowrl.ablate", "flowrl.score", "flowrl.plan"]),
+    ("commands", ["flowrl.cli", "flowrl.cli_parser", "flowrl.commands", "flowrl.__main__", "flowrl.sample",
+                  "flowrl.export", "flowrl.ablate", "flowrl.score", "flowrl.plan"]),
 ]  # fmt: skip
 """Each layer's modules (a package stands for all of its modules), lowest first."""
 

@@ -81,3 +81,15 @@ def test_console_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "flowrl", "list", "objectives"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "ppo" in out.stdout
+
+
+def test_every_subcommand_the_parser_declares_has_a_function_and_no_other():
+    """`flowrl.cli_parser` declares the subcommands, `flowrl.cli.COMMANDS` runs them: the two name the same ones."""
+    import argparse
+
+    from flowrl.cli import COMMANDS
+    from flowrl.cli_parser import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(subparsers.choices) == sorted(COMMANDS)
+    assert {"list", "train", "plan", "serve-reward", "score"} <= set(COMMANDS)

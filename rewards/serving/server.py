@@ -8,7 +8,7 @@ reads the requests and checks the token and the announced size before any body i
 body (JSON, base64 raw pixels or PNG/JPEG/WebP; never pickle) and queues it; one worker thread owns the reward and
 takes the queued requests that arrive within `batch_wait_s` of each other (up to `max_batch` images, same image size
 and metadata keys), scores them with one reward call and hands each request its own scores. The protocol is in
-`flowrl.rewards.serving.http`, whose `HttpReward` is the client.
+`flowrl.rewards.serving.wire`; `flowrl.rewards.serving.http`'s `HttpReward` is the client.
 """
 
 from __future__ import annotations

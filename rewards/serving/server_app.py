@@ -11,8 +11,8 @@ import json
 import logging
 import re
 
-from flowrl.rewards.serving.http import REQUEST_ID_HEADER, scores_to_json
 from flowrl.rewards.serving.server_requests import BODY_COST, RequestError, one_line, release_memory
+from flowrl.rewards.serving.wire import REQUEST_ID_HEADER, scores_to_json
 
 
 logger = logging.getLogger("flowrl.rewards.serving.server")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from flowrl.rewards.serving.http import TooLarge, decode_images
+from flowrl.rewards.serving.wire import TooLarge, decode_images
 
 
 MAX_BODY_BYTES = 256 * 1024 * 1024

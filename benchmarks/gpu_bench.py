@@ -166,6 +166,46 @@ def compile_drift(trainer, config) -> dict:
     return {"max_abs_log_ratio": drift, "of_flow_grpo_clip": drift / 1e-4, "of_grpo_guard_clip": drift / 2e-6}
 
 
+KERNEL_KINDS = (
+    ("matmul", ("gemm", "matmul", "cutlass", "xmma", "nvjet", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
+    ("attention", ("flash", "fmha", "attention", "efficient", "scaled_dot_product")),
+    ("convolution", ("conv", "cudnn")),
+)
+"""Where a profiled epoch's device time goes, by kernel (CUDA) or operator (CPU) name; the rest is `other`."""
+
+
+def profile_epoch(trainer, epoch: int, device: torch.device) -> tuple[dict, str]:
+    """One more epoch under `torch.profiler`: its wall time, the device's busy time (the sum of the kernels' own
+    times: one stream, so they do not overlap) split by `KERNEL_KINDS`, and the top-30 table. A busy share far below
+    1 means the GPU waits for the host (launches, syncs); a matmul share far below the busy time means small or
+    memory-bound kernels. On the CPU the operators' own CPU times stand in for the kernels'."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        trainer.train_epoch(epoch)
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    if cuda:
+        own = [(e.key, e.self_device_time_total) for e in events if e.device_type == DeviceType.CUDA]
+    else:
+        own = [(e.key, e.self_cpu_time_total) for e in events]
+    split = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for name, micros in own:
+        lower = name.lower()
+        kind = next((k for k, words in KERNEL_KINDS if any(w in lower for w in words)), "other")
+        split[kind] += micros / 1e6
+    busy = sum(split.values())
+    summary = {"wall_s": wall, "busy_s": busy, "busy_share": busy / wall, **{f"{k}_s": v for k, v in split.items()}}
+    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+    return summary, table
+
+
 def bench(family: str, args, device: torch.device, write) -> dict:
     from flowrl.plan import plan
     from flowrl.trainers import build_trainer, load_config
@@ -206,6 +246,13 @@ def bench(family: str, args, device: torch.device, write) -> dict:
             result.setdefault("epochs", []).append(
                 {**times, "time_s": row["time_s"], **{k: row[k] for k in row if k.startswith("memory/")}}
             )
+            write(result)
+        if args.profile:  # one more epoch under the profiler: where the device's time goes
+            summary, table = profile_epoch(trainer, args.epochs + 1, device)
+            result["profile"] = summary
+            folder = Path(args.profile)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"profile_{family}.txt").write_text(table)
             write(result)
         last = result["epochs"][-1]
         peak = args.peak_tflops * 1e12
@@ -249,6 +296,9 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100 SXM)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the plan beside")
     parser.add_argument("--compile", action="store_true", help="model.compile: also measure its ratio drift")
+    parser.add_argument(
+        "--profile", default="", help="a folder: profile one more epoch, its top kernels in profile_<model>.txt"
+    )
     parser.add_argument(
         "--tiny", action="store_true", help="the tiny families on the CPU (a smoke test of the script)"
     )
@@ -314,6 +364,13 @@ def main(argv=None) -> int:
             f"({p.get('rollout', float('nan')):.1f}), {m.get('update', float('nan')):.1f} "
             f"({p.get('update', float('nan')):.1f}) |"
         )
+    for r in rows:
+        if "profile" in r:
+            f = r["profile"]
+            print(
+                f"{r['model']} profiled epoch: {f['wall_s']:.1f} s, device busy {f['busy_share']:.0%} (matmul "
+                f"{f['matmul_s']:.1f} s, attention {f['attention_s']:.1f} s, other {f['other_s']:.1f} s)"
+            )
     print(f"wrote {out}")
     return 0
 

@@ -44,7 +44,8 @@ for run in sd3 flux qwen_image wan sd3_mb8; do
     flux) model=flux args="--group 8 --minibatch 2 --forward-batch 8"; limit=110 ;;
     qwen_image) model=qwen_image args="--group 4 --minibatch 2 --forward-batch 4"; limit=130 ;;
     wan) model=wan args="--group 8 --minibatch 4 --forward-batch 8"; limit=70 ;;
-    sd3_mb8) model=sd3 args="--group 16 --minibatch 8 --forward-batch 16"; limit=70 ;;  # the micro-batch's effect
+    # the recipes' way (rollout calls of the micro-batch's size: no re-scoring pass), then one profiled epoch
+    sd3_mb8) model=sd3 args="--group 16 --minibatch 8 --forward-batch 8 --profile $OUT"; limit=100 ;;
   esac
   if [ -n "${PLAN_ONLY:-}" ]; then
     # shellcheck disable=SC2086

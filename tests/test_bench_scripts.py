@@ -44,6 +44,8 @@ def test_gpu_bench_tiny_mode_writes_its_json(tmp_path):
         ",".join(SETTINGS),
         "--out",
         str(out),
+        "--profile",
+        str(tmp_path / "profiles"),
     ]
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), *args], capture_output=True, text=True, timeout=600
@@ -55,3 +57,9 @@ def test_gpu_bench_tiny_mode_writes_its_json(tmp_path):
         assert row["rollout_images_per_s"] > 0 and row["update_images_per_s"] > 0 and row["images_per_s"] > 0
         assert row["flops_per_sample"]["update"] > 0 and row["flops_per_sample"]["rollout"] > 0
         assert set(row["plan_gb"]) >= {"rollout", "update"} and row["epochs"][0]["train_s"] > 0
+        profile = row["profile"]  # one more epoch under torch.profiler: the operators' time split by kind
+        assert 0 < profile["busy_s"] and profile["matmul_s"] > 0
+        assert profile["busy_s"] == pytest.approx(
+            sum(profile[f"{k}_s"] for k in ("matmul", "attention", "convolution", "other"))
+        )
+        assert (tmp_path / "profiles" / f"profile_{row['model']}.txt").read_text().count("\n") > 10

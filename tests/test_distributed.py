@@ -73,7 +73,8 @@ def _config(tmp_path, trainer: str, processes: int, shard: str = "none", ema: bo
     return path
 
 
-def _train(config, out, cache, processes: int, resume: bool = False, overrides=()) -> dict:
+def _launch(config, out, cache, processes: int, resume: bool = False, overrides=()):
+    """Start `flowrl train` on `processes` processes (torchrun from two); its output goes to a log beside `out`."""
     scratch = out.parent / "tmp"  # torchrun's agent leaves a log folder in the temporary folder: keep it in the test's
     scratch.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "FLOWRL_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}
@@ -94,9 +95,31 @@ def _train(config, out, cache, processes: int, resume: bool = False, overrides=(
             str(_free_port()),
             *base,
         ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    log = out.parent / f"{out.name}.log"
+    with log.open("w") as sink:  # a file, not a pipe: a run started beside another never blocks on a full pipe
+        return subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True), out, log
+
+
+def _finish(process, out, log) -> dict:
+    try:
+        process.wait(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, log.read_text()[-3000:]
     return json.loads((out / "summary.json").read_text())
+
+
+def _train(config, out, cache, processes: int, resume: bool = False, overrides=()) -> dict:
+    return _finish(*_launch(config, out, cache, processes, resume, overrides))
+
+
+def _train_together(*runs: dict) -> list[dict]:
+    """`_train` of each run (its keyword arguments), all started at once: the one-process reference beside the
+    two-process run puts three processes on the CI's two cores, which the pair alone leaves half idle while it
+    waits on its collectives (the runs share nothing but the digits cache, which is built once under a lock)."""
+    started = [_launch(**run) for run in runs]
+    return [_finish(*one) for one in started]
 
 
 def _weights(run, epoch: int) -> dict[str, torch.Tensor]:
@@ -113,8 +136,10 @@ def _rows(run) -> list[dict]:
 
 
 def _two_equals_one(tmp_path, cache, trainer: str) -> None:
-    one = _train(_config(tmp_path, trainer, 1), tmp_path / "one", cache, processes=1)
-    two = _train(_config(tmp_path, trainer, 2), tmp_path / "two", cache, processes=2)
+    one, two = _train_together(
+        dict(config=_config(tmp_path, trainer, 1), out=tmp_path / "one", cache=cache, processes=1),
+        dict(config=_config(tmp_path, trainer, 2), out=tmp_path / "two", cache=cache, processes=2),
+    )
     assert (one["processes"], two["processes"]) == (1, 2)  # a real group of two, not two lone runs
 
     # the same samples, rewards and advantages: noise is seeded per sample, rewards are gathered
@@ -215,8 +240,10 @@ def test_a_shipped_config_trains_the_same_on_two_processes(tmp_path, cache, name
     if name.startswith("control"):
         overrides = [o for o in overrides if not o.startswith(("run.samples_every", "eval.max_prompts"))]
         overrides += ["eval.episodes=2"]
-    one = _train(path, tmp_path / "one", cache, processes=1, overrides=overrides)
-    two = _train(path, tmp_path / "two", cache, processes=2, overrides=overrides)
+    one, two = _train_together(
+        dict(config=path, out=tmp_path / "one", cache=cache, processes=1, overrides=overrides),
+        dict(config=path, out=tmp_path / "two", cache=cache, processes=2, overrides=overrides),
+    )
     assert (one["processes"], two["processes"]) == (1, 2)
     rows_one, rows_two = _same_rows(tmp_path / "one", tmp_path / "two")
     assert rows_one[1]["optimizer_steps"] >= 2
@@ -249,8 +276,12 @@ def test_two_sharded_processes_equal_one(tmp_path, cache, trainer, shard):
     # the gradients and AdamW state; every backward (and, sharded parameters, every forward) is a collective, so
     # the processes' calls must stay in step through sampling, the update and the evaluation
     ema = trainer == "flow_grpo" and shard != "zero3"  # ZeRO-3 partitions the parameters: no EMA there (refused)
-    one = _train(_config(tmp_path, trainer, 1, ema=ema), tmp_path / "one", cache, processes=1)
-    two = _train(_config(tmp_path, trainer, 2, shard=shard, ema=ema), tmp_path / "two", cache, processes=2)
+    one, two = _train_together(
+        dict(config=_config(tmp_path, trainer, 1, ema=ema), out=tmp_path / "one", cache=cache, processes=1),
+        dict(
+            config=_config(tmp_path, trainer, 2, shard=shard, ema=ema), out=tmp_path / "two", cache=cache, processes=2
+        ),
+    )
     assert (one["processes"], two["processes"]) == (1, 2) and (one["shard"], two["shard"]) == ("none", shard)
     _same_rows(tmp_path / "one", tmp_path / "two")
     _same_weights(tmp_path / "one", tmp_path / "two", epochs=(1, 2), sharded=True)
@@ -279,13 +310,15 @@ def test_two_sharded_processes_equal_one(tmp_path, cache, trainer, shard):
 def test_offloaded_shards_train_as_one_process(tmp_path, cache, shard):
     # run.offload: the shards, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy, ZeRO-Offload);
     # on a CPU machine the copies are CPU to CPU, so this checks the plumbing: the same training as one process
-    one = _train(_config(tmp_path, "flow_grpo", 1), tmp_path / "one", cache, processes=1)
-    two = _train(
-        _config(tmp_path, "flow_grpo", 2, shard=shard),
-        tmp_path / "two",
-        cache,
-        processes=2,
-        overrides=["run.offload=true"],
+    one, two = _train_together(
+        dict(config=_config(tmp_path, "flow_grpo", 1), out=tmp_path / "one", cache=cache, processes=1),
+        dict(
+            config=_config(tmp_path, "flow_grpo", 2, shard=shard),
+            out=tmp_path / "two",
+            cache=cache,
+            processes=2,
+            overrides=["run.offload=true"],
+        ),
     )
     assert (one["processes"], two["processes"], two["shard"]) == (1, 2, shard)
     _same_rows(tmp_path / "one", tmp_path / "two")
@@ -324,8 +357,10 @@ def test_a_tiny_model_config_trains_the_same_on_two_processes(tmp_path, cache, f
     # One epoch: the tiny configs' rewards (JPEG sizes) jump with the last bit of an image, so the second epoch's
     # rewards would differ by reduction order alone; the first epoch's samples come from the same weights
     config = Path(__file__).resolve().parents[1] / "configs" / folder / "tiny.yaml"
-    one = _train(config, tmp_path / "one", cache, processes=1, overrides=["run.epochs=1"])
-    two = _train(config, tmp_path / "two", cache, processes=2, overrides=["run.epochs=1"])
+    one, two = _train_together(
+        dict(config=config, out=tmp_path / "one", cache=cache, processes=1, overrides=["run.epochs=1"]),
+        dict(config=config, out=tmp_path / "two", cache=cache, processes=2, overrides=["run.epochs=1"]),
+    )
     assert (one["processes"], two["processes"]) == (1, 2)
     (_, a), (_, b) = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     for key in ["reward/mean", "reward/std", "trained_samples", "optimizer_steps"]:
@@ -358,8 +393,10 @@ target_kl (a global decision): every piece of the control update that could diff
 def _control_two_equals_one(tmp_path, trainer: str) -> None:
     config = tmp_path / f"{trainer}.yaml"
     config.write_text(yaml.safe_dump({"trainer": trainer, **CONTROL}))
-    one = _train(config, tmp_path / "one", tmp_path, processes=1)
-    two = _train(config, tmp_path / "two", tmp_path, processes=2)
+    one, two = _train_together(
+        dict(config=config, out=tmp_path / "one", cache=tmp_path, processes=1),
+        dict(config=config, out=tmp_path / "two", cache=tmp_path, processes=2),
+    )
     assert (one["processes"], two["processes"]) == (1, 2)
     rows_one, rows_two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert [r["epoch"] for r in rows_two] == [r["epoch"] for r in rows_one] == [0, 1, 2, 3]
@@ -426,8 +463,10 @@ def _text_config(tmp_path, objective: str, mini: int = 16, micro: int = 16):
 )
 def test_two_processes_equal_one_text(tmp_path, cache, objective, mini, micro):
     config = _text_config(tmp_path, objective, mini, micro)
-    one = _train(config, tmp_path / "one", cache, processes=1)
-    two = _train(config, tmp_path / "two", cache, processes=2)
+    one, two = _train_together(
+        dict(config=config, out=tmp_path / "one", cache=cache, processes=1),
+        dict(config=config, out=tmp_path / "two", cache=cache, processes=2),
+    )
     assert (one["processes"], two["processes"]) == (1, 2)
     # the same completions (sampled row by row from the same seeds), rewards and advantages
     rows_one, rows_two = _same_rows(tmp_path / "one", tmp_path / "two")

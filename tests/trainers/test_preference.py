@@ -289,7 +289,7 @@ def test_two_processes_equal_one(tmp_path, name):
     import yaml
 
     from tests.conftest import TINY_DIGITS_RUN
-    from tests.test_distributed import _same_rows, _same_weights, _train
+    from tests.test_distributed import _same_rows, _same_weights, _train_together
 
     data = json.loads(json.dumps(TINY_DIGITS_RUN))
     data.update({"trainer": name, "prompts": {"prompts_per_epoch": 4, "group_size": 4}})
@@ -299,8 +299,10 @@ def test_two_processes_equal_one(tmp_path, name):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(data))
     cache = tmp_path / "cache"
-    one = _train(config, tmp_path / "one", cache, processes=1)
-    two = _train(config, tmp_path / "two", cache, processes=2)
+    one, two = _train_together(
+        dict(config=config, out=tmp_path / "one", cache=cache, processes=1),
+        dict(config=config, out=tmp_path / "two", cache=cache, processes=2),
+    )
     assert (one["processes"], two["processes"]) == (1, 2)
     rows_one, _ = _same_rows(tmp_path / "one", tmp_path / "two", "preference_accuracy", "preference_margin")
     assert rows_one[1]["optimizer_steps"] >= 1

@@ -205,4 +205,6 @@ def test_a_lost_node_s_worker_is_replaced_on_the_node_left(tmp_path, cluster_env
     assert [n["Alive"] for i, n in alive.items() if i != head] == [False]
     assert after == [head, head]  # the lost node's worker replaced on the head
     rows = _rows(tmp_path / "run")
-    assert rows[-1]["async/restarts"] == 1.0 and all(r["async/staleness"] <= 1 for r in rows[1:])
+    # one replacement, or two: a replacement spawned before Ray marks the lost node dead (its health check, ~10 s
+    # here) can be placed there and die with it (CI, 2026-11-28: 2)
+    assert rows[-1]["async/restarts"] in (1.0, 2.0) and all(r["async/staleness"] <= 1 for r in rows[1:])

@@ -129,3 +129,25 @@ def test_two_processes_building_the_digits_model_at_once_share_one_intact_build(
     SD3Transformer2DModel.from_pretrained(os.path.join(folder, "transformer"))  # the build loads back
     leftovers = [p for p in os.listdir(os.path.dirname(folder)) if p.startswith(".model-") and not p.endswith(".lock")]
     assert not leftovers, leftovers
+
+
+def test_two_processes_building_the_arithmetic_model_at_once_share_one_intact_build(env, tmp_path):
+    # the text world's base model (flowrl.llm.build): two runs starting at once on one cache (CI, 2026-11-28: the
+    # second's build replaced the folder while the first was loading it, "no file named model.safetensors")
+    build = (
+        "from flowrl.llm.build import BuildConfig, build, load\n"
+        "folder = build(BuildConfig(train_steps=30, eval_samples=1))\n"
+        "load(folder)\n"
+        "print(folder)\n"
+    )
+    cache = {**env, "FLOWRL_CACHE": str(tmp_path / "cache")}
+    both = [
+        subprocess.Popen(
+            [sys.executable, "-c", build], env=cache, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=600) for p in both]
+    assert all(p.returncode == 0 for p in both), [err[-2000:] for _, err in outputs]
+    assert len({out.strip().splitlines()[-1] for out, _ in outputs}) == 1
+    assert sum("building the arithmetic base model" in out for out, _ in outputs) == 1

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.cache import cache_root, write_atomic
+from flowrl.cache import cache_lock, cache_root, write_atomic
 from flowrl.llm.arith import ALPHABET, BOS, EOS, MAX_OPERAND, PAD, UNK, all_problems, make_problems
 from flowrl.rewards.text import arith_reward
 
@@ -197,12 +197,16 @@ def build(config: BuildConfig | None = None, *, force: bool = False, log=print) 
     target = model_dir(config)
     if (target / "build.json").is_file() and not force:
         return target
-    threads = torch.get_num_threads()
-    torch.set_num_threads(BUILD_THREADS)
-    try:
-        _build(config, target, log)
-    finally:
-        torch.set_num_threads(threads)
+    # under the cache's lock: a second process (another run, or a rank) waits and reuses this build; without it, its
+    # own build replaced the folder while the first was loading from it
+    with cache_lock(target):
+        if force or not (target / "build.json").is_file():
+            threads = torch.get_num_threads()
+            torch.set_num_threads(BUILD_THREADS)
+            try:
+                _build(config, target, log)
+            finally:
+                torch.set_num_threads(threads)
     return target
 
 

@@ -100,6 +100,19 @@ def test_a_killed_run_resumes_exactly_from_its_last_complete_checkpoint(env, tmp
         assert torch.equal(w_killed[name], value), name
 
 
+def _run_twice_at_once(code: str, env: dict) -> list[str]:
+    """`python -c code` in two processes started together; their standard outputs, once both succeeded."""
+    both = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=600) for p in both]
+    assert all(p.returncode == 0 for p in both), [err[-2000:] for _, err in outputs]
+    return [out for out, _ in outputs]
+
+
 def test_two_processes_building_the_digits_model_at_once_share_one_intact_build(env, tmp_path):
     build = (
         "from flowrl.digits.build import BuildConfig, build_model\n"
@@ -108,18 +121,10 @@ def test_two_processes_building_the_digits_model_at_once_share_one_intact_build(
         "                         caption_projection_dim=16)\n"
         "print(build_model(BuildConfig(pretrain_steps=40, transformer=tiny)))\n"
     )
-    cache = {**env, "FLOWRL_CACHE": str(tmp_path / "cache")}
-    both = [
-        subprocess.Popen(
-            [sys.executable, "-c", build], env=cache, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for _ in range(2)
-    ]
-    outputs = [p.communicate(timeout=600) for p in both]
-    assert all(p.returncode == 0 for p in both), [err[-2000:] for _, err in outputs]
-    folders = {out.strip().splitlines()[-1] for out, _ in outputs}
+    outputs = _run_twice_at_once(build, {**env, "FLOWRL_CACHE": str(tmp_path / "cache")})
+    folders = {out.strip().splitlines()[-1] for out in outputs}
     assert len(folders) == 1
-    built = sum("building the digits base model" in out for out, _ in outputs)
+    built = sum("building the digits base model" in out for out in outputs)
     assert built == 1, "the second process should wait for the first and reuse its build"
     folder = next(iter(folders))
     meta = json.loads(open(os.path.join(folder, "meta.json")).read())
@@ -140,14 +145,6 @@ def test_two_processes_building_the_arithmetic_model_at_once_share_one_intact_bu
         "load(folder)\n"
         "print(folder)\n"
     )
-    cache = {**env, "FLOWRL_CACHE": str(tmp_path / "cache")}
-    both = [
-        subprocess.Popen(
-            [sys.executable, "-c", build], env=cache, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for _ in range(2)
-    ]
-    outputs = [p.communicate(timeout=600) for p in both]
-    assert all(p.returncode == 0 for p in both), [err[-2000:] for _, err in outputs]
-    assert len({out.strip().splitlines()[-1] for out, _ in outputs}) == 1
-    assert sum("building the arithmetic base model" in out for out, _ in outputs) == 1
+    outputs = _run_twice_at_once(build, {**env, "FLOWRL_CACHE": str(tmp_path / "cache")})
+    assert len({out.strip().splitlines()[-1] for out in outputs}) == 1
+    assert sum("building the arithmetic base model" in out for out in outputs) == 1

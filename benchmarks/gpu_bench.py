@@ -161,8 +161,10 @@ def compile_drift(trainer, config) -> dict:
             width=s.width,
             generator=torch.Generator().manual_seed(0),
         )
-        logp = policy.log_prob(rollout, rollout.sde_steps.expand(len(rollout), -1))
-    drift = float((logp.detach() - rollout.log_probs[:, rollout.sde_steps]).abs().max())
+        # one step per call, its graph freed at once (all steps' graphs together hold every activation: 139 GB)
+        steps = rollout.sde_steps.tolist()
+        logp = [policy.log_prob(rollout, torch.tensor([k]).expand(len(rollout), 1)).detach() for k in steps]
+    drift = float((torch.cat(logp, 1) - rollout.log_probs[:, steps]).abs().max())
     return {"max_abs_log_ratio": drift, "of_flow_grpo_clip": drift / 1e-4, "of_grpo_guard_clip": drift / 2e-6}
 
 
@@ -174,36 +176,54 @@ KERNEL_KINDS = (
 """Where a profiled epoch's device time goes, by kernel (CUDA) or operator (CPU) name; the rest is `other`."""
 
 
-def profile_epoch(trainer, epoch: int, device: torch.device) -> tuple[dict, str]:
-    """One more epoch under `torch.profiler`: its wall time, the device's busy time (the sum of the kernels' own
-    times: one stream, so they do not overlap) split by `KERNEL_KINDS`, and the top-30 table. A busy share far below
-    1 means the GPU waits for the host (launches, syncs); a matmul share far below the busy time means small or
-    memory-bound kernels. On the CPU the operators' own CPU times stand in for the kernels'."""
+def _device_split(prof, cuda: bool) -> dict:
+    """One profiled phase: the device's busy time (the sum of its kernels' own times: one stream, so they do not
+    overlap) split by `KERNEL_KINDS`, and the kernels launched (many short ones: launch-bound)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        trainer.train_epoch(epoch)
-        if cuda:
-            torch.cuda.synchronize()
-    wall = time.perf_counter() - start
     events = prof.key_averages()
     if cuda:
-        own = [(e.key, e.self_device_time_total) for e in events if e.device_type == DeviceType.CUDA]
+        own = [(e.key, e.self_device_time_total, e.count) for e in events if e.device_type == DeviceType.CUDA]
     else:
-        own = [(e.key, e.self_cpu_time_total) for e in events]
+        own = [(e.key, e.self_cpu_time_total, e.count) for e in events]
     split = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
-    for name, micros in own:
+    for name, micros, _ in own:
         lower = name.lower()
         kind = next((k for k, words in KERNEL_KINDS if any(w in lower for w in words)), "other")
         split[kind] += micros / 1e6
-    busy = sum(split.values())
-    summary = {"wall_s": wall, "busy_s": busy, "busy_share": busy / wall, **{f"{k}_s": v for k, v in split.items()}}
-    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
-    return summary, table
+    launches = sum(count for _, _, count in own)
+    return {"busy_s": sum(split.values()), "kernels": launches, **{f"{k}_s": v for k, v in split.items()}}
+
+
+def profile_epoch(trainer, epoch: int, device: torch.device) -> tuple[dict, str]:
+    """One more epoch under `torch.profiler`, its two phases apart (the rollout with its reward, then the update):
+    each phase's wall time, the device's busy share and its split (`_device_split`), and the top-25 tables. A busy
+    share far below 1 means the GPU waits for the host (launches, syncs); a matmul share far below the busy time
+    means small or memory-bound kernels. On the CPU the operators' own CPU times stand in for the kernels'."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]  # the host's events: slow, unused
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    summary, tables = {}, []
+    trainer.engine.set_lr(trainer.config.optim.lr_at(epoch, trainer.config.run.epochs))
+    phases = {
+        "rollout": lambda: trainer.prepare_epoch(epoch),
+        "update": lambda: trainer.scheduler.run(batch, epoch),
+    }
+    for phase, run in phases.items():
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            out = run()
+            sync()
+        wall = time.perf_counter() - start
+        if phase == "rollout":
+            batch = out[0]
+        split = _device_split(prof, cuda)
+        summary[phase] = {"wall_s": wall, "busy_share": split["busy_s"] / wall, **split}
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        tables.append(f"## {phase}\n{prof.key_averages().table(sort_by=sort, row_limit=25)}")
+    return summary, "\n\n".join(tables)
 
 
 def bench(family: str, args, device: torch.device, write) -> dict:
@@ -212,8 +232,13 @@ def bench(family: str, args, device: torch.device, write) -> dict:
 
     result = {"model": family}
     with tempfile.TemporaryDirectory() as folder:
-        raw = config_for(family, args)
+        from flowrl.config import apply_overrides
+
+        raw = apply_overrides(config_for(family, args), list(args.set))
         config = load_config(raw, [f"run.output_dir={folder}"])
+        for override in args.set:  # each override as the loaded config holds it
+            section, _, key = override.partition("=")[0].partition(".")
+            result.setdefault("settings", {})[f"{section}.{key}"] = getattr(getattr(config, section), key)
         key = json.dumps({"config": raw, "gpu_memory": args.gpu_memory}, sort_keys=True)
         cache = json.loads(Path(args.plans).read_text()) if args.plans and Path(args.plans).exists() else {}
         if key not in cache:  # meta tensors: FLOPs and peaks, no GPU memory (CPU work: cacheable off the GPU machine)
@@ -252,7 +277,7 @@ def bench(family: str, args, device: torch.device, write) -> dict:
             result["profile"] = summary
             folder = Path(args.profile)
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"profile_{family}.txt").write_text(table)
+            (folder / f"profile_{Path(args.out).stem}_{family}.txt").write_text(table)
             write(result)
         last = result["epochs"][-1]
         peak = args.peak_tflops * 1e12
@@ -297,7 +322,14 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU, for the plan beside")
     parser.add_argument("--compile", action="store_true", help="model.compile: also measure its ratio drift")
     parser.add_argument(
-        "--profile", default="", help="a folder: profile one more epoch, its top kernels in profile_<model>.txt"
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override (repeatable), e.g. model.lora_dtype=bf16 sampling.uncond_grad=false",
+    )
+    parser.add_argument(
+        "--profile", default="", help="a folder: profile one more epoch, its top kernels in profile_<out>_<model>.txt"
     )
     parser.add_argument(
         "--tiny", action="store_true", help="the tiny families on the CPU (a smoke test of the script)"
@@ -365,11 +397,11 @@ def main(argv=None) -> int:
             f"({p.get('update', float('nan')):.1f}) |"
         )
     for r in rows:
-        if "profile" in r:
-            f = r["profile"]
+        for phase, f in r.get("profile", {}).items():
             print(
-                f"{r['model']} profiled epoch: {f['wall_s']:.1f} s, device busy {f['busy_share']:.0%} (matmul "
-                f"{f['matmul_s']:.1f} s, attention {f['attention_s']:.1f} s, other {f['other_s']:.1f} s)"
+                f"{r['model']} profiled {phase}: {f['wall_s']:.1f} s, device busy {f['busy_share']:.0%}, "
+                f"{f['kernels']} kernels (matmul {f['matmul_s']:.2f} s, attention {f['attention_s']:.2f} s, "
+                f"convolution {f['convolution_s']:.2f} s, other {f['other_s']:.2f} s)"
             )
     print(f"wrote {out}")
     return 0

@@ -7,6 +7,10 @@
 # first, so the GPU's minutes go to the GPU's work (a missing entry is planned on the GPU machine instead).
 #   PLAN_ONLY=1 bash benchmarks/gpu_check.sh   # on a CPU machine: benchmarks/results/gpu/plans.json
 #   bash benchmarks/gpu_check.sh               # PY=python3 by default; RESULTS=DIR for another results folder
+#   RUNS="sd3_mb8 sd3_fast" TESTS=0 bash benchmarks/gpu_check.sh   # some runs only, no test marker
+# The speed levers side by side on SD3.5-M (each its own run: memory and kernels of one do not reach the next):
+# sd3_fast (LoRA weights in bf16, no gradient through CFG's unconditional branch), sd3_compile (regional
+# torch.compile, with its ratio drift at the old weights), sd3_compile_fast (both).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-python3}"
@@ -36,16 +40,21 @@ step() {  # step NAME SECONDS COMMAND...: one step under its timeout, its output
 }
 
 [ -n "${PLAN_ONLY:-}" ] || : > "$OUT/steps.txt"
-[ -n "${PLAN_ONLY:-}" ] || step gpu_tests 80 "$PY" -m pytest -m gpu tests/test_gpu.py tests/models/test_attention.py -q \
+FAST="--set model.lora_dtype=bf16 --set sampling.uncond_grad=false"
+[ -n "${PLAN_ONLY:-}" ] || [ "${TESTS:-1}" = 0 ] || step gpu_tests 80 "$PY" -m pytest -m gpu tests/test_gpu.py tests/models/test_attention.py -q \
   -p no:cacheprovider
-for run in sd3 flux qwen_image wan sd3_mb8; do
+for run in ${RUNS:-sd3 flux qwen_image wan sd3_mb8}; do
   case $run in  # small groups: one warm-up and one timed epoch each, in 70-130 s
     sd3) model=sd3 args="--group 16 --minibatch 4 --forward-batch 8"; limit=90 ;;
     flux) model=flux args="--group 8 --minibatch 2 --forward-batch 8"; limit=110 ;;
     qwen_image) model=qwen_image args="--group 4 --minibatch 2 --forward-batch 4"; limit=130 ;;
     wan) model=wan args="--group 8 --minibatch 4 --forward-batch 8"; limit=70 ;;
     # the recipes' way (rollout calls of the micro-batch's size: no re-scoring pass), then one profiled epoch
-    sd3_mb8) model=sd3 args="--group 16 --minibatch 8 --forward-batch 8 --profile $OUT"; limit=100 ;;
+    sd3_mb8) model=sd3 args="--group 16 --minibatch 8 --forward-batch 8 --profile $OUT"; limit=150 ;;
+    sd3_fast) model=sd3 args="--group 16 --minibatch 8 --forward-batch 8 $FAST"; limit=80 ;;
+    sd3_compile) model=sd3 args="--group 16 --minibatch 8 --forward-batch 8 --compile --profile $OUT"; limit=220 ;;
+    sd3_compile_fast) model=sd3 args="--group 16 --minibatch 8 --forward-batch 8 --compile $FAST"; limit=200 ;;
+    *) echo "unknown run $run" >&2; exit 2 ;;
   esac
   if [ -n "${PLAN_ONLY:-}" ]; then
     # shellcheck disable=SC2086

@@ -46,6 +46,8 @@ def test_gpu_bench_tiny_mode_writes_its_json(tmp_path):
         str(out),
         "--profile",
         str(tmp_path / "profiles"),
+        "--set",
+        "sampling.uncond_grad=false",  # a lever side by side: the config override reaches the run
     ]
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), *args], capture_output=True, text=True, timeout=600
@@ -57,9 +59,12 @@ def test_gpu_bench_tiny_mode_writes_its_json(tmp_path):
         assert row["rollout_images_per_s"] > 0 and row["update_images_per_s"] > 0 and row["images_per_s"] > 0
         assert row["flops_per_sample"]["update"] > 0 and row["flops_per_sample"]["rollout"] > 0
         assert set(row["plan_gb"]) >= {"rollout", "update"} and row["epochs"][0]["train_s"] > 0
-        profile = row["profile"]  # one more epoch under torch.profiler: the operators' time split by kind
-        assert 0 < profile["busy_s"] and profile["matmul_s"] > 0
-        assert profile["busy_s"] == pytest.approx(
-            sum(profile[f"{k}_s"] for k in ("matmul", "attention", "convolution", "other"))
-        )
-        assert (tmp_path / "profiles" / f"profile_{row['model']}.txt").read_text().count("\n") > 10
+        assert row["settings"] == {"sampling.uncond_grad": False}
+        for phase in ("rollout", "update"):  # one more epoch under torch.profiler: each phase's time split by kind
+            profile = row["profile"][phase]
+            assert 0 < profile["busy_s"] and profile["matmul_s"] > 0 and profile["kernels"] > 0
+            assert profile["busy_s"] == pytest.approx(
+                sum(profile[f"{k}_s"] for k in ("matmul", "attention", "convolution", "other"))
+            )
+        table = (tmp_path / "profiles" / f"profile_gpu_bench_{row['model']}.txt").read_text()
+        assert "## rollout" in table and "## update" in table and table.count("\n") > 20

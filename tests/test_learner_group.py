@@ -127,15 +127,39 @@ def _env(tmp_path, cache) -> dict:
     return {**os.environ, "FLOWRL_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}
 
 
+STALL_AFTER_EPOCH_1 = """
+import os
+if os.environ.get("RANK") == "1":  # the learner the test kills: it stops once epoch 1's checkpoint is written
+    import time
+    import flowrl.checkpoint as checkpoint
+
+    save = checkpoint.save
+
+    def save_then_stall(folder, *args, **kwargs):
+        out = save(folder, *args, **kwargs)
+        if out.name == "epoch_1":
+            time.sleep(3600)
+        return out
+
+    checkpoint.save = save_then_stall
+"""
+"""`sitecustomize` of the killed run's processes: learner 1 stalls after epoch 1's checkpoint, so learner 0 waits for
+it in epoch 2 whenever the kill lands (without it a late kill could find the run over: epoch 2 takes under a
+second)."""
+
+
 def test_a_killed_learner_ends_the_run_in_one_line_and_resume_continues_it(tmp_path, cache, reference, ray_tmp):
     """DDP: SIGKILL learner 1 once epoch 1's checkpoint is written; the survivor stops with one line naming how to
     go on, the checkpoint verifies, and the resumed group's numbers are the synchronous run's."""
     config, run = _config(tmp_path, "flow_grpo", 2), tmp_path / "async"
     launcher = ("--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()))
     cmd = _torchrun(config, run, ASYNC, launcher)
-    process = subprocess.Popen(
-        cmd, env=_env(tmp_path, cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(STALL_AFTER_EPOCH_1)
+    env = _env(tmp_path, cache)
+    env["PYTHONPATH"] = os.pathsep.join([str(hooks), *filter(None, [env.get("PYTHONPATH")])])
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while not (run / "checkpoints" / "epoch_1").is_dir():
@@ -150,7 +174,7 @@ def test_a_killed_learner_ends_the_run_in_one_line_and_resume_continues_it(tmp_p
             process.kill()
     assert process.returncode != 0
     lines = [line for line in err.splitlines() if re.match(r"flowrl( train)?:", line)]  # flowrl's, not torchrun's
-    assert len(lines) == 1 and "at epoch 1 of 2" in lines[0] and "--resume" in lines[0], lines
+    assert len(lines) == 1 and "at epoch 1 of 2" in lines[0] and f"{run} --resume" in lines[0], err[-6000:]
     checkpoint.verify(run / "checkpoints" / "epoch_1")
     assert not (run / "checkpoints" / "epoch_2").exists()
     summary = _train(config, run, cache, processes=2, resume=True, overrides=ASYNC)

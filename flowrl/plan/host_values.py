@@ -14,9 +14,8 @@ each would wait for the device.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
-from flowrl.plan.trace import _called_from_flowrl, _TraceMode
+from flowrl.plan.trace import _called_from_flowrl, _TraceMode, leaves, map_leaves
 
 
 LIMIT = 1 << 16
@@ -94,7 +93,7 @@ def _on_host(value):
 
 
 def _metas(values) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+    return [t for t in leaves(values) if isinstance(t, torch.Tensor) and t.device.type == "meta"]
 
 
 def _small(tensors) -> bool:
@@ -126,10 +125,10 @@ class HostValues(_TraceMode):
         except (NotImplementedError, RuntimeError):  # a shape `meta` cannot know (repeat_interleave by counts)
             if not known or not _small(metas) or name in HOST_READS:  # flowrl's own read: raised
                 raise
-            return tree_map(_to_meta, self._read(func, args, kwargs))
+            return map_leaves(_to_meta, self._read(func, args, kwargs))
         if name in _IN_PLACE or (name.endswith("_") and not name.startswith("_")):
             return self._in_place(func, args, kwargs, out, known and _small(metas))
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in leaves(out) if isinstance(t, torch.Tensor)]
         if not outs or not all(t.device.type == "meta" for t in outs) or not _small(outs):
             return out
         if not metas:  # made on meta from host data (`x.to(device)`, `arange(n, device=device)`)
@@ -138,18 +137,18 @@ class HostValues(_TraceMode):
         elif not known or not _small(metas):
             return out
         try:
-            host = func(*tree_map(_on_host, args), **tree_map(_on_host, kwargs))
+            host = func(*map_leaves(_on_host, args), **map_leaves(_on_host, kwargs))
         except Exception:  # an op the CPU does not run on these dtypes: the trace goes on without the copies
             return out
-        hosts = [t for t in tree_flatten(host)[0] if isinstance(t, torch.Tensor)]
+        hosts = [t for t in leaves(host) if isinstance(t, torch.Tensor)]
         if len(hosts) != len(outs) or any(h.device.type != "cpu" for h in hosts):
             return out
         if all(h.shape == t.shape for h, t in zip(hosts, outs)):
-            inputs = {id(t) for t in tree_flatten((args, kwargs))[0]}
+            inputs = {id(t) for t in leaves((args, kwargs))}
             for h, t in zip(hosts, outs):
                 _keep(t, h.clone() if id(h) in inputs else h)  # `x.to(meta)` gives x itself back on the host
             return out
-        return tree_map(_to_meta, host)  # a shape that depends on the values: the host's
+        return map_leaves(_to_meta, host)  # a shape that depends on the values: the host's
 
     def _in_place(self, func, args, kwargs, out, known: bool):
         """An op that writes into its first argument: into its host copy too, which is dropped when the values written
@@ -166,7 +165,7 @@ class HostValues(_TraceMode):
 
     @staticmethod
     def _read(func, args, kwargs):
-        return func(*tree_map(_on_host, args), **tree_map(_on_host, kwargs))
+        return func(*map_leaves(_on_host, args), **map_leaves(_on_host, kwargs))
 
 
 def _mask_positions(index):

@@ -227,6 +227,37 @@ def test_train_checks_the_plan_first_on_a_gpu(monkeypatch):
     assert check_fits(config) is None
 
 
+def test_train_traces_a_plan_once_and_reads_it_after(monkeypatch, tmp_path):
+    """Every process of a launch and every resume checks the same plan: the first traces it, the others read it from
+    the cache folder; another config, code or GPU traces anew, and a damaged file is traced again."""
+    import flowrl.plan.plan_cache as plan_cache
+
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=2**30))
+    traced = []
+    original = plan_cache.plan
+    monkeypatch.setattr(plan_cache, "plan", lambda *a, **k: traced.append(1) or original(*a, **k))
+    config = load_config("configs/sd35m/tiny.yaml")
+    first = check_fits(config)
+    files = list((tmp_path / "plans").glob("*.json"))
+    assert len(traced) == 1 and len(files) == 1
+    config.run.output_dir = str(tmp_path / "another-run")  # a resume or another run folder: the same trace
+    assert check_fits(config) == first and len(traced) == 1
+    files[0].write_text("{")  # a process killed while writing (the write is atomic, but a disk can fail)
+    assert check_fits(config) == first and len(traced) == 2
+    config.batch.micro_batch_size = 4  # the trace reads it (8 in the file)
+    check_fits(config)
+    assert len(traced) == 3 and len(list((tmp_path / "plans").glob("*.json"))) == 2
+    monkeypatch.setattr(plan_cache, "_source_digest", lambda: "edited")  # flowrl's code changed
+    check_fits(config)
+    assert len(traced) == 4
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")  # a cache folder that cannot be made: traced, not kept, no error
+    assert check_fits(config).fits() and len(traced) == 5
+
+
 def _stated_processes(path: Path) -> int:
     match = re.search(r"--(?:num_processes|nproc_per_node)[ =](\d+)", path.read_text())
     return int(match.group(1)) if match else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from flowrl.plan.plan_cache import cached_plan
 from flowrl.plan.planner import USABLE, MemoryPlan, PhasePeak, plan
 
 
@@ -28,7 +29,7 @@ def check_fits(config, *, log=print) -> MemoryPlan | None:
     gpus = int(os.environ.get("WORLD_SIZE", "1"))
     memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     try:
-        result = plan(config, gpus=gpus, gpu_memory=memory)
+        result = cached_plan(config, gpus=gpus, gpu_memory=memory)  # traced once per config, code and GPU
     except (ValueError, FileNotFoundError, KeyError, NotImplementedError) as err:
         if "not supported here" in str(err) or "must split over" in str(err):
             raise  # the run itself would refuse it

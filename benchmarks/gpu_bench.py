@@ -237,8 +237,10 @@ def bench(family: str, args, device: torch.device, write) -> dict:
         raw = apply_overrides(config_for(family, args), list(args.set))
         config = load_config(raw, [f"run.output_dir={folder}"])
         for override in args.set:  # each override as the loaded config holds it
-            section, _, key = override.partition("=")[0].partition(".")
-            result.setdefault("settings", {})[f"{section}.{key}"] = getattr(getattr(config, section), key)
+            path, value = override.partition("=")[0], config
+            for part in path.split("."):
+                value = value[part] if isinstance(value, dict) else getattr(value, part)
+            result.setdefault("settings", {})[path] = value
         key = json.dumps({"config": raw, "gpu_memory": args.gpu_memory}, sort_keys=True)
         cache = json.loads(Path(args.plans).read_text()) if args.plans and Path(args.plans).exists() else {}
         if key not in cache:  # meta tensors: FLOPs and peaks, no GPU memory (CPU work: cacheable off the GPU machine)

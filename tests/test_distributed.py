@@ -6,7 +6,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from . import launch
 from .conftest import DIGITS_BASE, TINY_DIGITS_RUN
 
 
@@ -53,12 +53,6 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("dist-cache")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(tmp_path, trainer: str, processes: int, shard: str = "none", ema: bool = False):
     data = json.loads(json.dumps(TINY_DIGITS_RUN))
     if ema:  # an EMA of the trained weights, updated every step (FSDP2 keeps it sharded like the weights)
@@ -73,45 +67,41 @@ def _config(tmp_path, trainer: str, processes: int, shard: str = "none", ema: bo
     return path
 
 
-def _launch(config, out, cache, processes: int, resume: bool = False, overrides=()):
-    """Start `flowrl train` on `processes` processes (torchrun from two); its output goes to a log beside `out`."""
+def _launch(config, out, cache, processes: int, resume: bool = False, overrides=(), torchrun: bool = False):
+    """Start `flowrl train` on `processes` processes, forked from the session's forkserver (tests/launch.py), or
+    with `torchrun` from fresh interpreters as a user starts it; its output goes to a log beside `out`."""
+    env = {**os.environ, "FLOWRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    argv = ["train", str(config), "--output-dir", str(out), *sets, *(["--resume"] if resume else [])]
+    log = out.parent / f"{out.name}.log"
+    if not torchrun:
+        return launch.start(argv, env, log, processes), out, log
     scratch = out.parent / "tmp"  # torchrun's agent leaves a log folder in the temporary folder: keep it in the test's
     scratch.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "FLOWRL_CACHE": str(cache), "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}
-    sets = [arg for item in overrides for arg in ("--set", item)]
-    base = ["-m", "flowrl", "train", str(config), "--output-dir", str(out), *sets, *(["--resume"] if resume else [])]
-    if processes == 1:
-        cmd = [sys.executable, *base]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(processes),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(_free_port()),
-            *base,
-        ]
-    log = out.parent / f"{out.name}.log"
+    env["TMPDIR"] = str(scratch)
+    cmd = [sys.executable, "-m", "flowrl", *argv]
+    if processes > 1:
+        group = ["--nproc_per_node", str(processes), "--master_addr", "127.0.0.1", "--master_port"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *group, str(launch.free_port()), "-m", "flowrl", *argv]
     with log.open("w") as sink:  # a file, not a pipe: a run started beside another never blocks on a full pipe
         return subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True), out, log
 
 
 def _finish(process, out, log) -> dict:
-    try:
-        process.wait(timeout=600)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, log.read_text()[-3000:]
+    if isinstance(process, launch.Launched):
+        code = process.wait(timeout=600)
+    else:
+        try:
+            code = process.wait(timeout=600)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert code == 0, log.read_text()[-3000:]
     return json.loads((out / "summary.json").read_text())
 
 
-def _train(config, out, cache, processes: int, resume: bool = False, overrides=()) -> dict:
-    return _finish(*_launch(config, out, cache, processes, resume, overrides))
+def _train(config, out, cache, processes: int, resume: bool = False, overrides=(), torchrun: bool = False) -> dict:
+    return _finish(*_launch(config, out, cache, processes, resume, overrides, torchrun))
 
 
 def _train_together(*runs: dict) -> list[dict]:
@@ -135,10 +125,10 @@ def _rows(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _two_equals_one(tmp_path, cache, trainer: str) -> None:
+def _two_equals_one(tmp_path, cache, trainer: str, torchrun: bool = False) -> None:
     one, two = _train_together(
         dict(config=_config(tmp_path, trainer, 1), out=tmp_path / "one", cache=cache, processes=1),
-        dict(config=_config(tmp_path, trainer, 2), out=tmp_path / "two", cache=cache, processes=2),
+        dict(config=_config(tmp_path, trainer, 2), out=tmp_path / "two", cache=cache, processes=2, torchrun=torchrun),
     )
     assert (one["processes"], two["processes"]) == (1, 2)  # a real group of two, not two lone runs
 
@@ -193,7 +183,8 @@ def _same_diagnostics(a: dict, b: dict) -> None:
 
 
 def test_two_processes_equal_one_flow_grpo(tmp_path, cache):
-    _two_equals_one(tmp_path, cache, "flow_grpo")
+    # the two processes started by torchrun, as a user starts them (the other tests fork theirs: tests/launch.py)
+    _two_equals_one(tmp_path, cache, "flow_grpo", torchrun=True)
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from flowrl import checkpoint
 
-from .test_distributed import _config, _free_port, _rows, _same_rows, _same_weights, _train
+from .launch import free_port as _free_port
+from .test_distributed import _config, _rows, _same_rows, _same_weights, _train
 
 
 pytestmark = pytest.mark.distributed
@@ -177,7 +178,7 @@ def test_a_killed_learner_ends_the_run_in_one_line_and_resume_continues_it(tmp_p
     assert len(lines) == 1 and "at epoch 1 of 2" in lines[0] and f"{run} --resume" in lines[0], err[-6000:]
     checkpoint.verify(run / "checkpoints" / "epoch_1")
     assert not (run / "checkpoints" / "epoch_2").exists()
-    summary = _train(config, run, cache, processes=2, resume=True, overrides=ASYNC)
+    summary = _train(config, run, cache, processes=2, resume=True, overrides=ASYNC, torchrun=True)  # Ray's workers
     assert summary["processes"] == 2
     _same_rows(reference, run)
     _same_weights(reference, run, epochs=(1, 2))

@@ -142,3 +142,9 @@ def start(argv: list[str], env: dict[str, str], log: Path, processes: int = 1) -
         process.start()
         started.append(process)
     return Launched(started, log)
+
+
+def run(argv: list[str], env: dict[str, str], log: Path, timeout: float = 600) -> tuple[int, str]:
+    """`flowrl ARGV` in one forked process, waited for: its exit code and output."""
+    code = start(argv, env, log).wait(timeout)
+    return code, log.read_text()

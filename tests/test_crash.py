@@ -7,12 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
+from . import launch
 from .conftest import TINY_DIGITS_RUN
 
 
@@ -67,9 +69,15 @@ def _config(tmp_path):
     return path
 
 
-def _run(env, *args, script=None):
-    cmd = [sys.executable, "-c", script, *args] if script else [sys.executable, "-m", "flowrl", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+def _run(env, *args):
+    """`flowrl ARGS` forked from the session's forkserver (tests/launch.py): its exit code and output."""
+    log = Path(args[args.index("--output-dir") + 1] + ".log")
+    return launch.run(list(args), env, log)
+
+
+def _run_dying(env, *args):
+    """The DYING script in a fresh interpreter, killed by its own hook."""
+    return subprocess.run([sys.executable, "-c", DYING, *args], env=env, capture_output=True, text=True, timeout=600)
 
 
 def _end(run):
@@ -83,16 +91,16 @@ def _end(run):
 def test_a_killed_run_resumes_exactly_from_its_last_complete_checkpoint(env, tmp_path, mode, at):
     config = _config(tmp_path)
     straight = tmp_path / "straight"
-    done = _run(env, "train", str(config), "--output-dir", str(straight))
-    assert done.returncode == 0, done.stderr[-2000:]
+    code, output = _run(env, "train", str(config), "--output-dir", str(straight))
+    assert code == 0, output[-2000:]
 
     killed = tmp_path / "killed"
-    crash = _run(env, mode, str(at), "train", str(config), "--output-dir", str(killed), script=DYING)
+    crash = _run_dying(env, mode, str(at), "train", str(config), "--output-dir", str(killed))
     assert crash.returncode == -signal.SIGKILL, crash.stderr[-2000:]
     names = sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.startswith("."))
     assert names == ["epoch_1", "epoch_2"]  # a partial checkpoint never gets its name (it stays `.tmp-epoch_3`)
-    again = _run(env, "train", str(config), "--output-dir", str(killed), "--resume")
-    assert again.returncode == 0, again.stderr[-2000:]
+    code, output = _run(env, "train", str(config), "--output-dir", str(killed), "--resume")
+    assert code == 0, output[-2000:]
 
     (w_straight, rows_straight), (w_killed, rows_killed) = _end(straight), _end(killed)
     assert rows_killed == rows_straight  # one row per epoch, the same numbers

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from flowrl.policies.rollout import Collected, Record, per_sample
+from flowrl.run import wire
 from flowrl.run.async_rollouts import publication
 from flowrl.run.learner_group import cluster_gpus, leave_learner_group, share, visible_gpus
 from flowrl.runtime import Processes
-from flowrl.trainers import build_trainer, load_config, wire
+from flowrl.trainers import build_trainer, load_config
 
 
 def test_a_runs_own_cluster_keeps_the_learners_gpus_unless_asked_to_share():

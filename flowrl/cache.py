@@ -34,6 +34,21 @@ def cache_lock(target: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def write_file_atomic(path: Path, write) -> Path:
+    """Run `write(tmp)` on a temporary file beside `path`, then rename it to `path`: a reader never sees half a file,
+    and writers racing on one name each rename a whole file of their own. The temporary file goes on any failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
 def build_once(target: Path, force: bool, build) -> Path:
     """`build(target)` unless `target` is built (`meta.json`, written last), under `cache_lock`: a process that
     waited for the lock finds the other's build and returns it."""

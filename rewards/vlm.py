@@ -36,6 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 import torch
 
+from flowrl.cache import write_file_atomic
 from flowrl.rewards import RewardError
 
 
@@ -262,11 +263,8 @@ class JudgeClient:
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
         if write and self.cache_dir is not None:
-            folder = self.cache_dir / key[:2]
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-            tmp.write_text(json.dumps(answer.to_json()))
-            os.replace(tmp, folder / f"{key}.json")  # atomic: a reader never sees half a file
+            text = json.dumps(answer.to_json())
+            write_file_atomic(self.cache_dir / key[:2] / f"{key}.json", lambda tmp: tmp.write_text(text))
 
     # ----- asking -----
 

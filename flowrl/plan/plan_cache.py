@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from contextlib import ExitStack
 from functools import lru_cache
 from pathlib import Path
 
-from flowrl.cache import cache_lock, cache_root
+from flowrl.cache import cache_lock, cache_root, write_file_atomic
 from flowrl.plan.planner import MemoryPlan, PhasePeak, plan
 
 
@@ -81,12 +82,11 @@ def _read(path: Path) -> MemoryPlan | None:
 
 
 def _write(path: Path, result: MemoryPlan) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    text = json.dumps(dataclasses.asdict(result), indent=1)
     try:
-        tmp.write_text(json.dumps(dataclasses.asdict(result), indent=1))
-        tmp.replace(path)  # never a half-written plan under the name
+        write_file_atomic(path, lambda tmp: tmp.write_text(text))
     except OSError:  # a full or read-only cache folder: the plan is used without being kept
-        tmp.unlink(missing_ok=True)
+        pass
 
 
 def cached_plan(config, *, gpus: int, gpu_memory: float) -> MemoryPlan:
@@ -96,16 +96,13 @@ def cached_plan(config, *, gpus: int, gpu_memory: float) -> MemoryPlan:
     found = _read(path)
     if found is not None:
         return found
-    lock = cache_lock(path)
-    try:
-        lock.__enter__()
-    except OSError:  # a read-only cache folder: traced here, not kept
-        return plan(config, gpus=gpus, gpu_memory=gpu_memory)
-    try:
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(cache_lock(path))
+        except OSError:  # a read-only cache folder: traced here, not kept
+            return plan(config, gpus=gpus, gpu_memory=gpu_memory)
         found = _read(path)  # another process of the launch traced it while this one waited
         if found is None:
             found = plan(config, gpus=gpus, gpu_memory=gpu_memory)
             _write(path, found)
         return found
-    finally:
-        lock.__exit__(None, None, None)

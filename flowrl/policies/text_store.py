@@ -11,12 +11,12 @@ in neither cache. Loading from the store gives the encoder's bits exactly (safet
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from flowrl.cache import write_file_atomic
 
 
 class TextStore:
@@ -44,15 +44,8 @@ class TextStore:
         """Store `tensors` for `key` (a temporary file renamed into place: readers never see half a file)."""
         from safetensors.torch import save_file
 
-        self.folder.mkdir(parents=True, exist_ok=True)
-        handle, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
-        os.close(handle)
-        try:
-            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp)
-            os.replace(tmp, self._path(key))
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        write_file_atomic(self._path(key), lambda tmp: save_file(tensors, tmp))
 
 
 def text_encoders(pipeline) -> dict[str, torch.nn.Module]:

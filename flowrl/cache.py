@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,15 +51,33 @@ def write_file_atomic(path: Path, write) -> Path:
     return path
 
 
-def build_once(target: Path, force: bool, build) -> Path:
-    """`build(target)` unless `target` is built (`meta.json`, written last), under `cache_lock`: a process that
-    waited for the lock finds the other's build and returns it."""
-    if (target / "meta.json").is_file() and not force:
+def build_once(target: Path, force: bool, build, marker: str = "meta.json", timeout: float = 1800) -> Path:
+    """`build(target)` unless `target` is built (`marker`, written last), under `cache_lock`: a process that waited
+    for the lock finds the other's build and returns it.
+
+    Under a torch.distributed group only rank 0 builds; the other ranks wait up to `timeout` seconds for its
+    `marker` (transformers' `save_pretrained` writes weights on rank 0 only: a build by another rank, whichever
+    took the lock first, was a folder without weights). `force` rebuilds on rank 0 alone."""
+    done = target / marker
+    if done.is_file() and not force:
+        return target
+    if _a_later_rank():
+        deadline = time.monotonic() + timeout
+        while not done.is_file():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{target}: rank 0 did not build it within {timeout:.0f} s (only rank 0 builds)")
+            time.sleep(0.2)
         return target
     with cache_lock(target):
-        if force or not (target / "meta.json").is_file():
+        if force or not done.is_file():
             build(target)
     return target
+
+
+def _a_later_rank() -> bool:
+    """A process of an initialised torch.distributed group other than rank 0 (no group unless torch was imported)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
 
 
 def write_atomic(target: Path, write) -> Path:

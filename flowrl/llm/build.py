@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.cache import cache_lock, cache_root, write_atomic
+from flowrl.cache import build_once, cache_root, write_atomic
 from flowrl.llm.arith import ALPHABET, BOS, EOS, MAX_OPERAND, PAD, UNK, all_problems, make_problems
 from flowrl.rewards.text import arith_reward
 
@@ -194,20 +194,18 @@ def accuracy(model, tokenizer, problems, *, do_sample: bool) -> float:
 def build(config: BuildConfig | None = None, *, force: bool = False, log=print) -> Path:
     """Build (unless cached) the tokenizer and the base model; returns their folder (see `load`)."""
     config = config or BuildConfig()
-    target = model_dir(config)
-    if (target / "build.json").is_file() and not force:
-        return target
+
+    def build_here(target: Path) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(BUILD_THREADS)
+        try:
+            _build(config, target, log)
+        finally:
+            torch.set_num_threads(threads)
+
     # under the cache's lock: a second process (another run, or a rank) waits and reuses this build; without it, its
     # own build replaced the folder while the first was loading from it
-    with cache_lock(target):
-        if force or not (target / "build.json").is_file():
-            threads = torch.get_num_threads()
-            torch.set_num_threads(BUILD_THREADS)
-            try:
-                _build(config, target, log)
-            finally:
-                torch.set_num_threads(threads)
-    return target
+    return build_once(model_dir(config), force, build_here, marker="build.json")
 
 
 def _build(config: BuildConfig, target: Path, log) -> None:

@@ -14,6 +14,12 @@ os.environ.setdefault("FLOWRL_THREADING", "torch")
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `long` first, the rest in their order: a long test started last keeps the other workers idle
+    (`--dist worksteal` moves only tests not yet started)."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (the README's test command): a worker per core, at most 8 (each builds the session's tiny worlds
     and holds its own models)."""

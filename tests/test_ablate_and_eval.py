@@ -36,6 +36,7 @@ def test_grid_parsing_and_variants():
         ablate.parse_grid(["novalues="])
 
 
+@pytest.mark.long
 def test_ablate_runs_every_variant_and_seed_and_tabulates(tiny_yaml, tmp_path, monkeypatch):
     out = tmp_path / "ablation"
     rows = ablate.run(

@@ -24,6 +24,7 @@ SETTINGS = _families_benchmarked()
 
 
 @pytest.mark.models  # builds every benchmarked family's tiny model and trains it two epochs: the second CI tier
+@pytest.mark.long
 def test_gpu_bench_tiny_mode_writes_its_json(tmp_path):
     out = tmp_path / "gpu_bench.json"
     args = [

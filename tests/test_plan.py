@@ -150,6 +150,7 @@ VAE were tiny (offloaded here: not on the GPU)."""
 
 
 @pytest.mark.models  # two plans of a 2.2B network: about a minute (CI's second tier)
+@pytest.mark.long
 def test_the_plan_is_within_20_percent_of_what_an_h100_measured(monkeypatch):
     import flowrl.image.modality as modality
 
@@ -285,6 +286,7 @@ def test_every_shipped_recipe_assembles_at_its_process_count_without_weights(pat
 
 
 @pytest.mark.models  # a 20B network's plan: about a minute
+@pytest.mark.long
 def test_the_readme_s_plan_command_runs_as_printed(capsys, monkeypatch):
     import shlex
 

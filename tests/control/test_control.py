@@ -283,6 +283,7 @@ def test_ppo_update_matches_stable_baselines3_on_its_own_rollout(tmp_path, monke
     torch.testing.assert_close(actor.log_std, sb.log_std, rtol=0, atol=1e-6)
 
 
+@pytest.mark.long
 def test_short_pendulum_run_beats_the_untrained_policy(tmp_path):
     config = load_config(
         "configs/control/pendulum_ppo.yaml", ["total_env_steps=40960", "eval.every=0", "run.log_with=[]"]

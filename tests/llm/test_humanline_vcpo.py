@@ -81,6 +81,7 @@ def test_humanline_matches_the_halos_formula_in_value_and_gradient():
 # --- Humanline: the anchor synced every optimizer step ----------------------------------------------------------
 
 
+@pytest.mark.long
 def test_sync_reference_gives_ratio_one_at_first_and_lags_one_step(tmp_path):
     trainer = build_trainer(
         tiny(**{"objective.name": "humanline", "sync_reference": True, "run.epochs": 1, "batch.inner_epochs": 2}),

@@ -356,6 +356,7 @@ def test_config_checks(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_ddim_unet_with_lora(tmp_path):
     from flowrl.models import tiny_unet
     from flowrl.policies import DiffusionPolicy

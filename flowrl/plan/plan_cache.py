@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from functools import lru_cache
 from pathlib import Path
 
@@ -83,10 +83,8 @@ def _read(path: Path) -> MemoryPlan | None:
 
 def _write(path: Path, result: MemoryPlan) -> None:
     text = json.dumps(dataclasses.asdict(result), indent=1)
-    try:
+    with suppress(OSError):  # a full or read-only cache folder: the plan is used without being kept
         write_file_atomic(path, lambda tmp: tmp.write_text(text))
-    except OSError:  # a full or read-only cache folder: the plan is used without being kept
-        pass
 
 
 def cached_plan(config, *, gpus: int, gpu_memory: float) -> MemoryPlan:

@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,18 +22,13 @@ from flowrl.config import save_config
 from flowrl.run.async_rollouts import AsyncCollector
 from flowrl.trainers import build_trainer
 from tests.conftest import DIGITS_BASE, tiny_config
+from tests.launch import free_port
 
 
 pytestmark = pytest.mark.distributed
 ray = pytest.importorskip("ray", reason="the asynchronous mode needs Ray (the `async` extra)")
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _docs_commands() -> list[str]:
@@ -67,20 +61,20 @@ def _two_nodes(folder: str, head_cpus: int, node_cpus: int):
     """docs/async.md's two `ray start` lines (HEAD_IP 127.0.0.1 and a free port), each node in its own process with
     the flags two nodes on one machine need; yields `(address, the second node's process)`."""
     head_line, node_line, _ = _docs_commands()
-    port = str(_free_port())
+    port = str(free_port())
     address = f"127.0.0.1:{port}"
     one_machine = ["--block", "--disable-usage-stats", f"--temp-dir={folder}", "--object-store-memory=80000000"]
     head = [
         *head_line.replace("6379", port).split(),
         *one_machine,
         "--include-dashboard=false",
-        f"--ray-client-server-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
     ]
     node = [
         *node_line.replace("HEAD_IP:6379", address).split(),
         *one_machine,
-        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
         f"--num-cpus={node_cpus}",
     ]
     if head_cpus:

@@ -2,12 +2,13 @@
 group of two CPU processes against plain torch on one. The trainers' 2-process runs are in test_distributed.py."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from ..launch import free_port
 
 
 pytest.importorskip("deepspeed")
@@ -101,12 +102,6 @@ WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_matches_one_process(tmp_path, stage):
     # accumulation over several backwards per step (the boundary marked late), the sum's scale, DeepSpeed's clip
@@ -122,7 +117,7 @@ def test_zero_matches_one_process(tmp_path, stage):
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(script),
         str(stage),
     ]

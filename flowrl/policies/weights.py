@@ -3,6 +3,7 @@ format, and the reference policy (a frozen copy, or the network with its adapter
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -54,12 +55,16 @@ class PolicyWeights:
             r=rank, lora_alpha=alpha or rank, lora_dropout=dropout, init_lora_weights=init, target_modules=targets
         )
         self.model.requires_grad_(False)
-        if seed is None:
-            self.model.add_adapter(config)
-            return
-        with torch.random.fork_rng(devices=[]):  # the global generator is left as it was
-            torch.manual_seed(seed)
-            self.model.add_adapter(config)
+        # a network on `meta` (a plan's real-size build) gets its adapter there directly: peft builds each layer's
+        # A and B on the CPU, draws them, then moves them to the base layer's device (a 20B network's: seconds)
+        on_meta = all(p.device.type == "meta" for p in self.model.parameters())
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            if seed is None:
+                self.model.add_adapter(config)
+                return
+            with torch.random.fork_rng(devices=[]):  # the global generator is left as it was
+                torch.manual_seed(seed)
+                self.model.add_adapter(config)
 
     def _pipeline_class(self):
         if self.adapter.pipeline is None:

@@ -26,6 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from flowrl.plan.meta_memo import MetaMemo
+
 
 GiB = 2**30
 
@@ -94,6 +96,7 @@ class LiveMemory(TorchDispatchMode):
         self.flops = 0
         """FLOPs of the matrix products, convolutions and attention traced (`torch.utils.flop_counter`'s formulas;
         counted here, in the same pass: its `FlopCounterMode` keeps a graph's module hooks alive)."""
+        self.memo = MetaMemo()
 
     def register(self, tensors) -> None:
         """Count these (already existing) tensors, e.g. a module's parameters and buffers."""
@@ -148,15 +151,29 @@ class LiveMemory(TorchDispatchMode):
             phase.end = self.current
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:  # FLOPs by torch's formulas (matmuls, convolutions, attention), from the shapes
-            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunction():  # a remembered op's outputs: built without the function modes
+            key, found = self.memo.lookup(func, args, kwargs)
+        if found is not None:
+            out, flops = found
+        else:
+            out = func(*args, **kwargs)
+            formula = flop_registry.get(func._overloadpacket)
+            # FLOPs by torch's formulas (matmuls, convolutions, attention), from the shapes
+            flops = 0 if formula is None else formula(*args, **kwargs, out_val=out)
+        self.flops += flops
         with torch._C.DisableTorchFunction():  # storage lookups are bookkeeping: not through the function modes
             inputs = {self._key(t.untyped_storage()) for t in leaves((args, kwargs)) if _has_storage(t)}
+            aliased = False
             for t in leaves(out):
-                if _has_storage(t) and self._key(t.untyped_storage()) not in inputs:  # views, in-place: no allocation
+                if not _has_storage(t):
+                    continue
+                if self._key(t.untyped_storage()) in inputs:  # views, in-place: no allocation
+                    aliased = True
+                else:
                     self._track(t)
+            if key is not None and found is None:
+                self.memo.store(key, out, flops, aliased)
         return out
 
 

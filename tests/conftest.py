@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,10 +146,16 @@ TINY_MODEL = TransformerConfig(num_layers=1, attention_head_dim=8, num_attention
 
 @pytest.fixture(scope="session", autouse=True)
 def session_cache(tmp_path_factory):
-    """One temporary `$FLOWRL_CACHE` for the whole session: what the tests build (the arith base, digits bases and
-    classifiers, prompt conditionings) is built once, and the user's own cache is neither read nor written."""
+    """One temporary `$FLOWRL_CACHE` for the whole session, shared by its xdist workers (builds under a file lock):
+    what the tests build (the arith base, digits bases and classifiers, prompt conditionings) is built once, and the
+    user's own cache is neither read nor written. `$FLOWRL_TEST_CACHE` names one for several sessions (CI's tiers)."""
+    folder = os.environ.get("FLOWRL_TEST_CACHE")
+    if not folder:
+        base = tmp_path_factory.getbasetemp()
+        folder = base.parent / "flowrl-cache" if os.environ.get("PYTEST_XDIST_WORKER") else base / "flowrl-cache"
+    Path(folder).mkdir(parents=True, exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FLOWRL_CACHE", str(tmp_path_factory.mktemp("flowrl-cache")))
+        patch.setenv("FLOWRL_CACHE", str(folder))
         yield os.environ["FLOWRL_CACHE"]
 
 

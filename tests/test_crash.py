@@ -56,9 +56,8 @@ VOLATILE = ("time", "wall_s", "threads", "memory/")
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("crash-cache")
-    return {**os.environ, "FLOWRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+def env(session_cache):
+    return {**os.environ, "FLOWRL_CACHE": str(session_cache), "OMP_NUM_THREADS": "1"}
 
 
 def _config(tmp_path):

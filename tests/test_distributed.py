@@ -48,9 +48,9 @@ TRAINERS = {
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A digits cache for this module's runs; the first (single-process) run of each test builds the model."""
-    return tmp_path_factory.mktemp("dist-cache")
+def cache(session_cache):
+    """The session's cache: the first run needing the digits model builds it (under its lock), the others read it."""
+    return Path(session_cache)
 
 
 def _config(tmp_path, trainer: str, processes: int, shard: str = "none", ema: bool = False):

@@ -36,8 +36,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("group-cache")
+def cache(session_cache):
+    return Path(session_cache)
 
 
 @pytest.fixture(scope="module")

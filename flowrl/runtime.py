@@ -119,6 +119,12 @@ class Processes:
             return float(value)
         return float(self.gather(torch.tensor([float(value)])).sum())
 
+    def sums(self, *values: float) -> list[float]:
+        """Each of `values` summed over the processes, in one collective."""
+        if self.world == 1:
+            return [float(v) for v in values]
+        return self.gather(torch.tensor([[float(v) for v in values]])).sum(0).tolist()
+
     def max(self, value: float) -> float:
         """The largest `value` of any process."""
         if self.world == 1:

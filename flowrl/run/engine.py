@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from flowrl.core.dist import sum_gradients
 from flowrl.run import sharding
 from flowrl.run.state import EMA
 from flowrl.runtime import Processes, RunContext
@@ -202,10 +203,7 @@ class Engine:
                 self._stepped()
             return norm
         if not self.sharded and self.processes.world > 1:
-            for p in self.params:
-                # a process whose share of the mini-batch was empty has no gradient: it adds zeros
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                p.grad = self.accelerator.reduce(grad, reduction="sum")
+            sum_gradients(self.params)  # a process whose share of the mini-batch was empty adds zeros
         max_norm = self.optim.max_grad_norm
         if self.sharded:  # the norm of the whole gradient (a collective over the shards); inf: measure only
             norm = sharding.local_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm or math.inf))
@@ -260,9 +258,7 @@ class Engine:
         module, optimizer = self.aux[name]
         loss.backward()
         if self.processes.world > 1:
-            for p in module.parameters():
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                p.grad = self.accelerator.reduce(grad, reduction="sum")
+            sum_gradients(module.parameters())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -230,7 +230,8 @@ class UpdateScheduler:
         if target is None:
             return None
         kl = sum(float(m.get("approx_kl", 0.0)) * e for m, e, _ in done)
-        approx_kl = self.processes.sum(kl) / max(self.processes.sum(sum(e for _, e, _ in done)), 1.0)
+        kl, elements = self.processes.sums(kl, sum(e for _, e, _ in done))
+        approx_kl = kl / max(elements, 1.0)
         if approx_kl > 1.5 * target:
             self.engine.zero_grad()  # SB3: stop before this mini-batch's step
             return approx_kl

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from flowrl.core.copies import to_device
 from flowrl.policies.diffusion_rollout import DiffusionRollout
@@ -249,6 +248,8 @@ def _noise(shape, generator, device: torch.device) -> torch.Tensor:
     kernel at each stochastic step; a pinned buffer and a non-blocking copy queue it behind them instead."""
     first = generator[0] if isinstance(generator, (list, tuple)) else generator
     where = first.device if first is not None else device
+    from diffusers.utils.torch_utils import randn_tensor  # here: importing diffusers costs 2 s
+
     noise = randn_tensor(shape, generator=generator, device=where, dtype=torch.float32)
     if noise.device == device:
         return noise

@@ -25,7 +25,6 @@ import math
 from typing import NamedTuple
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from flowrl.core.ratios import compute_dtype, reduce_elements
 from flowrl.registry import Registry
@@ -91,6 +90,8 @@ def _finish(
             prev_sample = mean
         else:
             if noise is None:
+                from diffusers.utils.torch_utils import randn_tensor  # here: importing diffusers costs 2 s
+
                 noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
             prev_sample = torch.addcmul(mean, std, noise.to(mean.dtype))  # mu + std * z
         prev_sample = prev_sample.to(sample.dtype)  # the value that is stored is the value that is scored

@@ -48,6 +48,25 @@ def test_real_data_and_pixels():
     torch.testing.assert_close(to_pixels(big), images[:4])  # any image size maps back to 8x8
 
 
+def test_real_digits_are_scikit_learns_load_digits(monkeypatch):
+    """Read from scikit-learn's file without importing it, and through `load_digits` where the file is missing:
+    the same images and labels."""
+    from sklearn.datasets import load_digits
+
+    from flowrl.digits import data
+
+    bundled = load_digits()
+    expected = torch.tensor(bundled.images, dtype=torch.float32).unsqueeze(1) / 16.0, torch.tensor(bundled.target)
+    for missing in (False, True):
+        if missing:
+            monkeypatch.setattr(data.Path, "is_file", lambda self: False)
+        data.real_digits.cache_clear()
+        images, labels = data.real_digits()
+        assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
+    monkeypatch.undo()
+    data.real_digits.cache_clear()
+
+
 def test_build_config_keys_separate_model_and_classifiers():
     base = BuildConfig()
     assert BuildConfig(pretrain_steps=10).classifier_key() == base.classifier_key()

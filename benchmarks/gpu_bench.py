@@ -176,12 +176,11 @@ KERNEL_KINDS = (
 """Where a profiled epoch's device time goes, by kernel (CUDA) or operator (CPU) name; the rest is `other`."""
 
 
-def _device_split(prof, cuda: bool) -> dict:
+def _device_split(events, cuda: bool) -> dict:
     """One profiled phase: the device's busy time (the sum of its kernels' own times: one stream, so they do not
     overlap) split by `KERNEL_KINDS`, and the kernels launched (many short ones: launch-bound)."""
     from torch.autograd import DeviceType
 
-    events = prof.key_averages()
     if cuda:
         own = [(e.key, e.self_device_time_total, e.count) for e in events if e.device_type == DeviceType.CUDA]
     else:
@@ -219,10 +218,11 @@ def profile_epoch(trainer, epoch: int, device: torch.device) -> tuple[dict, str]
         wall = time.perf_counter() - start
         if phase == "rollout":
             batch = out[0]
-        split = _device_split(prof, cuda)
+        events = prof.key_averages()  # parsed once: on the CPU its many small events take seconds
+        split = _device_split(events, cuda)
         summary[phase] = {"wall_s": wall, "busy_share": split["busy_s"] / wall, **split}
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        tables.append(f"## {phase}\n{prof.key_averages().table(sort_by=sort, row_limit=25)}")
+        tables.append(f"## {phase}\n{events.table(sort_by=sort, row_limit=25)}")
     return summary, "\n\n".join(tables)
 
 

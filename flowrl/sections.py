@@ -35,7 +35,11 @@ class RunConfig:
     """Save the latest epoch's samples every this many epochs (0: never): an image grid with prompts and rewards
     (`images/`), completions (`samples/`), the bimodal task's action field."""
     log_with: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
-    """accelerate trackers (`tensorboard`, `wandb`); metrics.jsonl and PNG plots are always written."""
+    """accelerate trackers (`tensorboard`, `wandb`); metrics.jsonl is always written."""
+    plots: bool = True
+    """PNG curves of the rewards, evaluations, trust-region diagnostics and loss in `plots/` at the run's end
+    (metrics.jsonl holds the same numbers; drawing them takes matplotlib about 0.2 s, which adds up over a sweep of
+    many short runs)."""
     max_bad_reward_frac: float = 0.1
     """Abort when more than this fraction of an epoch's rewards is NaN/inf (they are dropped and counted)."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"

@@ -204,7 +204,7 @@ def flat_config(config: dict) -> dict:
 
 
 def summary_screen(summary: dict, output_dir) -> str:
-    """The table printed at the end of a run: every evaluation metric at start and end."""
+    """The table printed at the end of a run: every evaluation metric at start and end, and what its folder holds."""
     lines = [
         f"\n== {summary['trainer']}: {summary['epochs']} epochs in {summary['wall_s']:.0f} s ==",
         f"{'metric':<28}{'start':>10}{'end':>10}",
@@ -213,5 +213,7 @@ def summary_screen(summary: dict, output_dir) -> str:
         end = summary["eval_end"].get(key)
         fmt = lambda v: f"{v:10.4f}" if isinstance(v, float) else f"{v!s:>10}"  # noqa: E731
         lines.append(f"{key:<28}{fmt(start)}{fmt(end)}")
-    lines.append(f"run folder: {output_dir}  (summary.json, metrics.jsonl, plots/, images/, checkpoints/)")
+    names = ["summary.json", "metrics.jsonl", "plots/", "images/", "checkpoints/"]
+    kept = [name for name in names if (Path(output_dir) / name).exists()]  # what the run wrote
+    lines.append(f"run folder: {output_dir}  ({', '.join(kept)})")
     return "\n".join(lines)

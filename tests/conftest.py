@@ -56,23 +56,24 @@ TINY = {
         "eval": {"every": 1, "samples_per_prompt": 2, "max_prompts": 4, "metrics": ["digits_gold"]},
         "optim": {"lr": 1e-3},
         "batch": {"mini_batch_size": 16, "micro_batch_size": 8},
-        "run": {"epochs": 2, "save_every": 1, "samples_every": 1, "log_with": []},
+        "run": {"epochs": 2, "save_every": 1, "samples_every": 1, "log_with": [], "plots": False},
     },
     "control": {
         "env": {"id": "Pendulum-v1", "num_envs": 2, "steps_per_env": 32},
         "batch": {"mini_batch_size": 16, "micro_batch_size": 16, "inner_epochs": 2},
-        "run": {"epochs": 2, "log_with": []},
+        "run": {"epochs": 2, "log_with": [], "plots": False},
         "eval": {"episodes": 2, "every": 0},
     },
     "text": {
         "prompts": {"prompts_per_epoch": 8, "group_size": 4},
         "generation": {"max_new_tokens": 4},
         "batch": {"mini_batch_size": 16, "micro_batch_size": 16},
-        "run": {"epochs": 2, "log_with": [], "save_every": 0, "samples_every": 0},
+        "run": {"epochs": 2, "log_with": [], "save_every": 0, "samples_every": 0, "plots": False},
         "eval": {"every": 0, "max_prompts": 16},
     },
 }
-"""The shared tiny sizes of each modality's test configs (`tiny_config`)."""
+"""The shared tiny sizes of each modality's test configs (`tiny_config`); no PNG curves at a run's end (about 0.2 s
+each; tests/trainers/test_shared_loop.py checks them)."""
 
 
 def tiny_config(trainer="grpo_guard", tmp_path=None, overrides=(), **sections):

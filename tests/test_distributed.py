@@ -23,8 +23,8 @@ pytestmark = pytest.mark.distributed
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
-RUN = {"epochs": 2, "save_every": 1, "samples_every": 0, "log_with": [], "threads": 1}
-"""Two epochs, a checkpoint after each, one thread per process (two processes on two cores)."""
+RUN = {"epochs": 2, "save_every": 1, "samples_every": 0, "log_with": [], "threads": 1, "plots": False}
+"""Two epochs, a checkpoint after each, one thread per process (two processes on two cores), no PNG curves."""
 
 TRAINERS = {
     "flow_grpo": {"trainer": "flow_grpo"},
@@ -198,6 +198,7 @@ SHIPPED_RUN = [
     "run.save_every=1",
     "run.samples_every=0",
     "run.threads=1",
+    "run.plots=false",
     "eval.every=2",
     "eval.max_prompts=8",
     "total_env_steps=null",

@@ -142,7 +142,8 @@ class RunLoop:
         )
         if self.engine.is_main:
             (trainer.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True))
-            plot_curves(trainer.log.history, trainer.output_dir / "plots")
+            if trainer.config.run.plots:
+                plot_curves(trainer.log.history, trainer.output_dir / "plots")
             print(summary_screen(summary, trainer.output_dir))
         self.engine.accelerator.end_training()
         return summary

@@ -65,6 +65,7 @@ def test_two_epoch_run_trains_every_parameter_and_writes_the_run_folder(tiny_wor
 def test_resume_is_exact(tiny_world, tmp_path):
     straight = make_trainer(tiny_world, tiny_config("grpo_guard", tmp_path / "a", overrides=["run.epochs=4"]))
     straight.train()
+    assert not (tmp_path / "a" / "plots").exists()  # the tiny configs draw no curves (run.plots: false)
     first = make_trainer(tiny_world, tiny_config("grpo_guard", tmp_path / "b", overrides=["run.epochs=2"]))
     first.train()
     resumed = make_trainer(tiny_world, tiny_config("grpo_guard", tmp_path / "b", overrides=["run.epochs=4"]))

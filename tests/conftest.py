@@ -56,7 +56,7 @@ TINY = {
         "eval": {"every": 1, "samples_per_prompt": 2, "max_prompts": 4, "metrics": ["digits_gold"]},
         "optim": {"lr": 1e-3},
         "batch": {"mini_batch_size": 16, "micro_batch_size": 8},
-        "run": {"epochs": 2, "save_every": 1, "samples_every": 1, "log_with": [], "plots": False},
+        "run": {"epochs": 2, "save_every": 1, "samples_every": 0, "log_with": [], "plots": False},
     },
     "control": {
         "env": {"id": "Pendulum-v1", "num_envs": 2, "steps_per_env": 32},
@@ -72,8 +72,8 @@ TINY = {
         "eval": {"every": 0, "max_prompts": 16},
     },
 }
-"""The shared tiny sizes of each modality's test configs (`tiny_config`); no PNG curves at a run's end (about 0.2 s
-each; tests/trainers/test_shared_loop.py checks them)."""
+"""The shared tiny sizes of each modality's test configs (`tiny_config`); no PNG curves or sample grids (matplotlib's
+0.1-0.2 s each, 13% of the default tier; tests/trainers/test_shared_loop.py and tests/test_cli.py draw them)."""
 
 
 def tiny_config(trainer="grpo_guard", tmp_path=None, overrides=(), **sections):

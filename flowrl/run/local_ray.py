@@ -5,6 +5,9 @@ with the run.
   node's IP address, found by asking the network (`0.0.0.0` listeners reachable from the LAN). A cluster the run
   starts for itself has no other machine to talk to: it gets `127.0.0.1` as its node address (Ray's own choice on
   machines where it does not form clusters), so that Ray's servers listen on the loopback interface.
+- **Its own.** `ray.init()` without an address joins the cluster `RAY_ADDRESS` or the last `ray start` on this machine
+  recorded (its `ray_current_cluster` file, which a killed head leaves behind); the run's cluster is started with
+  `address="local"`, which never does.
 - **Reaped.** Ray ends its processes when the driver calls `ray.shutdown()`, and the GCS and raylet when the driver
   dies; but the raylet's agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`), orphaned when a driver is killed
   with SIGKILL, wait a minute for the dead GCS before they exit. A small reaper process, started beside the cluster,
@@ -56,6 +59,7 @@ _reapers: list[subprocess.Popen] = []  # their pipes stay open while the driver 
 def start_local_cluster(ray, **init_kwargs):
     """`ray.init(**init_kwargs)` of a new local cluster bound to the loopback interface, with a reaper (see the
     module docstring); returns what `ray.init` returns."""
+    init_kwargs = {**init_kwargs, "address": "local"}  # a new cluster, never one found on this machine
     from ray._private import ray_constants
 
     saved = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(_CLUSTER_ENV)

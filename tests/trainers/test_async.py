@@ -34,6 +34,7 @@ def cluster():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     ray.init(
+        address="local",  # a new cluster, never one a `ray start` elsewhere on the machine left behind
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

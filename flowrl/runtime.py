@@ -115,9 +115,7 @@ class Processes:
 
     def sum(self, value: float) -> float:
         """`value` summed over the processes."""
-        if self.world == 1:
-            return float(value)
-        return float(self.gather(torch.tensor([float(value)])).sum())
+        return self.sums(value)[0]
 
     def sums(self, *values: float) -> list[float]:
         """Each of `values` summed over the processes, in one collective."""

@@ -174,21 +174,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = build_trainer(config)
     resume = True if args.resume == "latest" else args.resume
 
+    stopping: list[str] = []  # how the run stopped, once it is stopping
+
+    def say_stopped(how: str) -> None:
+        """The one line of a stopped run: where it stood and the command that goes on."""
+        stopping.append(how)
+        latest = _resumable(trainer.output_dir)
+        where = f"its latest checkpoint is {latest}" if latest else "no checkpoint was written yet"
+        hint = _next_command(args, trainer.output_dir)
+        hint = f" ({hint})" if hint else ""
+        line = f"flowrl train: {how} at epoch {trainer.epoch} of {config.run.epochs}; {where}{hint}"
+        print(line, file=sys.stderr, flush=True)
+
     def terminate(signum, frame):
+        if stopping:  # a second SIGTERM, or one while an error is reported: the clean-up goes on
+            return
+        # said now, before the rollout workers and the Ray cluster stop: a launcher's SIGKILL follows its SIGTERM
+        # (torchrun's 30 s later, Slurm's KillWait), and stopping them waits for a rollout in flight
+        say_stopped("terminated")
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
         trainer.train(resume=resume, overwrite=args.overwrite)
     except KeyboardInterrupt as err:
-        latest = _resumable(trainer.output_dir)
-        where = f"its latest checkpoint is {latest}" if latest else "no checkpoint was written yet"
-        how = "terminated" if isinstance(err, Terminated) else "interrupted"
-        hint = _next_command(args, trainer.output_dir)
-        hint = f" ({hint})" if hint else ""
-        print(f"flowrl train: {how} at epoch {trainer.epoch} of {config.run.epochs}; {where}{hint}", file=sys.stderr)
+        if not stopping:  # Ctrl-C: said once the workers stopped
+            say_stopped("interrupted")
         return 143 if isinstance(err, Terminated) else 130
     except Exception as err:
+        stopping.append("failed")
         from flowrl.run.run_folder import RunFolderError
 
         started = trainer.log is not None and not isinstance(err, (RunFolderError, checkpoint.CheckpointError))

@@ -129,6 +129,35 @@ def test_interrupted_training_says_where_it_stopped(tmp_path, capsys, monkeypatc
     assert "interrupted at epoch 1 of 2" in err and "epoch_1" in err and "--resume" in err and "Traceback" not in err
 
 
+def test_a_terminated_run_says_where_it_stopped_before_its_clean_up(tmp_path, capsys, monkeypatch):
+    """SIGTERM (a launcher stopping the run) is answered at once: the stop line is out before the collector closes
+    (stopping rollout workers waits for a rollout in flight, and the launcher's SIGKILL may come first), and a second
+    SIGTERM lets the clean-up finish."""
+    import signal
+
+    from flowrl.trainers import Trainer
+
+    real, seen = Trainer.train_epoch, {}
+
+    def close():
+        seen["before"] = capsys.readouterr().err
+        os.kill(os.getpid(), signal.SIGTERM)  # handled on the next bytecode: it must not interrupt the clean-up
+        seen["closed"] = True
+
+    def terminated(self, epoch):
+        if epoch == 1:
+            self.collector.close = close
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, epoch)
+
+    monkeypatch.setattr(Trainer, "train_epoch", terminated)
+    run = tmp_path / "run"
+    assert main(["train", str(_yaml(tmp_path)), "--output-dir", str(run)]) == 143
+    after = capsys.readouterr().err
+    assert seen["closed"] and "terminated at epoch 1 of 2" in seen["before"], seen
+    assert f"flowrl train {run} --resume" in seen["before"] and "flowrl" not in after and "Traceback" not in after
+
+
 def test_a_full_disk_keeps_earlier_checkpoints(tmp_path, capsys, monkeypatch):
     from accelerate import Accelerator
 

@@ -174,11 +174,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = build_trainer(config)
     resume = True if args.resume == "latest" else args.resume
 
-    stopping: list[str] = []  # how the run stopped, once it is stopping
+    stopping = False  # once set, a SIGTERM no longer interrupts: the run is already stopping
 
     def say_stopped(how: str) -> None:
         """The one line of a stopped run: where it stood and the command that goes on."""
-        stopping.append(how)
+        nonlocal stopping
+        stopping = True
         latest = _resumable(trainer.output_dir)
         where = f"its latest checkpoint is {latest}" if latest else "no checkpoint was written yet"
         hint = _next_command(args, trainer.output_dir)
@@ -202,7 +203,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             say_stopped("interrupted")
         return 143 if isinstance(err, Terminated) else 130
     except Exception as err:
-        stopping.append("failed")
+        stopping = True
         from flowrl.run.run_folder import RunFolderError
 
         started = trainer.log is not None and not isinstance(err, (RunFolderError, checkpoint.CheckpointError))

@@ -156,6 +156,10 @@ def test_a_terminated_run_says_where_it_stopped_before_its_clean_up(tmp_path, ca
     after = capsys.readouterr().err
     assert seen["closed"] and "terminated at epoch 1 of 2" in seen["before"], seen
     assert f"flowrl train {run} --resume" in seen["before"] and "flowrl" not in after and "Traceback" not in after
+    monkeypatch.undo()
+    line = next(line for line in seen["before"].splitlines() if "terminated at" in line)
+    assert main(_command(line)) == 0  # the command it printed goes on
+    assert json.loads((run / "summary.json").read_text())["epochs"] == 2
 
 
 def test_a_full_disk_keeps_earlier_checkpoints(tmp_path, capsys, monkeypatch):

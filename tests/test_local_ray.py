@@ -1,5 +1,13 @@
-"""The Ray cluster a run starts for itself is a new one, whatever `RAY_ADDRESS` or an earlier `ray start` says."""
+"""The Ray cluster a run starts for itself is a new one, whatever `RAY_ADDRESS` or an earlier `ray start` says, and
+its reaper ends Ray's processes a killed driver leaves, and no others."""
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 import types
 
 import pytest
@@ -15,3 +23,60 @@ def test_the_run_s_own_cluster_is_started_with_address_local(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     start_local_cluster(fake, address=None, include_dashboard=False)
     assert calls == [{"address": "local", "include_dashboard": False}]
+
+
+KILLED_DRIVER = """
+import os, signal, subprocess, sys, time
+import ray
+from flowrl.run.local_ray import start_local_cluster
+
+context = start_local_cluster(ray, num_cpus=1, include_dashboard=False)
+logs = os.path.join(context.address_info["session_dir"], "logs")
+# not Ray's: a process holding a folder of the cluster's open, as `tail -f` of a log or a removal of the folder does
+hold = f"import os, time; fd = os.open({logs!r}, os.O_RDONLY); time.sleep(60)"
+quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # the test reads the driver's output to its end
+bystander = subprocess.Popen([sys.executable, "-c", hold], start_new_session=True, **quiet)
+
+@ray.remote
+class Actor:
+    def pid(self):
+        return os.getpid()
+
+actor = ray.get(Actor.remote().pid.remote())
+print(bystander.pid, actor, flush=True)
+time.sleep(0.5)  # the bystander has opened the folder
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="the reaper reads /proc (Linux)")
+def test_the_reaper_ends_ray_s_processes_of_a_killed_driver_and_no_other():
+    """A driver killed with SIGKILL: its Ray actor ends within seconds; a process that is not Ray's but holds a folder
+    of the cluster's session open lives on (the reaper killed it once: pytest removing the test's Ray folder)."""
+    pytest.importorskip("ray", reason="the asynchronous mode needs Ray (the `async` extra)")
+    folder = tempfile.mkdtemp(prefix="ray-")  # short: the cluster's socket paths must fit in 107 characters
+    env = {**os.environ, "RAY_TMPDIR": folder, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", KILLED_DRIVER], env=env, capture_output=True, text=True, timeout=120)
+    try:
+        assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+        bystander, actor = map(int, done.stdout.split())
+        deadline = time.monotonic() + 15
+        while _alive(actor) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(actor), "the killed driver's Ray actor outlived it by 15 s"
+        time.sleep(2.0)  # the reaper's last sweep is over: it stops once it finds no Ray process
+        assert _alive(bystander), "the reaper killed a process that is not Ray's"
+    finally:
+        for pid in map(int, done.stdout.split()):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -12,7 +12,9 @@ with the run.
   dies; but the raylet's agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`), orphaned when a driver is killed
   with SIGKILL, wait a minute for the dead GCS before they exit. A small reaper process, started beside the cluster,
   waits for the driver to end (the pipe it reads closes, however the driver ends, and it is handed to another parent)
-  and then kills every process that still holds a file of the cluster's session folder open.
+  and then kills every Ray process (a `ray::` title, or a program of the installed `ray` package) that still holds a
+  file of the cluster's session folder open. Only Ray's: another process reading the folder (a `tail -f` of a log, a
+  test removing the folder) is left alone.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 
 _REAPER = r"""
 import os, signal, sys, time
-session, me, driver = sys.argv[1], os.getpid(), os.getppid()
+session, package, me, driver = sys.argv[1], sys.argv[2], os.getpid(), os.getppid()
 sys.stdin.buffer.read()  # returns when the driver's end of the pipe closes: it died, or it is exiting
 while os.getppid() == driver:  # until it is gone (this process is then handed to another parent)
     time.sleep(0.1)
@@ -35,6 +37,12 @@ def holders():
         if int(pid) in (me, driver):
             continue
         try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+            # Ray's own: a titled process (`ray::DashboardAgent`, `ray::IDLE`) or a program of the ray package (GCS,
+            # raylet, `python -u .../ray/_private/log_monitor.py`); a user's process reading the folder is not
+            if not (argv[0].startswith("ray::") or any(arg.startswith(package) for arg in argv[:3])):
+                continue
             links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
         except OSError:
             continue
@@ -77,7 +85,8 @@ def start_local_cluster(ray, **init_kwargs):
             os.environ[_CLUSTER_ENV] = saved[1]
     session = context.address_info.get("session_dir")
     if session and os.path.isdir("/proc/self/fd"):
-        command = [sys.executable, "-c", _REAPER, os.path.join(session, "")]
+        package = os.path.join(os.path.dirname(os.path.abspath(ray.__file__)), "")
+        command = [sys.executable, "-c", _REAPER, os.path.join(session, ""), package]
         reaper = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,

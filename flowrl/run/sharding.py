@@ -171,8 +171,28 @@ def zero_engine(
         if stage == 3:
             config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": pin}
         config["zero_force_ds_cpu_optimizer"] = False  # flowrl's own AdamW steps the offloaded partitions
-    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    with _without_shm_all_reduce():
+        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
     return engine
+
+
+@contextlib.contextmanager
+def _without_shm_all_reduce():
+    """On CPUs DeepSpeed's communication backend JIT-compiles a C++ shared-memory all-reduce when it starts (a C++
+    compiler and ninja needed; 32 s, 55 CPU-seconds, on a 2-core machine's first ZeRO run), used only by its
+    inference all-reduce, which ZeRO never calls. Without it the backend is as on a CPU where the op cannot build:
+    every collective goes through torch.distributed."""
+    import importlib
+
+    backend = importlib.import_module("deepspeed.comm.torch")  # (`deepspeed.comm.torch` the attribute is torch)
+    if torch.cuda.is_available() or not hasattr(backend, "build_shm_op"):  # GPUs build no such op
+        yield
+        return
+    build, backend.build_shm_op = backend.build_shm_op, lambda: None
+    try:
+        yield
+    finally:
+        backend.build_shm_op = build
 
 
 class ZeroBackward:

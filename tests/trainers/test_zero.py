@@ -36,6 +36,8 @@ WORKER = textwrap.dedent(
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
     engine = sharding.zero_engine(model, opt, stage, max_grad_norm=0.5)
     backward = sharding.ZeroBackward(engine, world)
+    from deepspeed.comm import comm
+    assert comm.cdb.shm_comm_op is None  # no shared-memory all-reduce compiled on a CPU (ZeRO never calls it)
 
     g = torch.Generator().manual_seed(1)
     for step in range(3):
@@ -121,7 +123,9 @@ def test_zero_matches_one_process(tmp_path, stage):
         str(script),
         str(stage),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}  # torchrun's log folder stays in the test's
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    extensions = tmp_path / "torch_extensions"  # where a JIT-compiled DeepSpeed op would be built
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "TORCH_EXTENSIONS_DIR": str(extensions)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)  # (TMPDIR: torchrun's logs)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "ok" in done.stdout
+    assert not extensions.exists(), list(extensions.rglob("*"))

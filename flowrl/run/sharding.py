@@ -183,16 +183,14 @@ def _without_shm_all_reduce():
     inference all-reduce, which ZeRO never calls. Without it the backend is as on a CPU where the op cannot build:
     every collective goes through torch.distributed."""
     import importlib
+    from unittest import mock
 
     backend = importlib.import_module("deepspeed.comm.torch")  # (`deepspeed.comm.torch` the attribute is torch)
     if torch.cuda.is_available() or not hasattr(backend, "build_shm_op"):  # GPUs build no such op
         yield
         return
-    build, backend.build_shm_op = backend.build_shm_op, lambda: None
-    try:
+    with mock.patch.object(backend, "build_shm_op", lambda: None):
         yield
-    finally:
-        backend.build_shm_op = build
 
 
 class ZeroBackward:

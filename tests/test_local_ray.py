@@ -80,3 +80,34 @@ def test_the_reaper_ends_ray_s_processes_of_a_killed_driver_and_no_other():
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+GROUPS_DRIVER = """
+import os, psutil, ray
+from flowrl.run.local_ray import start_local_cluster
+
+start_local_cluster(ray, num_cpus=1, include_dashboard=False)
+ray.get(ray.remote(lambda: 0).remote())  # a worker started by the raylet
+ray_processes = [p for p in psutil.Process().children(recursive=True) if "reaper" not in " ".join(p.cmdline()[:3])]
+print(len(ray_processes), sum(os.getpgid(p.pid) == os.getpgrp() for p in ray_processes), flush=True)
+ray.shutdown()
+"""
+
+
+@pytest.mark.distributed
+def test_a_signal_to_the_driver_s_process_group_does_not_reach_its_ray_cluster():
+    """torchrun ends a learner with SIGTERM to its process group: the run's own Ray cluster (GCS, raylet, workers)
+    is outside it, so that the learner says how the run stopped before it stops the cluster (it was inside: the
+    raylet ended at once and the learner's core worker exited the process first, without that line)."""
+    pytest.importorskip("ray", reason="the asynchronous mode needs Ray (the `async` extra)")
+    folder = tempfile.mkdtemp(prefix="ray-")  # short: the cluster's socket paths must fit in 107 characters
+    env = {**os.environ, "RAY_TMPDIR": folder, "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", GROUPS_DRIVER], env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    started, in_the_driver_s_group = map(int, done.stdout.split())
+    assert started >= 3 and in_the_driver_s_group == 0

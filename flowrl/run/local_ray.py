@@ -8,6 +8,10 @@ with the run.
 - **Its own.** `ray.init()` without an address joins the cluster `RAY_ADDRESS` or the last `ray start` on this machine
   recorded (its `ray_current_cluster` file, which a killed head leaves behind); the run's cluster is started with
   `address="local"`, which never does.
+- **Its own process groups.** Ray starts its GCS and raylet (and the raylet its workers) in the driver's process
+  group, so a launcher's SIGTERM to the group (torchrun's to each learner's) reached them too: the raylet ended, and
+  the driver's core worker exited the process (code 1) before its own SIGTERM handler had said how the run stopped.
+  The run's cluster is started in sessions of its own; the driver stops it as it stops.
 - **Reaped.** Ray ends its processes when the driver calls `ray.shutdown()`, and the GCS and raylet when the driver
   dies; but the raylet's agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`), orphaned when a driver is killed
   with SIGKILL, wait a minute for the dead GCS before they exit. A small reaper process, started beside the cluster,
@@ -22,6 +26,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from unittest import mock
 
 
 _REAPER = r"""
@@ -68,7 +73,11 @@ def start_local_cluster(ray, **init_kwargs):
     """`ray.init(**init_kwargs)` of a new local cluster bound to the loopback interface, with a reaper (see the
     module docstring); returns what `ray.init` returns."""
     init_kwargs = {**init_kwargs, "address": "local"}  # a new cluster, never one found on this machine
-    from ray._private import ray_constants
+    from ray._private import ray_constants, services
+
+    class _OwnSessionPopen(services.ConsolePopen):  # the processes `ray.init` starts, in sessions of their own
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs, start_new_session=True)
 
     saved = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(_CLUSTER_ENV)
     # Ray's node address: 127.0.0.1 where it does not form clusters (read when ray.init picks the node's address;
@@ -76,7 +85,8 @@ def start_local_cluster(ray, **init_kwargs):
     ray_constants.ENABLE_RAY_CLUSTER = False
     os.environ[_CLUSTER_ENV] = "0"
     try:
-        context = ray.init(**init_kwargs)
+        with mock.patch.object(services, "ConsolePopen", _OwnSessionPopen):
+            context = ray.init(**init_kwargs)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved[0]
         if saved[1] is None:

@@ -175,6 +175,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume = True if args.resume == "latest" else args.resume
 
     stopping = False  # once set, a SIGTERM no longer interrupts: the run is already stopping
+    terminated = False  # a SIGTERM stopped it (Ray hands the exception raised in a call of its own as a plain Ctrl-C)
 
     def say_stopped(how: str) -> None:
         """The one line of a stopped run: where it stood and the command that goes on."""
@@ -188,8 +189,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     def terminate(signum, frame):
+        nonlocal terminated
         if stopping:  # a second SIGTERM, or one while an error is reported: the clean-up goes on
             return
+        terminated = True
         # said now, before the rollout workers and the Ray cluster stop: a launcher's SIGKILL follows its SIGTERM
         # (torchrun's 30 s later, Slurm's KillWait), and stopping them waits for a rollout in flight
         say_stopped("terminated")
@@ -198,10 +201,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
         trainer.train(resume=resume, overwrite=args.overwrite)
-    except KeyboardInterrupt as err:
+    except KeyboardInterrupt:
         if not stopping:  # Ctrl-C: said once the workers stopped
             say_stopped("interrupted")
-        return 143 if isinstance(err, Terminated) else 130
+        return 143 if terminated else 130
     except Exception as err:
         stopping = True
         from flowrl.run.run_folder import RunFolderError

@@ -11,16 +11,36 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _families_benchmarked() -> list[str]:
+def _gpu_bench():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return list(module.FAMILIES)
+    return module
 
 
-SETTINGS = _families_benchmarked()
+SETTINGS = list(_gpu_bench().FAMILIES)
+
+
+def test_the_bench_s_own_times_are_the_profiler_s_key_averages():
+    """The profile's per-operator calls and own times, read from the raw events, are torch's `key_averages()` (which
+    costs 70 us an event): nested operators (autograd, attention's math path) and one call the dispatcher records
+    twice (`aten::sum` inside `aten::sum`) included."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    blocks = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU()) for _ in range(3)]
+    net, x = torch.nn.Sequential(*blocks), torch.randn(2, 4, 16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            y = net(x)
+            torch.nn.functional.scaled_dot_product_attention(y, y, y).sum().backward()
+    rows = _gpu_bench().own_times(prof, cuda=False)
+    expected = {e.key: (e.count, e.self_cpu_time_total) for e in prof.key_averages()}
+    assert set(rows) == set(expected) and "aten::sum" in rows
+    for name, (calls, micros) in expected.items():
+        assert rows[name][0] == calls and rows[name][1] == pytest.approx(micros, abs=1e-3), name
 
 
 @pytest.mark.models  # builds every benchmarked family's tiny model and trains it two epochs: the second CI tier

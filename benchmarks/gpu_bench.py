@@ -176,6 +176,13 @@ KERNEL_KINDS = (
 """Where a profiled epoch's device time goes, by kernel (CUDA) or operator (CPU) name; the rest is `other`."""
 
 
+_BOOKKEEPING = frozenset(
+    "[memory] [OutOfMemory] profiler::_record_function_enter profiler::_record_function_enter_new "
+    "profiler::_record_function_exit aten::is_leaf aten::output_nr aten::_version".split()
+)
+"""The profiler's own records and autograd's attribute reads, which `key_averages()` leaves out."""
+
+
 def own_times(prof, cuda: bool) -> dict[str, list]:
     """Each kernel's (CUDA) or operator's (CPU) name -> [calls, own microseconds], from the profiler's raw events: its
     `key_averages()` builds a Python object per event (about 70 us each: 25 of the tiny CPU run's 40 s). A kernel's own
@@ -183,9 +190,15 @@ def own_times(prof, cuda: bool) -> dict[str, list]:
     from torch.autograd import DeviceType
 
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == kind and not e.is_async()]
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == kind and e.name() not in _BOOKKEEPING and not e.is_hidden_event()
+    ]
     own, calls = {id(e): e.duration_ns() for e in events}, {}
-    if not cuda:  # nested operators: each one's children found by a stack per thread, in start order
+    if not cuda:  # nested operators: each one's children found by a stack per thread, in start order (one that ends
+        # on another thread than it began nests nothing: torch's rule)
+        events = [e for e in events if not e.is_async() and e.start_thread_id() == e.end_thread_id()]
         events.sort(key=lambda e: (e.start_thread_id(), e.start_ns(), -e.end_ns()))
         stack: list = []
         for e in events:
@@ -216,14 +229,6 @@ def _device_split(rows: dict[str, list]) -> dict:
     return {"busy_s": sum(split.values()), "kernels": launches, **{f"{k}_s": v for k, v in split.items()}}
 
 
-def _top(rows: dict[str, list], busy_s: float, limit: int = 25) -> str:
-    """The `limit` kernels (operators) of most own time, as a Markdown table."""
-    lines = ["| kernel | calls | own ms | share |", "| --- | ---: | ---: | ---: |"]
-    for name, (calls, micros) in sorted(rows.items(), key=lambda item: -item[1][1])[:limit]:
-        lines.append(f"| {name[:100]} | {calls} | {micros / 1e3:.2f} | {micros / 1e6 / max(busy_s, 1e-9):.1%} |")
-    return "\n".join(lines)
-
-
 def profile_epoch(trainer, epoch: int, device: torch.device) -> tuple[dict, str]:
     """One more epoch under `torch.profiler`, its two phases apart (the rollout with its reward, then the update):
     each phase's wall time, the device's busy share and its split (`_device_split`), and the top-25 tables. A busy
@@ -251,7 +256,10 @@ def profile_epoch(trainer, epoch: int, device: torch.device) -> tuple[dict, str]
         rows = own_times(prof, cuda)
         split = _device_split(rows)
         summary[phase] = {"wall_s": wall, "busy_share": split["busy_s"] / wall, **split}
-        tables.append(f"## {phase}\n\n{_top(rows, split['busy_s'])}")
+        top = sorted(rows.items(), key=lambda item: -item[1][1])[:25]  # the kernels of most own time
+        busy = max(split["busy_s"], 1e-9)
+        body = "".join(f"\n| {n[:100]} | {c} | {us / 1e3:.2f} | {us / 1e6 / busy:.1%} |" for n, (c, us) in top)
+        tables.append(f"## {phase}\n\n| kernel | calls | own ms | share |\n| --- | ---: | ---: | ---: |{body}")
     return summary, "\n\n".join(tables)
 
 

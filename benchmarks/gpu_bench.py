@@ -176,29 +176,29 @@ KERNEL_KINDS = (
 """Where a profiled epoch's device time goes, by kernel (CUDA) or operator (CPU) name; the rest is `other`."""
 
 
-_BOOKKEEPING = frozenset(
+_BOOKKEEPING = frozenset(  # the profiler's own records and autograd's attribute reads: left out of key_averages()
     "[memory] [OutOfMemory] profiler::_record_function_enter profiler::_record_function_enter_new "
     "profiler::_record_function_exit aten::is_leaf aten::output_nr aten::_version".split()
 )
-"""The profiler's own records and autograd's attribute reads, which `key_averages()` leaves out."""
 
 
 def own_times(prof, cuda: bool) -> dict[str, list]:
-    """Each kernel's (CUDA) or operator's (CPU) name -> [calls, own microseconds], from the profiler's raw events: its
-    `key_averages()` builds a Python object per event (about 70 us each: 25 of the tiny CPU run's 40 s). A kernel's own
-    time is its duration (one stream); an operator's, its duration less its direct children's on its thread."""
+    """Each kernel's (CUDA) or operator's (CPU) name -> [calls, own us], as `key_averages()` counts them, from the raw
+    events (it built an object per event, 70 us each). A kernel's own time is its duration (one stream); an operator's,
+    its duration less its direct children's on its thread (one ending on another thread nests nothing)."""
     from torch.autograd import DeviceType
 
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
     events = [
         e
         for e in prof.profiler.kineto_results.events()
-        if e.device_type() == kind and e.name() not in _BOOKKEEPING and not e.is_hidden_event()
+        if e.device_type() == kind
+        and e.name() not in _BOOKKEEPING
+        and not e.is_hidden_event()
+        and (cuda or (not e.is_async() and e.start_thread_id() == e.end_thread_id()))
     ]
     own, calls = {id(e): e.duration_ns() for e in events}, {}
-    if not cuda:  # nested operators: each one's children found by a stack per thread, in start order (one that ends
-        # on another thread than it began nests nothing: torch's rule)
-        events = [e for e in events if not e.is_async() and e.start_thread_id() == e.end_thread_id()]
+    if not cuda:  # nested operators: each one's children found by a stack per thread, in start order
         events.sort(key=lambda e: (e.start_thread_id(), e.start_ns(), -e.end_ns()))
         stack: list = []
         for e in events:

@@ -5,8 +5,9 @@ matplotlib (about 7 of its 10 s on two cores), and a two-process test starts fou
 one-process reference, torchrun's agent and its two workers). `start` forks each process from a multiprocessing
 forkserver that imported them once for the whole pytest session, and forms the group of `processes` the way
 torchrun does for its workers (the same RANK, LOCAL_RANK, WORLD_SIZE and MASTER_* variables, so the run's own
-`init_process_group` builds the same gloo group); the tests of the launcher itself (torchrun, signals, restarts)
-still start real ones. Each child replaces its environment with `env` and writes its output to `log`.
+`init_process_group` builds the same gloo group); `start_code` forks one for a piece of Python source. The tests of
+the launcher itself (torchrun, signals, restarts) still start real ones. Each child replaces its environment with
+`env` and writes its output to `log`.
 """
 
 from __future__ import annotations
@@ -84,6 +85,20 @@ def _run(argv: list[str], env: dict[str, str], log: str) -> None:
     sys.exit(code)
 
 
+def _exec(code: str, env: dict[str, str], log: str) -> None:
+    """The child: the Python source `code`, with `env` as its whole environment, its output appended to `log`."""
+    os.environ.clear()
+    os.environ.update(env)
+    sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(sink, 1)
+    os.dup2(sink, 2)
+    try:
+        exec(compile(code, "<launch.run_code>", "exec"), {"__name__": "__main__"})
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
 @dataclass
 class Launched:
     """The processes of one `start`: rank order, all of one run."""
@@ -129,6 +144,16 @@ class Launched:
 
 def start(argv: list[str], env: dict[str, str], log: Path, processes: int = 1) -> Launched:
     """Start `flowrl ARGV` on `processes` forked processes (one gloo group when more than one)."""
+    return _start(_run, list(argv), env, log, processes)
+
+
+def start_code(code: str, env: dict[str, str], log: Path, processes: int = 1) -> Launched:
+    """Start the Python source `code` on `processes` forked processes (as `torchrun ... -c CODE` would run it, without
+    the imports)."""
+    return _start(_exec, code, env, log, processes)
+
+
+def _start(target, what, env: dict[str, str], log: Path, processes: int) -> Launched:
     context = _context()
     log.write_text("")
     group = {}
@@ -138,7 +163,7 @@ def start(argv: list[str], env: dict[str, str], log: Path, processes: int = 1) -
     started = []
     for rank in range(processes):
         ranked = {**env, **group, **({"RANK": str(rank), "LOCAL_RANK": str(rank)} if group else {})}
-        process = context.Process(target=_run, args=(list(argv), ranked, str(log)), name=f"flowrl-rank{rank}")
+        process = context.Process(target=target, args=(what, ranked, str(log)), name=f"flowrl-rank{rank}")
         process.start()
         started.append(process)
     return Launched(started, log)

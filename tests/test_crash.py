@@ -5,8 +5,6 @@ building the digits base model into one cache at once both get an intact model (
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -75,8 +73,11 @@ def _run(env, *args):
 
 
 def _run_dying(env, *args):
-    """The DYING script in a fresh interpreter, killed by its own hook."""
-    return subprocess.run([sys.executable, "-c", DYING, *args], env=env, capture_output=True, text=True, timeout=600)
+    """The DYING script with `args` as its command line, forked (tests/launch.py) and killed by its own hook: its exit
+    code and output."""
+    log = Path(args[args.index("--output-dir") + 1] + ".log")
+    launched = launch.start_code(f"import sys\nsys.argv = ['-c', *{list(args)!r}]\n{DYING}", env, log)
+    return launched.wait(timeout=600), log.read_text()
 
 
 def _end(run):
@@ -94,8 +95,8 @@ def test_a_killed_run_resumes_exactly_from_its_last_complete_checkpoint(env, tmp
     assert code == 0, output[-2000:]
 
     killed = tmp_path / "killed"
-    crash = _run_dying(env, mode, str(at), "train", str(config), "--output-dir", str(killed))
-    assert crash.returncode == -signal.SIGKILL, crash.stderr[-2000:]
+    code, output = _run_dying(env, mode, str(at), "train", str(config), "--output-dir", str(killed))
+    assert code == -signal.SIGKILL, output[-2000:]
     names = sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.startswith("."))
     assert names == ["epoch_1", "epoch_2"]  # a partial checkpoint never gets its name (it stays `.tmp-epoch_3`)
     code, output = _run(env, "train", str(config), "--output-dir", str(killed), "--resume")
@@ -107,17 +108,19 @@ def test_a_killed_run_resumes_exactly_from_its_last_complete_checkpoint(env, tmp
         assert torch.equal(w_killed[name], value), name
 
 
-def _run_twice_at_once(code: str, env: dict) -> list[str]:
-    """`python -c code` in two processes started together; their standard outputs, once both succeeded."""
-    both = [
-        subprocess.Popen(
-            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for _ in range(2)
-    ]
-    outputs = [p.communicate(timeout=600) for p in both]
-    assert all(p.returncode == 0 for p in both), [err[-2000:] for _, err in outputs]
-    return [out for out, _ in outputs]
+def _run_twice_at_once(code: str, env: dict, tmp_path: Path) -> list[str]:
+    """The Python source `code` in two processes started together (forked: tests/launch.py); their outputs, once
+    both succeeded."""
+    both = [launch.start_code(code, env, tmp_path / f"build-{i}.log") for i in range(2)]
+    codes = [launched.wait(timeout=600) for launched in both]
+    outputs = [launched.log.read_text() for launched in both]
+    assert codes == [0, 0], [out[-2000:] for out in outputs]
+    return outputs
+
+
+def _built(output: str) -> str:
+    """The folder a build printed (`built: FOLDER`) among its process's output."""
+    return next(line.split(" ", 1)[1] for line in output.splitlines() if line.startswith("built: "))
 
 
 def test_two_processes_building_the_digits_model_at_once_share_one_intact_build(env, tmp_path):
@@ -126,10 +129,10 @@ def test_two_processes_building_the_digits_model_at_once_share_one_intact_build(
         "from flowrl.digits.nets import TransformerConfig\n"
         "tiny = TransformerConfig(num_layers=1, attention_head_dim=8, num_attention_heads=2,\n"
         "                         caption_projection_dim=16)\n"
-        "print(build_model(BuildConfig(pretrain_steps=40, transformer=tiny)))\n"
+        "print('built:', build_model(BuildConfig(pretrain_steps=40, transformer=tiny)))\n"
     )
-    outputs = _run_twice_at_once(build, {**env, "FLOWRL_CACHE": str(tmp_path / "cache")})
-    folders = {out.strip().splitlines()[-1] for out in outputs}
+    outputs = _run_twice_at_once(build, {**env, "FLOWRL_CACHE": str(tmp_path / "cache")}, tmp_path)
+    folders = {_built(out) for out in outputs}
     assert len(folders) == 1
     built = sum("building the digits base model" in out for out in outputs)
     assert built == 1, "the second process should wait for the first and reuse its build"
@@ -150,8 +153,8 @@ def test_two_processes_building_the_arithmetic_model_at_once_share_one_intact_bu
         "from flowrl.llm.build import BuildConfig, build, load\n"
         "folder = build(BuildConfig(train_steps=30, eval_samples=1))\n"
         "load(folder)\n"
-        "print(folder)\n"
+        "print('built:', folder)\n"
     )
-    outputs = _run_twice_at_once(build, {**env, "FLOWRL_CACHE": str(tmp_path / "cache")})
-    assert len({out.strip().splitlines()[-1] for out in outputs}) == 1
+    outputs = _run_twice_at_once(build, {**env, "FLOWRL_CACHE": str(tmp_path / "cache")}, tmp_path)
+    assert len({_built(out) for out in outputs}) == 1
     assert sum("building the arithmetic base model" in out for out in outputs) == 1

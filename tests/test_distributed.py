@@ -125,10 +125,10 @@ def _rows(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _two_equals_one(tmp_path, cache, trainer: str, torchrun: bool = False) -> None:
+def _two_equals_one(tmp_path, cache, trainer: str) -> None:
     one, two = _train_together(
         dict(config=_config(tmp_path, trainer, 1), out=tmp_path / "one", cache=cache, processes=1),
-        dict(config=_config(tmp_path, trainer, 2), out=tmp_path / "two", cache=cache, processes=2, torchrun=torchrun),
+        dict(config=_config(tmp_path, trainer, 2), out=tmp_path / "two", cache=cache, processes=2),
     )
     assert (one["processes"], two["processes"]) == (1, 2)  # a real group of two, not two lone runs
 
@@ -183,8 +183,9 @@ def _same_diagnostics(a: dict, b: dict) -> None:
 
 
 def test_two_processes_equal_one_flow_grpo(tmp_path, cache):
-    # the two processes started by torchrun, as a user starts them (the other tests fork theirs: tests/launch.py)
-    _two_equals_one(tmp_path, cache, "flow_grpo", torchrun=True)
+    # forked, as every run here (tests/launch.py); `torchrun` itself starts the runs of tests/test_learner_group.py
+    # (docs/distributed.md's several-machines command and docs/async.md's learner group)
+    _two_equals_one(tmp_path, cache, "flow_grpo")
 
 
 @pytest.mark.slow

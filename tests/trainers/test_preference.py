@@ -3,6 +3,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,7 +284,7 @@ DISTRIBUTED = {
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(DISTRIBUTED))
-def test_two_processes_equal_one(tmp_path, name):
+def test_two_processes_equal_one(tmp_path, session_cache, name):
     """`torchrun --nproc_per_node 2`: the same steps, diagnostics and weights as one process (the group sums are
     reduced over the processes, every process calls the objective in step)."""
     import yaml
@@ -298,7 +299,7 @@ def test_two_processes_equal_one(tmp_path, name):
     data["run"] = {"epochs": 2, "save_every": 1, "samples_every": 0, "log_with": [], "threads": 1}
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(data))
-    cache = tmp_path / "cache"
+    cache = Path(session_cache)  # the digits base and classifiers every two-process test shares (built once)
     one, two = _train_together(
         dict(config=config, out=tmp_path / "one", cache=cache, processes=1),
         dict(config=config, out=tmp_path / "two", cache=cache, processes=2),

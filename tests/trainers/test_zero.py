@@ -2,13 +2,11 @@
 group of two CPU processes against plain torch on one. The trainers' 2-process runs are in test_distributed.py."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from ..launch import free_port
+from .. import launch
 
 
 pytest.importorskip("deepspeed")
@@ -108,24 +106,11 @@ WORKER = textwrap.dedent(
 def test_zero_matches_one_process(tmp_path, stage):
     # accumulation over several backwards per step (the boundary marked late), the sum's scale, DeepSpeed's clip
     # and gradient norm, skipped non-finite steps, and full-state checkpoints that resume the next step exactly
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(script),
-        str(stage),
-    ]
+    # forked from the session's forkserver as a group of two, with torchrun's variables (tests/launch.py)
     extensions = tmp_path / "torch_extensions"  # where a JIT-compiled DeepSpeed op would be built
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "TORCH_EXTENSIONS_DIR": str(extensions)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)  # (TMPDIR: torchrun's logs)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert "ok" in done.stdout
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(extensions)}
+    launched = launch.start_code(f"import sys\nsys.argv = ['-c', '{stage}']\n{WORKER}", env, tmp_path / "zero.log", 2)
+    exit_code, output = launched.wait(timeout=300), launched.log.read_text()
+    assert exit_code == 0, output[-4000:]
+    assert "ok" in output.splitlines(), output[-4000:]
     assert not extensions.exists(), list(extensions.rglob("*"))

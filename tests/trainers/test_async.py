@@ -4,8 +4,6 @@ worker's batch is sampled again, a killed driver resumes, every worker dead ends
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 from flowrl.config import save_config
 from flowrl.run.async_rollouts import AsyncCollector, AsyncError
 from flowrl.trainers import build_trainer
+from tests import launch
 from tests.conftest import DIGITS_BASE, tiny_config
 
 
@@ -200,24 +199,24 @@ def test_a_killed_driver_resumes_with_nothing_lost(tmp_path, synchronous):
     )
     save_config(config, tmp_path / "config.yaml")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "flowrl", "train", str(tmp_path / "config.yaml")]
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    argv = ["train", str(tmp_path / "config.yaml")]  # `flowrl train`, forked from the forkserver (tests/launch.py)
+    driver = launch.start(argv, env, tmp_path / "driver.log")
+    process = driver.processes[0]
     deadline = time.monotonic() + 240
     while not (tmp_path / "run" / "checkpoints" / "epoch_1").is_dir():
-        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert process.is_alive(), driver.log.read_text()[-2000:]
         assert time.monotonic() < deadline, "no checkpoint within 240 s"
         time.sleep(0.2)
     ray_processes = _descendants(process.pid)  # GCS, raylet, agents, workers, the reaper
     assert len(ray_processes) >= 4, ray_processes
     assert _listening(ray_processes) <= {"127.0.0.1", "::ffff:127.0.0.1"}, _listening(ray_processes)
-    process.kill()  # SIGKILL: no cleanup in the driver; its local Ray cluster goes with it
-    process.wait()
+    driver.kill()  # SIGKILL: no cleanup in the driver; its local Ray cluster goes with it
     deadline = time.monotonic() + 15
     while _alive(ray_processes) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(ray_processes), [(p.pid, p.name()) for p in _alive(ray_processes)]
-    done = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    code, output = launch.run([*argv, "--resume"], env, tmp_path / "resume.log", timeout=300)
+    assert code == 0, output[-2000:]
     rows = _rows(tmp_path / "run")
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
     ref_rows, _ = synchronous

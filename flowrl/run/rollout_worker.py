@@ -76,7 +76,7 @@ class RolloutWorker:
             torch.set_num_threads(max(1, threads))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.index = index
-        self.folder = Path(tempfile.mkdtemp(prefix=f"flowrl-rollout-{index}-"))
+        self.folder = scratch_folder(index)
         # one process: nothing to shard or offload (the learner group's `run.shard` is the learners')
         overrides = [
             f"run.output_dir={self.folder}",
@@ -125,6 +125,30 @@ class RolloutWorker:
         return wire.encode(
             collected, epoch=epoch, version=self.version, worker=self.index, modality=trainer.modality.state_dict()
         )
+
+
+SCRATCH = "flowrl-rollout-"
+"""The prefix of a rollout worker's scratch run folder in the temporary folder: `flowrl-rollout-INDEX-PID-XXXXXXXX`."""
+
+
+def scratch_folder(index: int) -> Path:
+    """A new scratch run folder for worker `index`, named with this process's id. The folders of workers whose
+    process has ended are removed first: a worker killed (a lost node, SIGKILL) never ran `close`."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH}*"):
+        parts = folder.name[len(SCRATCH) :].split("-")  # INDEX, PID, mkdtemp's letters (never a hyphen)
+        if len(parts) == 3 and parts[1].isdigit() and not _running(int(parts[1])):
+            shutil.rmtree(folder, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH}{index}-{os.getpid()}-"))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        return True
+    return True
 
 
 class RayRolloutWorker(RolloutWorker):

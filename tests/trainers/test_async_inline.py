@@ -4,6 +4,7 @@ published then), whatever the learner did since; algorithms that sample with a l
 get it published too."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -107,3 +108,24 @@ def test_staleness_follows_the_bound_and_the_publishing_cadence(tmp_path, sync_e
     ]
     rows, _ = _train("flow_grpo", tmp_path, overrides)
     assert [r["async/staleness"] for r in rows[1:]] == expected
+
+
+def test_a_killed_worker_s_scratch_folder_goes_when_the_next_worker_starts(tmp_path, monkeypatch):
+    """A worker killed never runs `close`: the next one started on the machine removes the scratch folders of workers
+    whose process has ended, and no other (a running worker's, an older name without a process id)."""
+    import subprocess
+    import sys
+
+    from flowrl.run.rollout_worker import SCRATCH, scratch_folder
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = int(ended.stdout), os.getppid()
+    stale = tmp_path / f"{SCRATCH}0-{dead}-abc123_x"
+    running = tmp_path / f"{SCRATCH}1-{alive}-def456"
+    older = tmp_path / f"{SCRATCH}2-q1w2e3r4"
+    for folder in (stale, running, older):
+        (folder / "checkpoints").mkdir(parents=True)
+    new = scratch_folder(3)
+    assert not stale.exists() and running.is_dir() and older.is_dir()
+    assert new.is_dir() and new.name.startswith(f"{SCRATCH}3-{os.getpid()}-")

@@ -67,33 +67,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(argv: list[str], env: dict[str, str], log: str) -> None:
-    """The child: `flowrl ARGV` with `env` as its whole environment, stdout and stderr appended to `log`."""
+FLOWRL = "import sys\nfrom flowrl.cli import main\n\nsys.exit(main(sys.argv[1:]))\n"
+"""The source of `flowrl ARGV` (its command line in `sys.argv`)."""
+
+
+def _exec(code: str, argv: list[str], env: dict[str, str], log: str) -> None:
+    """The child: the Python source `code` with `argv` as `sys.argv` and `env` as its whole environment, stdout and
+    stderr appended to `log`."""
     os.environ.clear()
     os.environ.update(env)
     sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(sink, 1)
     os.dup2(sink, 2)
-    sys.argv = ["flowrl", *argv]
-    from flowrl.cli import main
-
+    sys.argv = list(argv)
     try:
-        code = main(argv)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    sys.exit(code)
-
-
-def _exec(code: str, env: dict[str, str], log: str) -> None:
-    """The child: the Python source `code`, with `env` as its whole environment, its output appended to `log`."""
-    os.environ.clear()
-    os.environ.update(env)
-    sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(sink, 1)
-    os.dup2(sink, 2)
-    try:
-        exec(compile(code, "<launch.run_code>", "exec"), {"__name__": "__main__"})
+        exec(compile(code, "<launch.start_code>", "exec"), {"__name__": "__main__"})
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -144,16 +132,12 @@ class Launched:
 
 def start(argv: list[str], env: dict[str, str], log: Path, processes: int = 1) -> Launched:
     """Start `flowrl ARGV` on `processes` forked processes (one gloo group when more than one)."""
-    return _start(_run, list(argv), env, log, processes)
+    return start_code(FLOWRL, env, log, processes, argv=["flowrl", *argv])
 
 
-def start_code(code: str, env: dict[str, str], log: Path, processes: int = 1) -> Launched:
-    """Start the Python source `code` on `processes` forked processes (as `torchrun ... -c CODE` would run it, without
-    the imports)."""
-    return _start(_exec, code, env, log, processes)
-
-
-def _start(target, what, env: dict[str, str], log: Path, processes: int) -> Launched:
+def start_code(code: str, env: dict[str, str], log: Path, processes: int = 1, argv=("-c",)) -> Launched:
+    """Start the Python source `code` with the command line `argv` (`sys.argv`) on `processes` forked processes (as
+    `python -c CODE ARGS` or `torchrun ... -c CODE ARGS` would run it, without the imports)."""
     context = _context()
     log.write_text("")
     group = {}
@@ -163,7 +147,7 @@ def _start(target, what, env: dict[str, str], log: Path, processes: int) -> Laun
     started = []
     for rank in range(processes):
         ranked = {**env, **group, **({"RANK": str(rank), "LOCAL_RANK": str(rank)} if group else {})}
-        process = context.Process(target=target, args=(what, ranked, str(log)), name=f"flowrl-rank{rank}")
+        process = context.Process(target=_exec, args=(code, list(argv), ranked, str(log)), name=f"flowrl-rank{rank}")
         process.start()
         started.append(process)
     return Launched(started, log)

@@ -74,8 +74,8 @@ def test_gpu_bench_tiny_mode_writes_its_json(tmp_path):
     ]
     # the script as `python benchmarks/gpu_bench.py ARGS` runs it, forked from the forkserver (tests/launch.py)
     script = str(ROOT / "benchmarks" / "gpu_bench.py")
-    code = f"import runpy, sys\nsys.argv = [{script!r}, *{args!r}]\nrunpy.run_path({script!r}, run_name='__main__')"
-    launched = launch.start_code(code, dict(os.environ), tmp_path / "gpu_bench.log")
+    code = f"import runpy\nrunpy.run_path({script!r}, run_name='__main__')"
+    launched = launch.start_code(code, dict(os.environ), tmp_path / "gpu_bench.log", argv=[script, *args])
     assert launched.wait(timeout=600) == 0, launched.log.read_text()[-3000:]
     report = json.loads(out.read_text())
     assert [r["model"] for r in report["results"]] == list(SETTINGS)  # every family the GPU run covers

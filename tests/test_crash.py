@@ -76,7 +76,7 @@ def _run_dying(env, *args):
     """The DYING script with `args` as its command line, forked (tests/launch.py) and killed by its own hook: its exit
     code and output."""
     log = Path(args[args.index("--output-dir") + 1] + ".log")
-    launched = launch.start_code(f"import sys\nsys.argv = ['-c', *{list(args)!r}]\n{DYING}", env, log)
+    launched = launch.start_code(DYING, env, log, argv=["-c", *args])
     return launched.wait(timeout=600), log.read_text()
 
 

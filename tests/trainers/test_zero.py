@@ -109,7 +109,7 @@ def test_zero_matches_one_process(tmp_path, stage):
     # forked from the session's forkserver as a group of two, with torchrun's variables (tests/launch.py)
     extensions = tmp_path / "torch_extensions"  # where a JIT-compiled DeepSpeed op would be built
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(extensions)}
-    launched = launch.start_code(f"import sys\nsys.argv = ['-c', '{stage}']\n{WORKER}", env, tmp_path / "zero.log", 2)
+    launched = launch.start_code(WORKER, env, tmp_path / "zero.log", processes=2, argv=["-c", str(stage)])
     exit_code, output = launched.wait(timeout=300), launched.log.read_text()
     assert exit_code == 0, output[-4000:]
     assert "ok" in output.splitlines(), output[-4000:]

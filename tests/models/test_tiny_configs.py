@@ -26,14 +26,19 @@ def test_every_family_has_a_tiny_config():
 @pytest.mark.models
 @pytest.mark.parametrize("path", TINY_CONFIGS, ids=lambda p: p.parent.name)
 def test_a_tiny_config_trains_exports_and_samples(path, tmp_path, monkeypatch):
+    """The tiny config's own commands (its header's train, export and sample), its training cut to one of its two
+    epochs: that epoch evaluates, draws samples and checkpoints as each of its epochs does, and a second would
+    repeat it (tests/test_export.py checks each family's exported weights against the run's own samples)."""
     monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache"))
     config = load_config(path)
     assert config.model.name.startswith("tiny:") and config.model.lora_rank > 0
+    assert config.run.epochs > 1 and (config.eval.every, config.run.save_every, config.run.samples_every) == (1, 1, 1)
     run = tmp_path / "run"
-    assert main(["train", str(path), "--output-dir", str(run)]) == 0
+    assert main(["train", str(path), "--output-dir", str(run), "--set", "run.epochs=1"]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if r.get("optimizer_steps")]
-    assert len(trained) == config.run.epochs and all(torch.isfinite(torch.tensor(r["loss"])) for r in trained)
+    assert len(trained) == 1 and all(torch.isfinite(torch.tensor(r["loss"])) for r in trained)
+    assert "eval/reward" in trained[0] and (run / "checkpoints" / "epoch_1").is_dir()
     assert main(["export", str(run), "--out", str(tmp_path / "lora")]) == 0
     prompts, start = "a cat", []
     if MODEL_FAMILIES.get(config.model.name[5:].split("@")[0]).conditioning == "start_frame":

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from flowrl import checkpoint
 
+from . import launch
 from .launch import free_port as _free_port
 from .test_distributed import _config, _rows, _same_rows, _same_weights, _train
 
@@ -72,24 +73,13 @@ def test_a_sharded_async_learner_group_is_the_synchronous_run(tmp_path, cache, r
     ], args
     config, run = _config(tmp_path, "flow_grpo", 2), tmp_path / "async"
     args = [str(config) if a == "CONFIG" else a.replace("=fsdp2", f"={shard}") for a in args[1:]]
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-    ]
+    assert args[2:4] == ["-m", "flowrl"], args
+    # the command's `flowrl train ...` on its two processes, forked with torchrun's variables (tests/launch.py):
+    # torchrun itself starts the killed learner group below and the several-machines runs
     sets = [arg for item in ASYNC for arg in ("--set", item)]
-    done = subprocess.run(
-        [*launcher, *args, "--output-dir", str(run), *sets],
-        env=_env(tmp_path, cache),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    log = tmp_path / "async.log"
+    launched = launch.start([*args[4:], "--output-dir", str(run), *sets], _env(tmp_path, cache), log, int(args[1]))
+    assert launched.wait(timeout=600) == 0, log.read_text()[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["processes"], summary["shard"]) == (2, shard)
     rows = _rows(run)
@@ -178,7 +168,7 @@ def test_a_killed_learner_ends_the_run_in_one_line_and_resume_continues_it(tmp_p
     assert len(lines) == 1 and "at epoch 1 of 2" in lines[0] and f"{run} --resume" in lines[0], err[-6000:]
     checkpoint.verify(run / "checkpoints" / "epoch_1")
     assert not (run / "checkpoints" / "epoch_2").exists()
-    summary = _train(config, run, cache, processes=2, resume=True, overrides=ASYNC, torchrun=True)  # Ray's workers
+    summary = _train(config, run, cache, processes=2, resume=True, overrides=ASYNC)  # forked (tests/launch.py)
     assert summary["processes"] == 2
     _same_rows(reference, run)
     _same_weights(reference, run, epochs=(1, 2))

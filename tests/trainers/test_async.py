@@ -74,19 +74,6 @@ def _assert_same_run(rows, weights, synchronous):
         torch.testing.assert_close(weights[name], value, rtol=0, atol=0)
 
 
-def test_staleness_zero_is_the_synchronous_run(tmp_path, synchronous):
-    trainer = build_trainer(
-        tiny_config(
-            "flow_grpo", tmp_path, overrides=[*ASYNC, *DIGITS_BASE, "run.epochs=3", "asynchrony.max_staleness=0"]
-        )
-    )
-    trainer.train()
-    rows = _rows(tmp_path)
-    assert [r["async/staleness"] for r in rows[1:]] == [0.0, 0.0, 0.0]
-    assert trainer.collector.workers == []  # closed at the end
-    _assert_same_run(rows, _weights(trainer), synchronous)
-
-
 def test_drop_resamples_a_batch_that_arrives_too_stale(tmp_path, synchronous):
     """`on_stale: drop` at staleness 0: the worker samples epoch e + 1 with the old weights while epoch e trains;
     that batch arrives one version stale, is dropped and sampled again: still the synchronous run."""
@@ -104,9 +91,11 @@ def test_drop_resamples_a_batch_that_arrives_too_stale(tmp_path, synchronous):
     _assert_same_run(rows, _weights(trainer), synchronous)
 
 
-def test_a_killed_worker_is_replaced_and_its_batch_sampled_again(tmp_path, synchronous, monkeypatch):
-    """SIGKILL the worker right after it is sent epoch 1: a new worker samples epoch 1 again with the same seeds, so
-    the run is still the synchronous one (nothing lost, nothing trained twice)."""
+def test_staleness_zero_is_the_synchronous_run_even_when_a_worker_is_killed(tmp_path, synchronous, monkeypatch):
+    """Staleness 0 (`on_stale: wait`, the default) is the synchronous run; SIGKILL the worker right after it is sent
+    epoch 1: a new worker samples epoch 1 again with the same seeds, so the run is still the synchronous one (nothing
+    lost, nothing trained twice). (One run for both: a run without the kill is the same run with one worker start
+    fewer; `test_drop_...` is another staleness-0 run without one.)"""
     dispatch = AsyncCollector._dispatch
     killed = []
 
@@ -125,7 +114,9 @@ def test_a_killed_worker_is_replaced_and_its_batch_sampled_again(tmp_path, synch
     )
     trainer.train()
     rows = _rows(tmp_path)
+    assert [r["async/staleness"] for r in rows[1:]] == [0.0, 0.0, 0.0]
     assert killed and [r["async/restarts"] for r in rows[1:]] == [0.0, 1.0, 1.0]
+    assert trainer.collector.workers == []  # closed at the end
     _assert_same_run(rows, _weights(trainer), synchronous)
 
 

@@ -66,7 +66,10 @@ _ATTRIBUTE = "_flowrl_host"
 
 def host_value(t) -> torch.Tensor | None:
     """The CPU copy kept beside the `meta` tensor `t`, or None."""
-    return getattr(t, _ATTRIBUTE, None) if isinstance(t, torch.Tensor) and t.device.type == "meta" else None
+    if not isinstance(t, torch.Tensor):
+        return None
+    with torch._C.DisableTorchFunction():  # bookkeeping reads: past the function modes (a third of a trace's calls)
+        return getattr(t, _ATTRIBUTE, None) if t.device.type == "meta" else None
 
 
 def _keep(meta: torch.Tensor, host: torch.Tensor) -> None:
@@ -93,11 +96,14 @@ def _on_host(value):
 
 
 def _metas(values) -> list[torch.Tensor]:
-    return [t for t in leaves(values) if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+    with torch._C.DisableTorchFunction():  # (as in `host_value`)
+        return [t for t in leaves(values) if isinstance(t, torch.Tensor) and t.device.type == "meta"]
 
 
-def _small(tensors) -> bool:
-    return all(t.numel() <= LIMIT for t in tensors)
+def _small(tensors, meta: bool = False) -> bool:
+    """Whether every tensor has at most LIMIT elements (`meta`: and is on `meta`)."""
+    with torch._C.DisableTorchFunction():  # (as in `host_value`)
+        return all(t.numel() <= LIMIT and (not meta or t.device.type == "meta") for t in tensors)
 
 
 class HostValues(_TraceMode):
@@ -129,7 +135,7 @@ class HostValues(_TraceMode):
         if name in _IN_PLACE or (name.endswith("_") and not name.startswith("_")):
             return self._in_place(func, args, kwargs, out, known and _small(metas))
         outs = [t for t in leaves(out) if isinstance(t, torch.Tensor)]
-        if not outs or not all(t.device.type == "meta" for t in outs) or not _small(outs):
+        if not outs or not _small(outs, meta=True):
             return out
         if not metas:  # made on meta from host data (`x.to(device)`, `arange(n, device=device)`)
             if name in _RANDOM or "generator" in kwargs:

@@ -279,6 +279,16 @@ FP32_OPS = frozenset(
     }
 )
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
+_METADATA = frozenset(
+    [
+        *(getattr(torch.Tensor, name).__get__ for name in ("dtype", "shape", "device", "ndim", "requires_grad")),
+        *(getattr(torch.Tensor, name).__get__ for name in ("is_leaf", "grad_fn", "layout", "is_meta", "is_cuda")),
+        *(torch.Tensor.numel, torch.Tensor.dim, torch.Tensor.size, torch.Tensor.element_size, torch.Tensor.stride),
+        *(torch.Tensor.is_floating_point, torch.Tensor.is_complex),
+    ]
+)
+"""A tensor's metadata reads: no mode here changes them, and they are two thirds of the calls a trace makes (each
+mode's own checks read dtypes and shapes, which the modes below it would see again)."""
 
 
 class _TraceMode(TorchFunctionMode):
@@ -288,6 +298,9 @@ class _TraceMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _METADATA:  # read past every mode (see `_METADATA`)
+            with torch._C.DisableTorchFunction():
+                return func(*args, **kwargs)
         if func is torch.Tensor.backward or func is torch.autograd.backward:
             return self._backward(func, args, kwargs)
         try:

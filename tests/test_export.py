@@ -17,11 +17,11 @@ from flowrl.prompts.edit_shapes import draw
 from .trainers.conftest import make_trainer, tiny_config
 
 
-FAMILIES = [
-    f if f in ("sd3", "flux", "unet") else pytest.param(f, marks=pytest.mark.models) for f in MODEL_FAMILIES.names()
-]
+DEFAULT_TIER = ("sd3", "flux", "unet")
+FAMILIES = [f if f in DEFAULT_TIER else pytest.param(f, marks=pytest.mark.models) for f in MODEL_FAMILIES.names()]
 """A flow transformer, a guidance-embedding one and a DDIM UNet in the default tier; every other family's export
-runs with the `models` tier (`.ci/run`'s second step)."""
+runs with the `models` tier (`.ci/run`'s second step), without the checks that do not depend on the family (`--no-ema`
+exports the raw weights; another seed's image is told apart from the snippet's)."""
 
 
 def _pipeline(family, folder):
@@ -113,13 +113,13 @@ def test_lora_runs_export_to_load_lora_weights(family, tmp_path, monkeypatch, ca
     raw = _samples(trainer.policy, family)
     torch.testing.assert_close(exported, ours, rtol=0, atol=2e-5)
     assert (raw - ours).abs().max() > 1e-4  # the EMA differs from the raw weights: the test can tell them apart
-    # --no-ema exports the raw weights
-    main(["export", str(run), "--out", str(tmp_path / "raw"), "--no-ema"])
-    pipe = _pipeline(family, base)
-    MODEL_FAMILIES.get(family).load_lora_into(pipe, tmp_path / "raw")
-    torch.testing.assert_close(
-        _samples(DiffusionPolicy.from_pipeline(pipe, options=_options(family)), family), raw, rtol=0, atol=2e-5
-    )
+    if family in DEFAULT_TIER:  # --no-ema exports the raw weights
+        main(["export", str(run), "--out", str(tmp_path / "raw"), "--no-ema"])
+        pipe = _pipeline(family, base)
+        MODEL_FAMILIES.get(family).load_lora_into(pipe, tmp_path / "raw")
+        torch.testing.assert_close(
+            _samples(DiffusionPolicy.from_pipeline(pipe, options=_options(family)), family), raw, rtol=0, atol=2e-5
+        )
     _the_printed_snippets_run_and_sample_what_flowrl_sampled(family, run, out, tmp_path, capsys)
 
 
@@ -175,7 +175,7 @@ def _the_printed_snippets_run_and_sample_what_flowrl_sampled(family, run, export
         # levels on average)
         difference = np.abs(theirs - expected)
         assert difference.max() <= 2 / 255 and difference.mean() <= 0.1 / 255, (lines, difference.max())
-    if not cls.video:  # the comparison tells images apart: flowrl's image of another seed is far from the snippet's
+    if not cls.video and family in DEFAULT_TIER:  # the comparison tells images apart: another seed's image is far
         other = flowrl_sample(tmp_path / "seed1", seed=1)
         assert np.abs(other - ours).mean() > 4 / 255, np.abs(other - ours).mean()
 

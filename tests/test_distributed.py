@@ -6,8 +6,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -67,41 +65,24 @@ def _config(tmp_path, trainer: str, processes: int, shard: str = "none", ema: bo
     return path
 
 
-def _launch(config, out, cache, processes: int, resume: bool = False, overrides=(), torchrun: bool = False):
-    """Start `flowrl train` on `processes` processes, forked from the session's forkserver (tests/launch.py), or
-    with `torchrun` from fresh interpreters as a user starts it; its output goes to a log beside `out`."""
+def _launch(config, out, cache, processes: int, resume: bool = False, overrides=()):
+    """Start `flowrl train` on `processes` processes, forked from the session's forkserver (tests/launch.py); its
+    output goes to a log beside `out`."""
     env = {**os.environ, "FLOWRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     sets = [arg for item in overrides for arg in ("--set", item)]
     argv = ["train", str(config), "--output-dir", str(out), *sets, *(["--resume"] if resume else [])]
     log = out.parent / f"{out.name}.log"
-    if not torchrun:
-        return launch.start(argv, env, log, processes), out, log
-    scratch = out.parent / "tmp"  # torchrun's agent leaves a log folder in the temporary folder: keep it in the test's
-    scratch.mkdir(parents=True, exist_ok=True)
-    env["TMPDIR"] = str(scratch)
-    cmd = [sys.executable, "-m", "flowrl", *argv]
-    if processes > 1:
-        group = ["--nproc_per_node", str(processes), "--master_addr", "127.0.0.1", "--master_port"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *group, str(launch.free_port()), "-m", "flowrl", *argv]
-    with log.open("w") as sink:  # a file, not a pipe: a run started beside another never blocks on a full pipe
-        return subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True), out, log
+    return launch.start(argv, env, log, processes), out, log
 
 
-def _finish(process, out, log) -> dict:
-    if isinstance(process, launch.Launched):
-        code = process.wait(timeout=600)
-    else:
-        try:
-            code = process.wait(timeout=600)
-        finally:
-            if process.poll() is None:
-                process.kill()
+def _finish(launched, out, log) -> dict:
+    code = launched.wait(timeout=600)
     assert code == 0, log.read_text()[-3000:]
     return json.loads((out / "summary.json").read_text())
 
 
-def _train(config, out, cache, processes: int, resume: bool = False, overrides=(), torchrun: bool = False) -> dict:
-    return _finish(*_launch(config, out, cache, processes, resume, overrides, torchrun))
+def _train(config, out, cache, processes: int, resume: bool = False, overrides=()) -> dict:
+    return _finish(*_launch(config, out, cache, processes, resume, overrides))
 
 
 def _train_together(*runs: dict) -> list[dict]:

@@ -22,7 +22,6 @@ from safetensors.torch import load_file
 
 from flowrl import checkpoint
 
-from . import launch
 from .launch import free_port as _free_port
 from .test_distributed import _config, _rows, _same_rows, _same_weights, _train
 
@@ -73,14 +72,11 @@ def test_a_sharded_async_learner_group_is_the_synchronous_run(tmp_path, cache, r
     ], args
     config, run = _config(tmp_path, "flow_grpo", 2), tmp_path / "async"
     args = [str(config) if a == "CONFIG" else a.replace("=fsdp2", f"={shard}") for a in args[1:]]
-    assert args[2:4] == ["-m", "flowrl"], args
+    assert args[2:6] == ["-m", "flowrl", "train", str(config)], args
     # the command's `flowrl train ...` on its two processes, forked with torchrun's variables (tests/launch.py):
     # torchrun itself starts the killed learner group below and the several-machines runs
-    sets = [arg for item in ASYNC for arg in ("--set", item)]
-    log = tmp_path / "async.log"
-    launched = launch.start([*args[4:], "--output-dir", str(run), *sets], _env(tmp_path, cache), log, int(args[1]))
-    assert launched.wait(timeout=600) == 0, log.read_text()[-3000:]
-    summary = json.loads((run / "summary.json").read_text())
+    sets = [item for flag, item in zip(args[6::2], args[7::2], strict=True) if flag == "--set"]
+    summary = _train(config, run, cache, processes=int(args[1]), overrides=[*sets, *ASYNC])
     assert (summary["processes"], summary["shard"]) == (2, shard)
     rows = _rows(run)
     assert [r["async/staleness"] for r in rows[1:]] == [0.0, 0.0]

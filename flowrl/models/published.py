@@ -24,6 +24,8 @@ from types import MappingProxyType
 
 import torch
 
+from flowrl.models.meta_init import no_init_without_data
+
 
 DATA = Path(__file__).with_name("published")
 """The package-data folder of published configs (one JSON file per checkpoint)."""
@@ -174,7 +176,7 @@ def _build_module(component: PublishedComponent, dtype: torch.dtype, device, fak
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), no_init_without_data():
             if component.library.startswith("diffusers"):
                 module = cls.from_config(dict(component.config))
             else:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from flowrl.models.meta_init import no_init_without_data
+
 
 class PolicyWeights:
     """The weights part of `DiffusionPolicy` (a mixin: it reads the policy's `adapter`, `model`, `device` and keeps
@@ -58,7 +60,7 @@ class PolicyWeights:
         # a network on `meta` (a plan's real-size build) gets its adapter there directly: peft builds each layer's
         # A and B on the CPU, draws them, then moves them to the base layer's device (a 20B network's: seconds)
         on_meta = all(p.device.type == "meta" for p in self.model.parameters())
-        with torch.device("meta") if on_meta else contextlib.nullcontext():
+        with torch.device("meta") if on_meta else contextlib.nullcontext(), no_init_without_data():
             if seed is None:
                 self.model.add_adapter(config)
                 return

@@ -32,13 +32,14 @@ def _pipeline(family, folder):
 
 
 def _options(family):
-    """Short T5 prompts and short videos for the families that have those options (48 tokens where a source image
-    adds its own to the prompt: Qwen-Image-Edit-Plus's "Picture 1: " before `edit_shapes/test`'s instructions), and
-    FLUX.1 Kontext's sources at their own 64 px (not resized to a megapixel)."""
+    """Short T5 prompts, short Qwen text (HunyuanVideo 1.5 pads to 1000 tokens, Qwen-Image 2.1 to 512 otherwise) and
+    short videos for the families that have those options (48 tokens where a source image adds its own to the prompt:
+    Qwen-Image-Edit-Plus's "Picture 1: " before `edit_shapes/test`'s instructions), and FLUX.1 Kontext's sources at
+    their own 64 px (not resized to a megapixel)."""
     cls = MODEL_FAMILIES.get(family)
     fields = {f.name for f in dataclasses.fields(cls.Options)}
     length = 48 if cls.pipeline_needs_sources else 16
-    options = {"max_sequence_length": length, "num_frames": 5, "auto_resize": False}
+    options = {"max_sequence_length": length, "text_tokens": 32, "num_frames": 5, "auto_resize": False}
     return {k: v for k, v in options.items() if k in fields}
 
 

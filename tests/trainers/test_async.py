@@ -121,6 +121,8 @@ def test_staleness_zero_is_the_synchronous_run_even_when_a_worker_is_killed(tmp_
 
 
 def test_every_worker_dead_ends_the_run_with_one_line(tmp_path, monkeypatch):
+    """`asynchrony.max_restarts: 0`: the first worker killed is not replaced, and the run ends in one line (a worker
+    replaced within the limit: `test_staleness_zero_..._killed`)."""
     dispatch = AsyncCollector._dispatch
 
     def dispatch_then_kill(self, epoch):
@@ -129,8 +131,8 @@ def test_every_worker_dead_ends_the_run_with_one_line(tmp_path, monkeypatch):
         os.kill(pids[self.tasks[epoch].worker], signal.SIGKILL)
 
     monkeypatch.setattr(AsyncCollector, "_dispatch", dispatch_then_kill)
-    config = tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, *DIGITS_BASE, "asynchrony.max_restarts=1"])
-    with pytest.raises(AsyncError, match=r"^every rollout worker died \(1 replaced before\)") as err:
+    config = tiny_config("flow_grpo", tmp_path, overrides=[*ASYNC, *DIGITS_BASE, "asynchrony.max_restarts=0"])
+    with pytest.raises(AsyncError, match=r"^every rollout worker died \(0 replaced before\)") as err:
         build_trainer(config).train()
     assert "\n" not in str(err.value)
 

@@ -171,8 +171,16 @@ def test_two_processes_equal_one_flow_grpo(tmp_path, cache):
     _two_equals_one(tmp_path, cache, "flow_grpo")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["grpo_guard", "find", "dpok"])
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        # LOOP and DiffusionNFT at tiny size in this tier (DiffusionNFT's sampling policy is its own state, synced
+        # after each epoch: the second epoch samples with it); their shipped sizes (~25 and ~45 s) in the slow tier
+        "loop",
+        "diffusion_nft",
+        *(pytest.param(name, marks=pytest.mark.slow) for name in ("grpo_guard", "find", "dpok")),
+    ],
+)
 def test_two_processes_equal_one(tmp_path, cache, trainer):
     _two_equals_one(tmp_path, cache, trainer)
 
@@ -192,11 +200,10 @@ evaluation at the end; the algorithm (prompts, groups, steps, mini-batches, inne
 model's architecture as shipped, its base pretrained for 2 steps instead of 220 (`DIGITS_BASE`: the equality of one
 and two processes does not depend on the base, and the full build would cost this tier about a minute)."""
 
-ONE_EPOCH = ("digits/loop", "llm/arith_grpo")
-"""Shipped configs trained one epoch: what LOOP and text GRPO carry into a second epoch (the weights, AdamW's
-moments, the seeds' streams) is the engine's, which grpo_guard's two epochs check; DiffusionNFT's sampling policy
-and the pendulum's running statistics are their own and keep two epochs. (A second epoch of the shipped LOOP costs
-7 of its 22 CPU-s in one process.)"""
+ONE_EPOCH = ("llm/arith_grpo",)
+"""Shipped configs trained one epoch: what text GRPO carries into a second epoch (the weights, AdamW's moments, the
+seeds' streams) is the engine's, which grpo_guard's two epochs check; the pendulum's running statistics (and, in the
+slow tier, DiffusionNFT's sampling policy) are their own and keep two epochs."""
 ONE_EPOCH_RUN = ["run.epochs=1", "eval.every=1"]
 
 
@@ -204,13 +211,14 @@ ONE_EPOCH_RUN = ["run.epochs=1", "eval.every=1"]
     "name",
     [
         "digits/grpo_guard",
-        "digits/loop",
-        "digits/diffusion_nft",
         "control/pendulum_ppo",
         "llm/arith_grpo",
-        # DPOK on two processes runs at tiny size in this tier (test_two_sharded_processes_equal_one[dpok-fsdp2]);
-        # its shipped size (~40 s) in the slow tier
-        pytest.param("digits/dpok", marks=pytest.mark.slow),
+        # DPOK, LOOP and DiffusionNFT on two processes run at tiny size in this tier (test_two_processes_equal_one,
+        # test_two_sharded_processes_equal_one[dpok-fsdp2]); their shipped sizes in the slow tier
+        *(
+            pytest.param(name, marks=pytest.mark.slow)
+            for name in ("digits/loop", "digits/diffusion_nft", "digits/dpok")
+        ),
     ],
 )
 def test_a_shipped_config_trains_the_same_on_two_processes(tmp_path, cache, name):

@@ -58,7 +58,9 @@ def ray_tmp(monkeypatch):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.mark.parametrize("shard", ["fsdp2", "zero3", pytest.param("zero2", marks=pytest.mark.slow)])
+# FSDP2 in the distributed tier; ZeRO-2 and ZeRO-3 in the slow tier (what ZeRO-3 adds here, its partitions gathered
+# for each publication, tests/trainers/test_zero.py checks against one process; its training, test_distributed.py)
+@pytest.mark.parametrize("shard", ["fsdp2", *(pytest.param(s, marks=pytest.mark.slow) for s in ("zero3", "zero2"))])
 def test_a_sharded_async_learner_group_is_the_synchronous_run(tmp_path, cache, reference, ray_tmp, shard):
     """docs/async.md's learner-group command (on a tiny config, the test's shard kind): staleness 0 on two learners
     is the synchronous one-process run."""

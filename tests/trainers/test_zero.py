@@ -55,6 +55,14 @@ WORKER = textwrap.dedent(
         got = backward.step()
         assert abs(got - float(norm)) < 1e-5, (step, got, float(norm))
 
+    # what the asynchronous mode publishes to its rollout workers, on every process (a collective: ZeRO-3's
+    # partitions gathered one parameter at a time): the trained parameters in full, the frozen one left out
+    published = sharding.full_parameters(engine.module)
+    trained = {n: p.detach() for n, p in ref.named_parameters() if p.requires_grad}
+    assert published.keys() == trained.keys(), sorted(published)
+    for name, p in trained.items():
+        torch.testing.assert_close(published[name], p, rtol=1e-5, atol=1e-6)
+
     model_state, optim_state, metadata = sharding.zero_full_state(engine)
     if rank == 0:
         for name, p in ref.named_parameters():
@@ -105,7 +113,8 @@ WORKER = textwrap.dedent(
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_matches_one_process(tmp_path, stage):
     # accumulation over several backwards per step (the boundary marked late), the sum's scale, DeepSpeed's clip
-    # and gradient norm, skipped non-finite steps, and full-state checkpoints that resume the next step exactly
+    # and gradient norm, the full parameters the asynchronous mode publishes, skipped non-finite steps, and
+    # full-state checkpoints that resume the next step exactly
     # forked from the session's forkserver as a group of two, with torchrun's variables (tests/launch.py)
     extensions = tmp_path / "torch_extensions"  # where a JIT-compiled DeepSpeed op would be built
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(extensions)}

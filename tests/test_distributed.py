@@ -175,7 +175,7 @@ def test_two_processes_equal_one_flow_grpo(tmp_path, cache):
     "trainer",
     [
         # LOOP and DiffusionNFT at tiny size in this tier (DiffusionNFT's sampling policy is its own state, synced
-        # after each epoch: the second epoch samples with it); their shipped sizes (~25 and ~45 s) in the slow tier
+        # after each epoch: the second epoch samples with it); their shipped sizes (20-45 s each) in the slow tier
         "loop",
         "diffusion_nft",
         *(pytest.param(name, marks=pytest.mark.slow) for name in ("grpo_guard", "find", "dpok")),

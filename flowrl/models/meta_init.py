@@ -1,6 +1,6 @@
 """Real-size networks built without their initial draws: on `meta` (or as fake tensors under a `FakeTensorMode`) a
-tensor holds no values, yet torch still runs each `torch.nn.init` draw through its Python reference kernels, a
-third of a 20B network's meta build (its `nn.Linear`s' and LoRA layers' `reset_parameters`)."""
+tensor holds no values, yet torch still runs each `torch.nn.init` draw through its Python reference kernels (the
+`nn.Linear`s' and LoRA layers' `reset_parameters`): ~18% of a shipped recipe's meta assembly (2 CPU cores)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import contextlib
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 INITIALISERS = (
@@ -30,8 +31,6 @@ INITIALISERS = (
 
 
 def _holds_no_data(tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(tensor, torch.Tensor) and (tensor.device.type == "meta" or isinstance(tensor, FakeTensor))
 
 

@@ -1,7 +1,7 @@
 """CLIP-family dual encoders behind one small interface, for the text-image similarity rewards.
 
 `HFCLIP` wraps a transformers `CLIPModel` (OpenAI CLIP, PickScore, any CLIP checkpoint on the hub);
-`OpenCLIP` wraps an `open_clip` model (HPSv2, LAION checkpoints), an optional extra. Both expose
+`OpenCLIP` wraps an `open_clip` model (any open_clip architecture or tag), an optional extra. Both expose
 `encode_text(prompts)` and `encode_image(images)`, which return L2-normalised fp32 embeddings, and
 `logit_scale` (the learned temperature, already exponentiated). Images go through `ImageSettings` in torch
 ops, so `encode_image` is differentiable with respect to the pixels; text embeddings are computed once per
@@ -101,16 +101,18 @@ class HFCLIP(CLIPBackend):
 
     Args:
         reward (`str`): the reward's name, for error messages.
-        model (`str`): hub id or local folder of the CLIP weights.
+        model (`str` or `CLIPModel`): hub id or local folder of the CLIP weights, or a model already built (HPSv2
+            converts open_clip weights into one).
         processor (`str`, *optional*): hub id or folder of the tokenizer and `preprocessor_config.json`
-            (defaults to `model`; PickScore takes them from `laion/CLIP-ViT-H-14-laion2B-s32B-b79K`).
+            (defaults to `model` when that is a location; PickScore takes them from
+            `laion/CLIP-ViT-H-14-laion2B-s32B-b79K`).
         default_repo, default_processor (`str`): hub ids named in error messages.
     """
 
     def __init__(
         self,
         reward: str,
-        model: str,
+        model: str | torch.nn.Module,
         processor: str | None = None,
         *,
         default_repo: str,
@@ -121,9 +123,12 @@ class HFCLIP(CLIPBackend):
         super().__init__()
         from transformers import AutoTokenizer
 
+        built = isinstance(model, torch.nn.Module)
+        if built and processor is None:
+            raise ValueError(f"reward {reward!r}: a CLIP model passed built needs the processor's location")
         processor = processor or model
         default_processor = default_processor or default_repo
-        clip = load_clip_model(reward, model, default_repo=default_repo)
+        clip = model if built else load_clip_model(reward, model, default_repo=default_repo)
         self.model = clip.to(device=device, dtype=dtype).eval().requires_grad_(False)
         text_config, vision_config = clip.config.text_config, clip.config.vision_config
         fix = download_fix(reward, default_processor, "processor" if processor != model else "model")

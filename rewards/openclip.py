@@ -1,5 +1,5 @@
-"""`open_clip` models (an optional extra: `pip install flowrl-toolkit[openclip]`, GPU machines) for HPSv2 and CLIP
-scores.
+"""`open_clip` models (an optional extra: `pip install flowrl-toolkit[openclip]`, GPU machines) for CLIP scores of
+any open_clip architecture or tag (HPSv2 runs its open_clip weights through transformers: `openclip_to_hf`).
 
 open_clip needs torchvision, and on CPU-only installs the only torchvision that matches torch is a CUDA build
 that breaks transformers; so open_clip is imported only when a reward that needs it is constructed, and its
@@ -59,13 +59,6 @@ class OpenCLIP(CLIPBackend):
         self.image_settings = ImageSettings.square(size, mean, std)
         self.text = TextCache(self._encode_text)
         self.to(device=device, dtype=dtype)
-
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a full open_clip state dict (strict), keeping the device and dtype."""
-        reference = self.model.logit_scale
-        self.model.load_state_dict(state, strict=True)
-        self.model.to(device=reference.device, dtype=reference.dtype)
-        self.text.clear()
 
     def _encode_text(self, prompts: list[str]) -> torch.Tensor:
         tokens = self.tokenizer(prompts).to(self.device)

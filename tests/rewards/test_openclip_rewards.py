@@ -1,4 +1,6 @@
-"""open_clip-backed rewards (hpsv2, clip_score backend="open_clip") on a tiny open_clip config.
+"""open_clip itself, on a tiny open_clip config: clip_score's `backend="open_clip"`, and HPSv2's conversion of
+open_clip weights to transformers checked against open_clip's own model (tests/rewards/test_hpsv2.py checks it
+everywhere against open_clip's forward written out).
 
 open_clip is an optional extra for GPU machines (it pulls torchvision); these tests skip without it.
 """
@@ -28,9 +30,6 @@ def tiny_checkpoint(tmp_path_factory):
     open_clip.add_model_config(str(folder / "flowrl-tiny-clip.json"))
     torch.manual_seed(0)
     model = open_clip.create_model("flowrl-tiny-clip", pretrained=None)
-    torch.save(
-        {"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}}, folder / "HPS_v2.1_compressed.pt"
-    )
     torch.save(model.state_dict(), folder / "plain.pt")
     return folder, model.eval()
 
@@ -44,15 +43,19 @@ def _reference_cos(model, images):
     return (image * text).sum(-1)
 
 
-def test_hpsv2_is_the_cosine_of_the_checkpoint_features(tiny_checkpoint, images):
-    folder, model = tiny_checkpoint
-    reward = rewards.get("hpsv2", checkpoint=str(folder), arch="flowrl-tiny-clip")
-    scores = reward(images, PROMPTS)
-    assert scores.shape == (3,) and torch.isfinite(scores).all()
-    torch.testing.assert_close(scores, _reference_cos(model, images), atol=1e-5, rtol=1e-4)
-    pixels = images.clone().requires_grad_(True)
-    reward.score(pixels, PROMPTS).sum().backward()
-    assert pixels.grad.abs().sum() > 0
+def test_hps_conversion_matches_open_clips_model(tiny_checkpoint, images):
+    from flowrl.rewards.openclip_to_hf import OpenCLIPArch, open_clip_to_clip
+    from flowrl.rewards.preprocess import ImageSettings
+
+    _, model = tiny_checkpoint
+    converted = open_clip_to_clip(model.state_dict(), OpenCLIPArch(vision_head_width=32, text_head_width=32)).eval()
+    pixels = ImageSettings.square(32)(images)
+    ids = open_clip.get_tokenizer("flowrl-tiny-clip")(PROMPTS)
+    with torch.no_grad():
+        image = converted.visual_projection(converted.vision_model(pixel_values=pixels).pooler_output)
+        text = converted.text_projection(converted.text_model(input_ids=ids).pooler_output)
+        torch.testing.assert_close(image, model.encode_image(pixels), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(text, model.encode_text(ids), atol=1e-5, rtol=1e-4)
 
 
 def test_clip_score_open_clip_backend(tiny_checkpoint, images):
@@ -61,11 +64,6 @@ def test_clip_score_open_clip_backend(tiny_checkpoint, images):
         "clip_score", backend="open_clip", model="flowrl-tiny-clip", pretrained=str(folder / "plain.pt")
     )
     torch.testing.assert_close(reward(images, PROMPTS), _reference_cos(model, images), atol=1e-5, rtol=1e-4)
-
-
-def test_hpsv2_missing_checkpoint(tmp_path):
-    with pytest.raises(rewards.RewardWeightsError, match=r"'hpsv2'.*HPS_v2.1_compressed.pt.*hf download xswu/HPSv2"):
-        rewards.get("hpsv2", checkpoint=str(tmp_path))
 
 
 def test_unavailable_open_clip_weights(tiny_checkpoint):

@@ -6,6 +6,8 @@
   from BLIP's timm ViT (`blip.visual_encoder.*`) and `med.BertModel` (`blip.text_encoder.*`) naming, so the
   key mapper is checked against the original names rather than against its own inverse.
 - `write_bert_vocab(dir, size)`: a WordPiece `vocab.txt` with BERT's special tokens at BERT's ids.
+- `tiny_open_clip_state(vocab_size)`: an open_clip ViT CLIP state dict in open_clip's own names (fused `in_proj`,
+  `c_fc`/`c_proj`, `proj` as a matrix), written from `open_clip.model.CLIP`'s layout, not from the converter's.
 """
 
 from __future__ import annotations
@@ -190,3 +192,49 @@ def write_bert_vocab(folder: Path, size: int = 30522) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(tokens[:size]) + "\n")
     return folder
+
+
+def tiny_open_clip_state(
+    vocab_size: int,
+    seed: int = 0,
+    context: int = 16,
+    *,
+    widths: tuple[int, int] = (64, 64),
+    layers: tuple[int, int] = (2, 2),
+    patch: int = 8,
+    grid: int = 4,
+    embed: int = CLIP_PROJECTION,
+    device: str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Random weights in open_clip's `CLIP` layout: by default a ViT of 2 blocks over 32 px / 8 px patches and a
+    text tower of 2 blocks over `context` tokens, both 64 wide (`widths`: vision, text), MLPs 4x wide, a 16-wide
+    joint space; on `device="meta"`, the shapes of any size."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.1):
+        if device == "meta":
+            return torch.empty(*shape, device="meta")
+        return torch.randn(*shape, generator=g) * scale
+
+    def norm(prefix, w):  # LayerNorm weights away from (1, 0), so a swapped or missing one shows
+        return {f"{prefix}.weight": 1 + rand(w), f"{prefix}.bias": rand(w)}
+
+    def blocks(prefix, w, depth):
+        out = {}
+        for i in range(depth):
+            b = f"{prefix}transformer.resblocks.{i}."
+            out |= norm(b + "ln_1", w) | norm(b + "ln_2", w)
+            out |= {b + "attn.in_proj_weight": rand(3 * w, w), b + "attn.in_proj_bias": rand(3 * w)}
+            out |= {b + "attn.out_proj.weight": rand(w, w), b + "attn.out_proj.bias": rand(w)}
+            out |= {b + "mlp.c_fc.weight": rand(4 * w, w), b + "mlp.c_fc.bias": rand(4 * w)}
+            out |= {b + "mlp.c_proj.weight": rand(w, 4 * w), b + "mlp.c_proj.bias": rand(w)}
+        return out
+
+    v, t = widths
+    state = {"visual.conv1.weight": rand(v, 3, patch, patch), "visual.class_embedding": rand(v, scale=1.0)}
+    state |= {"visual.positional_embedding": rand(1 + grid * grid, v, scale=1.0)}
+    state |= norm("visual.ln_pre", v) | blocks("visual.", v, layers[0]) | norm("visual.ln_post", v)
+    state |= {"visual.proj": rand(v, embed, scale=1.0)}
+    state |= {"token_embedding.weight": rand(vocab_size, t, scale=1.0), "positional_embedding": rand(context, t)}
+    state |= blocks("", t, layers[1]) | norm("ln_final", t) | {"text_projection": rand(t, embed, scale=1.0)}
+    return state | {"logit_scale": torch.tensor(4.6052, device=device)}

@@ -41,33 +41,30 @@ OPEN_CLIP_ARCHS: dict[str, OpenCLIPArch] = {
 }
 """The open_clip architectures whose checkpoints convert, by open_clip's name."""
 
-_BLOCK = {  # one residual block's open_clip names -> transformers' (in_proj is split apart)
+_BLOCK = {  # one residual block's open_clip modules -> transformers' (in_proj is split apart)
     "ln_1": "layer_norm1",
     "ln_2": "layer_norm2",
     "attn.out_proj": "self_attn.out_proj",
     "mlp.c_fc": "mlp.fc1",
     "mlp.c_proj": "mlp.fc2",
 }
-_FIXED = {  # open_clip name -> (transformers name, transposed)
+_NORMS = {  # the LayerNorms outside the blocks
+    "visual.ln_pre": "vision_model.pre_layrnorm",
+    "visual.ln_post": "vision_model.post_layernorm",
+    "ln_final": "text_model.final_layer_norm",
+}
+_TENSORS = {  # open_clip tensor -> (transformers name, transposed)
     "visual.conv1.weight": ("vision_model.embeddings.patch_embedding.weight", False),
     "visual.class_embedding": ("vision_model.embeddings.class_embedding", False),
     "visual.positional_embedding": ("vision_model.embeddings.position_embedding.weight", False),
-    "visual.ln_pre.weight": ("vision_model.pre_layrnorm.weight", False),
-    "visual.ln_pre.bias": ("vision_model.pre_layrnorm.bias", False),
-    "visual.ln_post.weight": ("vision_model.post_layernorm.weight", False),
-    "visual.ln_post.bias": ("vision_model.post_layernorm.bias", False),
     "visual.proj": ("visual_projection.weight", True),  # x @ proj == Linear with weight proj^T
     "token_embedding.weight": ("text_model.embeddings.token_embedding.weight", False),
     "positional_embedding": ("text_model.embeddings.position_embedding.weight", False),
-    "ln_final.weight": ("text_model.final_layer_norm.weight", False),
-    "ln_final.bias": ("text_model.final_layer_norm.bias", False),
     "text_projection": ("text_projection.weight", True),
     "logit_scale": ("logit_scale", False),
 }
-_IGNORED = {
-    "attn_mask",
-    "visual.attn_mask",
-}  # the causal mask, a buffer some checkpoints saved; rebuilt by transformers
+# the causal mask, a buffer some checkpoints saved; transformers builds its own
+_IGNORED = {"attn_mask", "visual.attn_mask"}
 _SHAPED = (  # the weights whose shapes give the config
     "visual.conv1.weight",
     "visual.positional_embedding",
@@ -86,28 +83,29 @@ def convert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     it cannot place (a ResNet or timm tower, layer scale, attention pooling: architectures this does not cover)."""
     out, unknown = {}, []
     for key, value in state.items():
-        if key in _FIXED:
-            name, transposed = _FIXED[key]
-            out[name] = value.t().contiguous() if transposed else value
-            continue
-        if key in _IGNORED:
-            continue
+        module, _, kind = key.rpartition(".")
         match = _BLOCK_KEY.match(key)
-        if match is None:
+        if key in _TENSORS:
+            name, transposed = _TENSORS[key]
+            out[name] = value.t().contiguous() if transposed else value
+        elif module in _NORMS:
+            out[f"{_NORMS[module]}.{kind}"] = value
+        elif key in _IGNORED:
+            continue
+        elif match is None:
             unknown.append(key)
-            continue
-        tower = "vision_model" if match.group(1) else "text_model"
-        prefix, rest = f"{tower}.encoder.layers.{match.group(2)}.", match.group(3)
-        if rest in ("attn.in_proj_weight", "attn.in_proj_bias"):
-            kind = rest.rsplit("_", 1)[1]  # weight [3W, W] / bias [3W]: q, k, v stacked in that order
-            for part, chunk in zip("qkv", value.chunk(3, dim=0)):
-                out[f"{prefix}self_attn.{part}_proj.{kind}"] = chunk
-            continue
-        module, _, kind = rest.rpartition(".")
-        if module not in _BLOCK:
-            unknown.append(key)
-            continue
-        out[f"{prefix}{_BLOCK[module]}.{kind}"] = value
+        else:
+            tower = "vision_model" if match.group(1) else "text_model"
+            prefix, rest = f"{tower}.encoder.layers.{match.group(2)}.", match.group(3)
+            inner = rest.rpartition(".")[0]  # the module inside the block
+            if rest in ("attn.in_proj_weight", "attn.in_proj_bias"):
+                kind = rest.rsplit("_", 1)[1]  # weight [3W, W] / bias [3W]: q, k, v stacked in that order
+                for part, chunk in zip("qkv", value.chunk(3, dim=0)):
+                    out[f"{prefix}self_attn.{part}_proj.{kind}"] = chunk
+            elif inner in _BLOCK:
+                out[f"{prefix}{_BLOCK[inner]}.{kind}"] = value
+            else:
+                unknown.append(key)
     if unknown:
         shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         raise ValueError(f"not an open_clip ViT checkpoint this converts: it has keys {shown}")
@@ -115,8 +113,8 @@ def convert_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _layers(state: dict[str, torch.Tensor], tower: str) -> int:
-    blocks = {int(m.group(2)) for k in state if (m := _BLOCK_KEY.match(k)) and bool(m.group(1)) == (tower == "visual")}
-    return max(blocks) + 1 if blocks else 0
+    """The block count of the tower whose keys start with `tower` (`"visual."` or `""`)."""
+    return 1 + max(int(m.group(2)) for k in state if (m := _BLOCK_KEY.match(k)) and (m.group(1) or "") == tower)
 
 
 def clip_config(state: dict[str, torch.Tensor], arch: OpenCLIPArch):
@@ -137,7 +135,7 @@ def clip_config(state: dict[str, torch.Tensor], arch: OpenCLIPArch):
         hidden_size=vision_width,
         intermediate_size=int(state["visual.transformer.resblocks.0.mlp.c_fc.weight"].shape[0]),
         num_attention_heads=vision_width // arch.vision_head_width,
-        num_hidden_layers=_layers(state, "visual"),
+        num_hidden_layers=_layers(state, "visual."),
         image_size=grid * patch_size,
         patch_size=patch_size,
         hidden_act=arch.hidden_act,
@@ -148,7 +146,7 @@ def clip_config(state: dict[str, torch.Tensor], arch: OpenCLIPArch):
         hidden_size=text_width,
         intermediate_size=int(state["transformer.resblocks.0.mlp.c_fc.weight"].shape[0]),
         num_attention_heads=text_width // arch.text_head_width,
-        num_hidden_layers=_layers(state, "text"),
+        num_hidden_layers=_layers(state, ""),
         max_position_embeddings=int(state["positional_embedding"].shape[0]),
         hidden_act=arch.hidden_act,
         layer_norm_eps=1e-5,

@@ -36,24 +36,44 @@ def _catalog() -> dict[str, dict[str, str]]:
         "samplers": SAMPLERS.describe(),
         "model families": {name: _family_line(name) for name in MODEL_FAMILIES.names()},
         "rewards": rewards.REWARDS.describe(),
-        "trainers": TRAINERS.describe(),
+        "trainers": {name: _trainer_line(name, line) for name, line in TRAINERS.describe().items()},
     }
+
+
+def _trainer_line(name: str, description: str) -> str:
+    """A trainer: what it is, and what it trains (the modality base it builds on)."""
+    from flowrl.trainers import TRAINERS
+    from flowrl.trainers.shared.control import ControlAlgorithm
+    from flowrl.trainers.shared.image import ImageAlgorithm
+    from flowrl.trainers.text.text import TextAlgorithm
+
+    kinds = {ImageAlgorithm: "image", ControlAlgorithm: "control", TextAlgorithm: "text"}
+    kind = next((k for base, k in kinds.items() if issubclass(TRAINERS.get(name), base)), None)
+    return f"{description}. Modality: {kind}." if kind else description
 
 
 def _family_line(name: str) -> str:
     """A model family: what it is, the diffusers pipeline it wraps, its published models with their parameter
-    counts, and the image trainers that train its time convention."""
+    counts, and the image trainers that train its time convention (by exception when most do: a new trainer that
+    trains every family changes no family's line)."""
     from flowrl.models.families import MODEL_FAMILIES
     from flowrl.trainers import TRAINERS
     from flowrl.trainers.shared.image import ImageAlgorithm
 
     cls = MODEL_FAMILIES.get(name)
     fits = lambda t: cls.time_kind in t.time_kinds and (t.video or not cls.video)  # noqa: E731
-    trainers = [n for n in TRAINERS.names() if issubclass(TRAINERS.get(n), ImageAlgorithm) and fits(TRAINERS.get(n))]
+    image = [n for n in TRAINERS.names() if issubclass(TRAINERS.get(n), ImageAlgorithm)]
+    fit = [n for n in image if fits(TRAINERS.get(n))]
+    left = [n for n in image if n not in fit]
+    if not left:
+        trainers = "every image trainer"
+    elif len(left) < len(fit):
+        trainers = f"every image trainer but {', '.join(left)}"
+    else:
+        trainers = ", ".join(fit)
     real = "; ".join(cls.real_models) or "none listed"
     return (
-        f"{MODEL_FAMILIES.describe()[name]} Pipeline: {cls.pipeline_class}. Real models: {real}. "
-        f"Trainers: {', '.join(trainers)}."
+        f"{MODEL_FAMILIES.describe()[name]} Pipeline: {cls.pipeline_class}. Real models: {real}. Trainers: {trainers}."
     )
 
 

@@ -64,17 +64,28 @@ def test_flowrl_list_prints_every_section(capsys):
     assert main(["list", "nonsense"]) == 2
 
 
+def _listed(section: str, capsys) -> dict[str, str]:
+    assert main(["list", section]) == 0
+    return {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:] if line.strip()}
+
+
 def test_flowrl_list_models_names_each_family_s_pipeline_models_and_trainers(capsys):
     from flowrl.models.families import MODEL_FAMILIES
 
-    assert main(["list", "models"]) == 0
-    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:] if line.strip()}
+    image = {name for name, line in _listed("trainers", capsys).items() if line.endswith("Modality: image.")}
+    assert {"flow_grpo", "awm", "dpok", "acflow"} <= image and not {"ppo", "fpo", "bc", "text"} & image
+    lines = _listed("models", capsys)
     assert set(lines) == set(MODEL_FAMILIES.names())
     for name in MODEL_FAMILIES.names():
         cls = MODEL_FAMILIES.get(name)
         assert f"Pipeline: {cls.pipeline_class}." in lines[name] and cls.real_models, name
-        trainers = lines[name].split("Trainers: ")[1]
+        listed = lines[name].split("Trainers: ")[1].rstrip(".")
+        if listed.startswith("every image trainer"):  # by exception: every image trainer but the ones named
+            trainers = image - set(listed.removeprefix("every image trainer").removeprefix(" but ").split(", "))
+        else:
+            trainers = set(listed.split(", "))
         assert "grpo_guard" in trainers and ("awm" in trainers) == (cls.time_kind == "flow"), name
+        assert ("acflow" in trainers) == (cls.time_kind == "flow" and not cls.video), name
 
 
 def test_console_entry_point_runs():

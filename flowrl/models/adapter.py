@@ -58,6 +58,10 @@ class ModelAdapter(ABC):
     default_sampler: str = "flow_sde"
     Options: type = NoOptions
     """The family's options (`model.options`): a dataclass with a docstring per field."""
+    attention_mask: str | None = None
+    """The attention mask its network hands to diffusers' dispatch, one of `flowrl.models.attention.MASK_LAYOUTS`
+    (None: no mask, or attention not dispatched): `model.attention_backend: auto` tries only the kernels that honour
+    it."""
     video: bool = False
     """Whether the family makes videos (latents `[B, C, F', h, w]`, `decode` gives `[B, 3, F, H, W]`)."""
     pipeline_output: str = "images"

@@ -28,23 +28,23 @@ import torch
 
 AUTO = "auto"
 
-MASKS: dict[str, str] = {
-    "qwen_image": "gaps",
-    "qwen_image_edit": "gaps",
-    "qwen_image_edit_plus": "gaps",
-    "z_image": "padded",
-    "hunyuan_video": "padded_square",
-    "hunyuan_video_i2v": "padded_square",
-    "qwen_image_21": "causal",
-}
-"""The attention mask a family's network hands to diffusers' dispatch (the rest pass none), checked against every
-family's tiny network in tests/models/test_attention.py. `gaps`: `[B, 1, 1, S]` boolean, padding inside the sequence
-(Qwen-Image: `[text + its padding | image]`); `padded`: `[B, 1, 1, S]`, valid tokens first (Z-Image, when its
-captions differ in length); `padded_square`: `[B, 1, S, S]`, valid tokens first and padded queries masked too
-(HunyuanVideo 1.5, text- and image-to-video); `causal`: `[1, 1, S, S]`, lower-triangular (Qwen-Image 2.1's text,
-whose image tokens then attend unmasked; its whole-sequence calls run on diffusers' active backend, the layers'
-setting reaching only the cached decode flowrl does not use). SANA masks its text too, but its attention calls
-PyTorch's SDPA directly (not dispatched)."""
+MASK_LAYOUTS = ("gaps", "padded", "padded_square", "causal")
+"""The attention masks a family's network may hand to diffusers' dispatch (its adapter's `attention_mask`; the rest
+pass none), checked against every family's tiny network in tests/models/test_attention.py. `gaps`: `[B, 1, 1, S]`
+boolean, padding inside the sequence (Qwen-Image: `[text + its padding | image]`); `padded`: `[B, 1, 1, S]`, valid
+tokens first (Z-Image, when its captions differ in length); `padded_square`: `[B, 1, S, S]`, valid tokens first and
+padded queries masked too (HunyuanVideo 1.5, text- and image-to-video); `causal`: `[1, 1, S, S]`, lower-triangular
+(Qwen-Image 2.1's text, whose image tokens then attend unmasked; its whole-sequence calls run on diffusers' active
+backend, the layers' setting reaching only the cached decode flowrl does not use). SANA masks its text too, but its
+attention calls PyTorch's SDPA directly (not dispatched)."""
+
+
+def family_mask(family: str) -> str | None:
+    """The mask layout (`MASK_LAYOUTS`) the family's network hands to diffusers' dispatch; None for none."""
+    from flowrl.models.families import MODEL_FAMILIES
+
+    return MODEL_FAMILIES.get(family).attention_mask
+
 
 VARLEN_SAFE = ("padded", "padded_square")
 """Layouts diffusers' varlen backends pack correctly (valid keys first)."""
@@ -82,9 +82,9 @@ def candidates(
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[str]:
     """diffusers backends to try, best first, for a GPU of compute `capability` (None: no CUDA, `[]`: leave
-    diffusers' default), the installed `kernels`, the family's mask layout (`MASKS`) and weights `dtype`; always ends
-    on `native`. A network whose attention does not go through diffusers' dispatch (`dispatched=False`: SD3, SANA,
-    the UNets) calls PyTorch's SDPA itself: `["native"]`."""
+    diffusers' default), the installed `kernels`, the family's mask layout (`MASK_LAYOUTS`) and weights `dtype`;
+    always ends on `native`. A network whose attention does not go through diffusers' dispatch (`dispatched=False`:
+    SD3, SANA, the UNets) calls PyTorch's SDPA itself: `["native"]`."""
     if capability is None:
         return []
     if not dispatched:
@@ -213,15 +213,14 @@ def choose_attention(network, family: str, *, capability: tuple[int, int] | None
     """Self-test the `candidates` for `network` (of `family`) in order and set the first that passes on it
     (`native`, last, is set untested); `log` gets one line per fallback. Returns the backend set, or with no CUDA
     (`capability` None) the untouched default."""
-    shapes = attention_shapes(network)
-    names = candidates(capability, kernels, mask=MASKS.get(family), dispatched=bool(shapes), dtype=network.dtype)
+    shapes, mask = attention_shapes(network), family_mask(family)
+    names = candidates(capability, kernels, mask=mask, dispatched=bool(shapes), dtype=network.dtype)
     if not names:
         return backend_in_use(network)
     chosen = names[-1]
     for name, following in zip(names, names[1:]):
         try:
             for heads, head_dim in shapes:
-                mask = MASKS.get(family)
                 self_test(name, heads=heads, head_dim=head_dim, dtype=network.dtype, device=network.device, mask=mask)
         except Exception as error:  # any failure of a kernel is a reason to try the next one
             log(f"attention: {name} failed its self-test ({_reason(error)}); using {following}")

@@ -13,7 +13,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from flowrl.models import ModelConfig, attention
 from flowrl.models.attention import (
     AUTO,
-    MASKS,
+    MASK_LAYOUTS,
     Kernels,
     attention_shapes,
     backend_in_use,
@@ -29,8 +29,10 @@ from flowrl.policies.build import load_policy
 
 ALL = Kernels(flash_attn=True, flash_attn_3=True, xformers=True)
 H100, A100, RTX_4090, T4 = (9, 0), (8, 0), (8, 9), (7, 5)
-NOT_DISPATCHED = {"sd3", "sana", "sdxl", "unet"}
-"""Families whose attention calls PyTorch's SDPA itself (checked below on their tiny networks)."""
+MASKS = {
+    f: MODEL_FAMILIES.get(f).attention_mask for f in MODEL_FAMILIES.names() if MODEL_FAMILIES.get(f).attention_mask
+}
+"""Each masked family's layout, as its adapter declares it (checked below on their tiny networks)."""
 
 
 @pytest.fixture(autouse=True)
@@ -90,6 +92,24 @@ def _docs_table():
         capabilities = [tuple(int(x) for x in c.split(".")) for c in re.findall(r"(\d+\.\d+)", row[0])]
         parsed.append((capabilities or [None], [re.findall(r"`([^`]+)`", cell) for cell in row[1:]]))
     return columns, parsed
+
+
+def _not_dispatched() -> set[str]:
+    """The docs table's families whose attention calls PyTorch's SDPA itself (checked below on their tiny
+    networks)."""
+    lines = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text().splitlines()
+    header = next(line for line in lines if line.strip().startswith("| GPU (compute capability)"))
+    cell = next(cell for cell in header.split("|") if cell.strip().startswith("not dispatched:"))
+    return set(re.findall(r"`([^`]+)`", cell))
+
+
+NOT_DISPATCHED = _not_dispatched()
+
+
+def test_every_family_declares_a_known_mask_layout():
+    assert set(MASKS.values()) == set(MASK_LAYOUTS)  # every layout is some family's
+    assert {"qwen_image", "z_image", "hunyuan_video", "qwen_image_21"} <= set(MASKS) and "flux" not in MASKS
+    assert {"sd3", "unet"} <= NOT_DISPATCHED and "flux" not in NOT_DISPATCHED
 
 
 def test_the_candidates_are_the_docs_table():

@@ -72,6 +72,7 @@ class HunyuanVideoAdapter(ModelAdapter):
     """
 
     family = "hunyuan_video"
+    attention_mask = "padded_square"
     Options = HunyuanVideoOptions
     pipeline_class = "HunyuanVideo15Pipeline"
     video = True

@@ -39,6 +39,7 @@ class QwenImageAdapter(ModelAdapter):
     """
 
     family = "qwen_image"
+    attention_mask = "gaps"
     Options = QwenImageOptions
     pipeline_class = "QwenImagePipeline"
     real_models = ("Qwen/Qwen-Image: 20B", "Qwen/Qwen-Image-2512: 20B")

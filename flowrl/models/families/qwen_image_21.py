@@ -58,6 +58,7 @@ class QwenImage21Adapter(ModelAdapter):
     As the pipeline: unpatched latents, the timestep is sigma, the shift `mu` follows the image's token count."""
 
     family = "qwen_image_21"
+    attention_mask = "causal"
     Options = QwenImage21Options
     pipeline_class = "QwenImage21Pipeline"
     pipeline_pads_prompts = True

@@ -40,6 +40,7 @@ class ZImageAdapter(ModelAdapter):
     """
 
     family = "z_image"
+    attention_mask = "padded"
     Options = ZImageOptions
     pipeline_class = "ZImagePipeline"
     real_models = ("Tongyi-MAI/Z-Image: 6B", "Tongyi-MAI/Z-Image-Turbo: 6B")
